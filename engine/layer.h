@@ -1,0 +1,176 @@
+// The MoE layer contract and the engine interface every device implements.
+//
+// This header is the single definition of what a layer computes; docs/CONTRACT.md says the
+// same in prose. The server talks only to `Engine` and `Layer`, so the CPU engine and the CUDA
+// engine are interchangeable behind it. All tensors crossing this interface live in host memory
+// (the server receives them as bytes); an engine copies to and from its device itself.
+//
+// Math (per token t, shapes below):
+//   routing  client: idx [T,K] int32 global expert ids, p [T,K] weights (given).
+//            server: logits = x Wr (fp32), s = softmax(logits), (idx, p) = top-K of s
+//                    (ties to the lower expert id), p /= sum_k p when `renormalize`.
+//   expert   SwiGLU: y_e(x) = W2_e (silu(W1_e x) * (W3_e x))
+//            SiLU | GeLU (tanh) | ReLU: y_e(x) = W2_e act(W1_e x)           (no W3)
+//   output   out[t] = sum_k p[t,k] * y_{idx[t,k]}(x[t]), summing only the k whose expert lies
+//            in this layer's shard [expert_first, expert_first + expert_count).
+//   aux      (server routing) Switch load-balancing loss
+//              aux = aux_loss_coef * E * sum_e f_e * P_e,
+//              f_e = (#(t,k) with idx[t,k]=e) / (T*K),  P_e = mean_t s[t,e];
+//            router z-loss  z = z_loss_coef * mean_t (logsumexp_e logits[t,e])^2.
+//            Both are added to the loss whose gradient the backward returns (they contribute
+//            to dWr). In a sharded layer every shard computes the full router; only the shard
+//            with expert_first == 0 adds the aux terms to dWr, so that a client summing shard
+//            gradients counts them once.
+//   backward from dout [T,d]: dx [T,d]; dp [T,K] fp32 (client routing; 0 for k routed
+//            outside the shard); dW1, dW3, dW2 (and dWr for server routing) are ACCUMULATED
+//            (summed) across Backward calls until Step() consumes and clears them.
+//
+// Layouts, row-major, local expert index l = e - expert_first:
+//   x, out, dout, dx  [T, d]          dtype = LayerConfig::dtype
+//   idx [T, K] int32;  p [T, K] float32 or the layer dtype;  dp [T, K] float32
+//   w1, w3 [count, h, d]   w2 [count, d, h]   router [d, E] (server routing only)
+// Storage is fp32 or bf16; every accumulation is fp32. With bf16 storage the optimizer keeps
+// fp32 master weights and writes the rounded bf16 copy after each step.
+#ifndef MOE_ENGINE_LAYER_H_
+#define MOE_ENGINE_LAYER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/tensor.h"
+
+namespace moe {
+
+enum class Activation { kSwiGLU = 0, kSiLU = 1, kGeLUTanh = 2, kReLU = 3 };
+enum class RoutingMode { kClient = 0, kServer = 1 };
+enum class OptimizerKind { kAdamW = 0, kSgd = 1 };
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  double learning_rate = 1e-3;
+  double beta1 = 0.9;           // AdamW
+  double beta2 = 0.999;         // AdamW
+  double epsilon = 1e-8;        // AdamW
+  double weight_decay = 0.0;    // AdamW: decoupled, w -= lr * wd * w. SGD: added to the grad.
+  double momentum = 0.0;        // SGD: v = momentum * v + g; w -= lr * v
+  double max_grad_norm = 0.0;   // > 0: clip all gradients together by their global L2 norm
+};
+
+struct LayerConfig {
+  int64_t num_experts = 0;      // E, global
+  int64_t top_k = 0;            // K, 1 <= K <= E
+  int64_t d_model = 0;          // d
+  int64_t d_hidden = 0;         // h (per expert)
+  Activation activation = Activation::kSwiGLU;
+  DType dtype = DType::kFloat32;  // storage of weights and activations: kFloat32 or kBFloat16
+  RoutingMode routing = RoutingMode::kClient;
+  int64_t expert_first = 0;     // shard: this layer owns experts [first, first + count)
+  int64_t expert_count = -1;    // -1 means all E
+  uint64_t seed = 0;            // initialisation: deterministic given the seed
+  double init_scale = 1.0;      // weights ~ N(0, (init_scale / sqrt(fan_in))^2)
+  bool renormalize = true;      // server routing: p /= sum_k p
+  double aux_loss_coef = 0.0;   // server routing: Switch load-balancing loss coefficient
+  double z_loss_coef = 0.0;     // server routing: router z-loss coefficient
+  OptimizerConfig optimizer;
+
+  int64_t local_experts() const { return expert_count < 0 ? num_experts : expert_count; }
+  bool gated() const { return activation == Activation::kSwiGLU; }
+};
+
+// InvalidArgument naming the field for any inconsistent value.
+absl::Status ValidateLayerConfig(const LayerConfig& config);
+
+// What a training Forward keeps for its Backward. Opaque to the server, which stores it under
+// the client's context id and accounts its bytes against the saved-context budget.
+class SavedContext {
+ public:
+  virtual ~SavedContext() = default;
+  virtual int64_t num_tokens() const = 0;
+  // Bytes this context holds (host or device), for the budget and the metrics.
+  virtual int64_t bytes() const = 0;
+};
+
+struct ForwardRequest {
+  TensorView x;            // [T, d], layer dtype
+  TensorView expert_ids;   // [T, K] int32; client routing only (empty otherwise)
+  TensorView weights;      // [T, K] fp32 or layer dtype; client routing only
+  bool training = true;    // false: keep nothing, return no context
+};
+
+struct ForwardResult {
+  Tensor out;              // [T, d], layer dtype
+  Tensor expert_ids;       // [T, K] int32: the routing used (computed for server routing)
+  Tensor weights;          // [T, K] fp32: the routing weights used
+  double aux_loss = 0.0;   // server routing: load-balancing term (already times its coef)
+  double z_loss = 0.0;     // server routing: z-loss term (already times its coef)
+  std::vector<int64_t> tokens_per_local_expert;  // (t,k) entries routed to each local expert
+  std::unique_ptr<SavedContext> context;         // null unless training
+};
+
+struct BackwardResult {
+  Tensor dx;               // [T, d], layer dtype
+  Tensor dweights;         // [T, K] fp32, client routing only (empty for server routing)
+};
+
+struct StepResult {
+  int64_t step = 0;                       // optimizer steps taken so far, this one included
+  double grad_norm = 0.0;                 // global L2 norm before clipping
+  std::vector<int64_t> tokens_per_expert; // local experts, since the previous step
+};
+
+// One MoE layer on one device. Thread-compatible, not thread-safe: the server's per-device
+// executor serialises calls to a layer.
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual const LayerConfig& config() const = 0;
+
+  // Validates shapes, dtypes and ids (InvalidArgument naming the field) before any work.
+  virtual absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request) = 0;
+  // Consumes `context` (from a training Forward of this layer). dout: [T, d], layer dtype.
+  virtual absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
+                                                  const TensorView& dout) = 0;
+  // Applies the optimizer to the accumulated gradients, then clears them.
+  virtual absl::StatusOr<StepResult> Step() = 0;
+  // Drops accumulated gradients and token counts without stepping.
+  virtual absl::Status ZeroGrad() = 0;
+  virtual int64_t step() const = 0;
+
+  // Full state by name, for checkpoints and weight export. Names: "w1", "w3" (gated only),
+  // "w2", "router" (server routing only); optimizer state "<name>.exp_avg", "<name>.exp_avg_sq"
+  // (AdamW) or "<name>.momentum" (SGD), "<name>.master" (bf16 storage), all fp32; "step" is a
+  // [1] int64 tensor. ExportState(false) gives only the weights, in the layer dtype.
+  virtual absl::StatusOr<std::map<std::string, Tensor>> ExportState(
+      bool include_optimizer) const = 0;
+  // Replaces the named tensors (any subset; shapes and dtypes must match exactly). A tensor
+  // named "step" ([1] int64) sets the step counter. Validates everything before changing
+  // anything, so a rejected import leaves the layer as it was.
+  virtual absl::Status ImportState(const std::map<std::string, Tensor>& state) = 0;
+
+  // Bytes of device (or host, for the CPU engine) memory the layer's weights, gradients and
+  // optimizer state occupy.
+  virtual int64_t resident_bytes() const = 0;
+};
+
+// A device. Creates layers on it; reports its memory.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string name() const = 0;   // "cpu", "cuda:0"
+  virtual absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) = 0;
+  virtual int64_t memory_in_use_bytes() const = 0;
+  virtual int64_t memory_total_bytes() const = 0;
+};
+
+// "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.
+// "cpu", "cuda", "cuda:N". Unknown or unavailable devices give InvalidArgument / Unavailable.
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device);
+
+}  // namespace moe
+
+#endif  // MOE_ENGINE_LAYER_H_
