@@ -21,8 +21,9 @@
 //            to dWr). In a sharded layer every shard computes the full router; only the shard
 //            with expert_first == 0 adds the aux terms to dWr, so that a client summing shard
 //            gradients counts them once.
-//   backward from dout [T,d]: dx [T,d]; dp [T,K] fp32 (client routing; 0 for k routed
-//            outside the shard); dW1, dW3, dW2 (and dWr for server routing) are ACCUMULATED
+//   backward from dout [T,d]: dx [T,d] (with server routing dx also carries the path through
+//            the router: softmax/top-K/renormalise and the aux terms); dp [T,K] fp32 (client
+//            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing) are ACCUMULATED
 //            (summed) across Backward calls until Step() consumes and clears them.
 //
 // Layouts, row-major, local expert index l = e - expert_first:
