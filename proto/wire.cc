@@ -1,0 +1,227 @@
+// Proto <-> engine conversions and tensor chunking (see wire.h). Defaults for zero-valued proto
+// fields are filled here, once, so the server and the client agree on what "unset" means.
+#include "proto/wire.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::wire {
+
+absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_INT32: return DType::kInt32;
+    case v1::DTYPE_INT64: return DType::kInt64;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": unknown dtype ", dtype,
+                       " (expected FLOAT32, BFLOAT16, INT32 or INT64)"));
+  }
+}
+
+v1::DType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case DType::kInt32: return v1::DTYPE_INT32;
+    case DType::kInt64: return v1::DTYPE_INT64;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<LayerConfig> LayerConfigFromProto(const v1::LayerConfig& p) {
+  LayerConfig c;
+  c.num_experts = p.num_experts();
+  c.top_k = p.top_k();
+  c.d_model = p.d_model();
+  c.d_hidden = p.d_hidden();
+  switch (p.activation()) {
+    case v1::ACTIVATION_UNSPECIFIED:
+    case v1::ACTIVATION_SWIGLU: c.activation = Activation::kSwiGLU; break;
+    case v1::ACTIVATION_SILU: c.activation = Activation::kSiLU; break;
+    case v1::ACTIVATION_GELU_TANH: c.activation = Activation::kGeLUTanh; break;
+    case v1::ACTIVATION_RELU: c.activation = Activation::kReLU; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.activation: unknown activation ", p.activation()));
+  }
+  if (p.dtype() == v1::DTYPE_UNSPECIFIED) {
+    c.dtype = DType::kFloat32;
+  } else {
+    auto dtype = DTypeFromProto(p.dtype(), "config.dtype");
+    if (!dtype.ok()) return dtype.status();
+    if (*dtype != DType::kFloat32 && *dtype != DType::kBFloat16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.dtype: ", DTypeName(*dtype),
+                       " is not a storage dtype (FLOAT32 or BFLOAT16)"));
+    }
+    c.dtype = *dtype;
+  }
+  switch (p.routing()) {
+    case v1::ROUTING_UNSPECIFIED:
+    case v1::ROUTING_CLIENT: c.routing = RoutingMode::kClient; break;
+    case v1::ROUTING_SERVER: c.routing = RoutingMode::kServer; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.routing: unknown routing mode ", p.routing()));
+  }
+  c.expert_first = p.expert_first();
+  c.expert_count = p.expert_count() == 0 ? -1 : p.expert_count();
+  if (c.expert_count == -1 && c.expert_first != 0) {
+    return absl::InvalidArgumentError(
+        "config.expert_count: must be set when config.expert_first is not 0");
+  }
+  c.seed = p.seed();
+  c.init_scale = p.init_scale() == 0 ? 1.0 : p.init_scale();
+  c.renormalize = !p.no_renormalize();
+  c.aux_loss_coef = p.aux_loss_coef();
+  c.z_loss_coef = p.z_loss_coef();
+  const v1::OptimizerConfig& o = p.optimizer();
+  switch (o.kind()) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+    case v1::OPTIMIZER_ADAMW: c.optimizer.kind = OptimizerKind::kAdamW; break;
+    case v1::OPTIMIZER_SGD: c.optimizer.kind = OptimizerKind::kSgd; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.optimizer.kind: unknown optimizer ", o.kind()));
+  }
+  if (o.learning_rate() != 0) c.optimizer.learning_rate = o.learning_rate();
+  if (o.beta1() != 0) c.optimizer.beta1 = o.beta1();
+  if (o.beta2() != 0) c.optimizer.beta2 = o.beta2();
+  if (o.epsilon() != 0) c.optimizer.epsilon = o.epsilon();
+  c.optimizer.weight_decay = o.weight_decay();
+  c.optimizer.momentum = o.momentum();
+  c.optimizer.max_grad_norm = o.max_grad_norm();
+  absl::Status valid = ValidateLayerConfig(c);
+  if (!valid.ok()) return valid;
+  return c;
+}
+
+v1::LayerConfig LayerConfigToProto(const LayerConfig& c) {
+  v1::LayerConfig p;
+  p.set_num_experts(c.num_experts);
+  p.set_top_k(c.top_k);
+  p.set_d_model(c.d_model);
+  p.set_d_hidden(c.d_hidden);
+  switch (c.activation) {
+    case Activation::kSwiGLU: p.set_activation(v1::ACTIVATION_SWIGLU); break;
+    case Activation::kSiLU: p.set_activation(v1::ACTIVATION_SILU); break;
+    case Activation::kGeLUTanh: p.set_activation(v1::ACTIVATION_GELU_TANH); break;
+    case Activation::kReLU: p.set_activation(v1::ACTIVATION_RELU); break;
+  }
+  p.set_dtype(DTypeToProto(c.dtype));
+  p.set_routing(c.routing == RoutingMode::kServer ? v1::ROUTING_SERVER : v1::ROUTING_CLIENT);
+  p.set_expert_first(c.expert_first);
+  p.set_expert_count(c.local_experts());
+  p.set_seed(c.seed);
+  p.set_init_scale(c.init_scale);
+  p.set_no_renormalize(!c.renormalize);
+  p.set_aux_loss_coef(c.aux_loss_coef);
+  p.set_z_loss_coef(c.z_loss_coef);
+  v1::OptimizerConfig* o = p.mutable_optimizer();
+  o->set_kind(c.optimizer.kind == OptimizerKind::kSgd ? v1::OPTIMIZER_SGD : v1::OPTIMIZER_ADAMW);
+  o->set_learning_rate(c.optimizer.learning_rate);
+  o->set_beta1(c.optimizer.beta1);
+  o->set_beta2(c.optimizer.beta2);
+  o->set_epsilon(c.optimizer.epsilon);
+  o->set_weight_decay(c.optimizer.weight_decay);
+  o->set_momentum(c.optimizer.momentum);
+  o->set_max_grad_norm(c.optimizer.max_grad_norm);
+  return p;
+}
+
+void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* proto) {
+  proto->set_dtype(DTypeToProto(dtype));
+  proto->clear_shape();
+  for (int64_t s : shape) proto->add_shape(s);
+}
+
+absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
+  std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+  if (!seen_) {
+    seen_ = true;
+    dtype_ = chunk.dtype();
+    shape_ = std::move(shape);
+  } else if (chunk.dtype() != dtype_ || shape != shape_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": dtype or shape changed between chunks of one micro-batch"));
+  }
+  bytes_.append(chunk.data());
+  return absl::OkStatus();
+}
+
+absl::Status TensorAssembler::CheckComplete(DType* dtype) {
+  if (!seen_) return absl::InvalidArgumentError(absl::StrCat(field_, ": missing"));
+  auto d = DTypeFromProto(dtype_, field_);
+  if (!d.ok()) return d.status();
+  *dtype = *d;
+  int64_t n = 1;
+  for (int64_t s : shape_) {
+    if (s < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field_, ": negative extent ", s));
+    }
+    n *= s;
+  }
+  const size_t want = static_cast<size_t>(n) * DTypeSize(*dtype);
+  if (bytes_.size() != want) {
+    std::string shape = "[";
+    for (size_t i = 0; i < shape_.size(); ++i) absl::StrAppend(&shape, i ? "," : "", shape_[i]);
+    shape += "]";
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ": ", bytes_.size(), " bytes do not match shape ", shape, " of ",
+                     DTypeName(*dtype), " (", want, " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> TensorAssembler::Finish() {
+  DType dtype;
+  absl::Status s = CheckComplete(&dtype);
+  if (!s.ok()) return s;
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = shape_;
+  t.bytes.resize(bytes_.size());
+  std::copy(bytes_.begin(), bytes_.end(), reinterpret_cast<char*>(t.bytes.data()));
+  return t;
+}
+
+absl::StatusOr<TensorView> TensorAssembler::FinishView() {
+  DType dtype;
+  absl::Status s = CheckComplete(&dtype);
+  if (!s.ok()) return s;
+  return TensorView{dtype, shape_, bytes_.data(), bytes_.size()};
+}
+
+void TensorAssembler::Reset() {
+  seen_ = false;
+  dtype_ = 0;
+  shape_.clear();
+  bytes_.clear();
+}
+
+std::vector<std::vector<Piece>> PlanChunks(const std::vector<size_t>& sizes,
+                                           size_t max_chunk_bytes) {
+  max_chunk_bytes = std::max<size_t>(max_chunk_bytes, 1);
+  std::vector<std::vector<Piece>> messages(1);
+  size_t room = max_chunk_bytes;
+  for (int i = 0; i < static_cast<int>(sizes.size()); ++i) {
+    size_t offset = 0;
+    while (offset < sizes[i]) {
+      if (room == 0) {
+        messages.emplace_back();
+        room = max_chunk_bytes;
+      }
+      const size_t take = std::min(room, sizes[i] - offset);
+      messages.back().push_back({i, offset, take});
+      offset += take;
+      room -= take;
+    }
+  }
+  return messages;
+}
+
+}  // namespace moe::wire
