@@ -1,0 +1,208 @@
+// MoEBlaze dispatch kernels (see dispatch.h for the algorithm and its invariants).
+#include "kernels/cuda/dispatch.h"
+
+#include <cuda_runtime.h>
+
+namespace moe::kernels {
+namespace {
+
+constexpr int kWarps = 32;                     // warps per block = 32-token words per tile
+constexpr int kTileTokens = kWarps * 32;       // 1024 tokens per tile
+constexpr int kExpertChunk = 256;              // experts held in shared memory at a time
+constexpr int kScanThreads = 1024;
+constexpr int kScanItems = 4;
+
+int64_t NumTiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / kTileTokens; }
+
+size_t AlignUp(size_t v) { return (v + 255) & ~size_t{255}; }
+
+// Phase 1: bitmap words and per-(expert, tile) counts. bits is expert-major:
+// bits[e * W + word], W = num_tiles * 32 words; bit b of a word is token word*32 + b.
+__global__ void __launch_bounds__(kTileTokens)
+    dispatch_bitmap_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k,
+                           int first, int count, int64_t num_tiles, uint32_t* __restrict__ bits,
+                           int32_t* __restrict__ tile_counts, int32_t* __restrict__ slot_of) {
+  __shared__ uint32_t words[kExpertChunk][kWarps + 1];  // +1: lanes of a warp hit distinct banks
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t tile = blockIdx.x;
+  const int64_t t = (tile * kWarps + warp) * 32 + lane;
+  const bool valid = t < num_tokens;
+  const int32_t* my_ids = ids + t * top_k;
+  if (valid) {
+    for (int k = 0; k < top_k; ++k) {
+      const int e = my_ids[k] - first;
+      if (e < 0 || e >= count) slot_of[t * top_k + k] = -1;
+    }
+  }
+  const int64_t num_words = num_tiles * kWarps;
+  for (int c0 = 0; c0 < count; c0 += kExpertChunk) {
+    const int cn = min(kExpertChunk, count - c0);
+    for (int e = lane; e < cn; e += 32) words[e][warp] = 0;
+    __syncwarp();
+    for (int k = 0; k < top_k; ++k) {
+      const int e = valid ? my_ids[k] - first - c0 : -1;
+      const bool mine = e >= 0 && e < cn;
+      const unsigned active = __ballot_sync(0xffffffffu, mine);
+      if (mine) {
+        // Lanes naming the same expert in this k: the lowest one writes the word. An expert
+        // appears at most once per token, so different k never set the same bit.
+        const unsigned same = __match_any_sync(active, e);
+        if (lane == __ffs(same) - 1) words[e][warp] |= same;
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    // Warp w publishes experts w, w+32, ...: lane = word within the tile (coalesced store).
+    for (int e = warp; e < cn; e += kWarps) {
+      const uint32_t b = words[e][lane];
+      bits[static_cast<int64_t>(c0 + e) * num_words + tile * kWarps + lane] = b;
+      const int n = __reduce_add_sync(0xffffffffu, __popc(b));
+      if (lane == 0) tile_counts[static_cast<int64_t>(c0 + e) * num_tiles + tile] = n;
+    }
+    __syncthreads();
+  }
+}
+
+// Phase 2: one block, exclusive scan of tile_counts (expert-major), so tile_base[e][tile] is
+// the first slot of expert e's tokens in that tile; offsets[e] = tile_base[e][0].
+__global__ void __launch_bounds__(kScanThreads)
+    dispatch_scan_kernel(const int32_t* __restrict__ tile_counts, int64_t num_tiles, int count,
+                         int32_t* __restrict__ tile_base, int32_t* __restrict__ counts,
+                         int32_t* __restrict__ offsets) {
+  __shared__ int32_t warp_sums[32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t n = num_tiles * count;
+  int32_t carry = 0;
+  for (int64_t base = 0; base < n; base += kScanThreads * kScanItems) {
+    const int64_t i0 = base + static_cast<int64_t>(threadIdx.x) * kScanItems;
+    int32_t v[kScanItems];
+    int32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < kScanItems; ++j) {
+      v[j] = i0 + j < n ? tile_counts[i0 + j] : 0;
+      local += v[j];
+    }
+    int32_t incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t w = warp_sums[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    int32_t excl = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - local;
+#pragma unroll
+    for (int j = 0; j < kScanItems; ++j) {
+      if (i0 + j < n) tile_base[i0 + j] = excl;
+      excl += v[j];
+    }
+    carry += warp_sums[31];
+    __syncthreads();  // warp_sums is rewritten by the next chunk
+  }
+  __syncthreads();  // tile_base written above is read below by other threads of the block
+  for (int e = threadIdx.x; e < count; e += blockDim.x) {
+    if (num_tiles == 0) {  // no tokens: every expert is empty
+      offsets[e] = 0;
+      counts[e] = 0;
+      continue;
+    }
+    const int32_t begin = tile_base[static_cast<int64_t>(e) * num_tiles];
+    const int32_t end = e + 1 < count ? tile_base[static_cast<int64_t>(e + 1) * num_tiles] : carry;
+    offsets[e] = begin;
+    counts[e] = end - begin;
+  }
+  if (threadIdx.x == 0) offsets[count] = carry;
+}
+
+// Phase 3: every set bit becomes an entry written at its final slot.
+__global__ void __launch_bounds__(kTileTokens)
+    dispatch_write_kernel(const int32_t* __restrict__ ids, int top_k, int first, int count,
+                          int64_t num_tiles, const uint32_t* __restrict__ bits,
+                          const int32_t* __restrict__ tile_base, int32_t* __restrict__ entries,
+                          int32_t* __restrict__ slot_of) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t tile = blockIdx.x;
+  const int64_t num_words = num_tiles * kWarps;
+  for (int e = warp; e < count; e += kWarps) {
+    uint32_t b = bits[static_cast<int64_t>(e) * num_words + tile * kWarps + lane];
+    const int c = __popc(b);
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (__ballot_sync(0xffffffffu, c != 0) == 0) continue;
+    int32_t pos = tile_base[static_cast<int64_t>(e) * num_tiles + tile] + incl - c;
+    const int64_t t0 = (tile * kWarps + lane) * 32;
+    const int target = first + e;
+    while (b != 0) {
+      const int bit = __ffs(b) - 1;
+      b &= b - 1;
+      const int64_t t = t0 + bit;
+      int k = 0;
+      while (k < top_k - 1 && ids[t * top_k + k] != target) ++k;
+      const int32_t entry = static_cast<int32_t>(t * top_k + k);
+      entries[pos] = entry;
+      slot_of[entry] = pos;
+      ++pos;
+    }
+  }
+}
+
+}  // namespace
+
+size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
+  const int64_t tiles = NumTiles(num_tokens);
+  const size_t bits = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
+  const size_t per_tile = static_cast<size_t>(expert_count) * tiles * sizeof(int32_t);
+  return AlignUp(bits) + 2 * AlignUp(per_tile);
+}
+
+cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
+                           int32_t expert_first, int32_t expert_count, int32_t* counts,
+                           int32_t* offsets, int32_t* entries, int32_t* slot_of,
+                           void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (num_tokens < 0 || top_k < 1 || expert_count < 1 ||
+      num_tokens * top_k > int64_t{0x7fffffff}) {
+    return cudaErrorInvalidValue;
+  }
+  if (workspace_bytes < DispatchWorkspaceBytes(num_tokens, expert_count)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t tiles = NumTiles(num_tokens);
+  const size_t bits_bytes = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
+  const size_t per_tile = static_cast<size_t>(expert_count) * tiles * sizeof(int32_t);
+  char* ws = static_cast<char*>(workspace);
+  auto* bits = reinterpret_cast<uint32_t*>(ws);
+  auto* tile_counts = reinterpret_cast<int32_t*>(ws + AlignUp(bits_bytes));
+  auto* tile_base = reinterpret_cast<int32_t*>(ws + AlignUp(bits_bytes) + AlignUp(per_tile));
+  if (tiles > 0) {
+    dispatch_bitmap_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
+        expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, tile_counts,
+        slot_of);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(tile_counts, tiles, expert_count,
+                                                       tile_base, counts, offsets);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (tiles > 0) {
+    dispatch_write_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
+        expert_ids, top_k, expert_first, expert_count, tiles, bits, tile_base, entries,
+        slot_of);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace moe::kernels
