@@ -1,0 +1,103 @@
+// Host tensor helpers: dtype sizes, shape checks and the one bf16 conversion every engine uses.
+//
+// FloatToBFloat16 rounds to nearest, ties to even, and keeps NaN a quiet NaN (a plain
+// truncation after adding the rounding bias could turn a NaN payload into infinity). CUDA's
+// __float2bfloat16_rn does the same, so host- and device-rounded values agree bit for bit.
+#include "engine/tensor.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace moe {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Tensor Tensor::Zeros(DType dtype, std::vector<int64_t> shape) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.bytes.assign(static_cast<size_t>(NumElements(t.shape)) * DTypeSize(dtype), std::byte{0});
+  return t;
+}
+
+absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType dtype,
+                         const std::vector<int64_t>& shape) {
+  auto shape_str = [](const std::vector<int64_t>& s) {
+    return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+  };
+  if (view.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", DTypeName(view.dtype),
+                                                   ", expected ", DTypeName(dtype)));
+  }
+  bool match = view.shape.size() == shape.size();
+  for (size_t i = 0; match && i < shape.size(); ++i) {
+    if (view.shape[i] < 0 || (shape[i] >= 0 && view.shape[i] != shape[i])) match = false;
+  }
+  if (!match) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", shape_str(view.shape),
+                                                   ", expected ", shape_str(shape),
+                                                   " (-1 = any)"));
+  }
+  const size_t want = static_cast<size_t>(view.num_elements()) * DTypeSize(dtype);
+  if (view.size_bytes != want) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", view.size_bytes,
+                                                   " bytes for shape ", shape_str(view.shape),
+                                                   " of ", DTypeName(dtype), ", expected ",
+                                                   want));
+  }
+  if (want > 0 && view.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));
+  }
+  return absl::OkStatus();
+}
+
+float BFloat16ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToBFloat16(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN, sign kept
+  }
+  const uint32_t lsb = (u >> 16) & 1u;
+  u += 0x7fffu + lsb;
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float LoadFloat(const TensorView& view, int64_t i) {
+  if (view.dtype == DType::kBFloat16) return BFloat16ToFloat(view.as<uint16_t>()[i]);
+  return view.as<float>()[i];
+}
+
+}  // namespace moe
