@@ -1,0 +1,69 @@
+// moe-server: serves MoE layers to remote trainers over gRPC (moe.v1.ExpertService), with
+// Prometheus metrics on --metrics_port. Every flag lives here and fills ServerOptions; the rest
+// of the server never reads flags. SIGINT/SIGTERM shut down cleanly (open sessions end, their
+// contexts are freed).
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "server/options.h"
+#include "server/server.h"
+
+namespace {
+const moe::server::ServerOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, host, kDefaults.host, "Address to listen on (gRPC and metrics)");
+ABSL_FLAG(int, port, kDefaults.port, "gRPC port; 0 picks a free one");
+ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
+          "Prometheus /metrics port; 0 picks a free one, -1 disables");
+ABSL_FLAG(std::string, device, kDefaults.device, "auto | cpu | cuda | cuda:N");
+ABSL_FLAG(std::string, checkpoint_dir, kDefaults.checkpoint_dir,
+          "Directory SaveCheckpoint/LoadCheckpoint paths are relative to (must exist)");
+ABSL_FLAG(int64_t, context_budget_bytes, kDefaults.context_budget_bytes,
+          "Byte budget for saved training contexts; past it a training Forward gets "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, context_ttl_seconds, kDefaults.context_ttl_seconds,
+          "Saved contexts older than this are freed (abandoned by their client)");
+ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
+          "Largest request message accepted; larger ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_layers, kDefaults.max_layers, "Most layers the server holds at once");
+
+namespace {
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("moe-server: Mixture-of-Experts layers as a gRPC service");
+  absl::ParseCommandLine(argc, argv);
+  moe::server::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.context_budget_bytes = absl::GetFlag(FLAGS_context_budget_bytes);
+  options.context_ttl_seconds = absl::GetFlag(FLAGS_context_ttl_seconds);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_layers = absl::GetFlag(FLAGS_max_layers);
+
+  auto server = moe::server::Server::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "moe-server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d\n",
+              (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
+              (*server)->metrics_port());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::printf("moe-server: shutting down\n");
+  (*server)->Shutdown();
+  return 0;
+}

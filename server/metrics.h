@@ -1,0 +1,75 @@
+// moe-server's Prometheus metrics (docs/METRICS.md is the exact list; keep the two in step).
+//
+// One Registry; the Exposer that serves it over HTTP lives in the server, so tests can read the
+// same numbers without HTTP. Per-layer series are removed when a layer is deleted, which keeps
+// every label bounded by what exists on the server.
+#ifndef MOE_SERVER_METRICS_H_
+#define MOE_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+namespace moe::server {
+
+class Metrics {
+ public:
+  explicit Metrics(std::string device);
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  void Request(const std::string& method, const char* code);
+  void Tokens(const std::string& layer, const char* direction, int64_t n);
+  void ExpertTokens(const std::string& layer, int64_t expert_first,
+                    const std::vector<int64_t>& counts);
+  void Stage(const std::string& method, const char* stage, double seconds);
+  void BytesIn(const std::string& method, int64_t n);
+  void BytesOut(const std::string& method, int64_t n);
+  void SavedContexts(int64_t count, int64_t bytes);
+  void SavedContextBudget(int64_t bytes);
+  void ContextsDropped(const char* reason, int64_t n);
+  void ContextRejected();
+  void OptimizerStep(const std::string& layer, double grad_norm);
+  void Layers(int64_t n);
+  void LayerResident(const std::string& layer, int64_t bytes);
+  void DeviceMemory(int64_t used, int64_t total);
+  void StreamOpened(const std::string& method);
+  void StreamClosed(const std::string& method);
+  void Sessions(int64_t n);
+  // Drops every series labelled with `layer` (num_experts: how many expert series it may have).
+  void RemoveLayer(const std::string& layer, int64_t num_experts);
+
+ private:
+  std::string device_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Counter>* tokens_;
+  prometheus::Family<prometheus::Counter>* expert_tokens_;
+  prometheus::Family<prometheus::Histogram>* stage_;
+  prometheus::Family<prometheus::Counter>* bytes_in_;
+  prometheus::Family<prometheus::Counter>* bytes_out_;
+  prometheus::Gauge* context_bytes_;
+  prometheus::Gauge* context_budget_;
+  prometheus::Gauge* contexts_;
+  prometheus::Family<prometheus::Counter>* contexts_dropped_;
+  prometheus::Counter* context_rejections_;
+  prometheus::Family<prometheus::Counter>* steps_;
+  prometheus::Family<prometheus::Gauge>* grad_norm_;
+  prometheus::Gauge* layers_;
+  prometheus::Family<prometheus::Gauge>* resident_;
+  prometheus::Gauge* memory_used_;
+  prometheus::Gauge* memory_total_;
+  prometheus::Family<prometheus::Gauge>* streams_;
+  prometheus::Gauge* sessions_;
+};
+
+}  // namespace moe::server
+
+#endif  // MOE_SERVER_METRICS_H_

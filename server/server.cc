@@ -1,0 +1,97 @@
+// Server::Start: engine, service, health, reflection and the metrics exposer, in that order, so
+// that a failure (unknown device, port taken) is reported before anything listens.
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "engine/layer.h"
+#include "server/metrics.h"
+#include "server/service.h"
+
+namespace moe::server {
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port: ", options.port, " is not a port"));
+  }
+  if (options.metrics_port < -1 || options.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_port: ", options.metrics_port, " is not a port (or -1)"));
+  }
+  if (options.context_budget_bytes < 0) {
+    return absl::InvalidArgumentError("context_budget_bytes: must be >= 0");
+  }
+  if (options.context_ttl_seconds <= 0) {
+    return absl::InvalidArgumentError("context_ttl_seconds: must be > 0");
+  }
+  if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{2} << 30) - 1) {
+    return absl::InvalidArgumentError("max_message_bytes: must be in [1024, 2^31)");
+  }
+  if (options.max_layers < 1) return absl::InvalidArgumentError("max_layers: must be >= 1");
+
+  auto engine = CreateEngine(options.device);
+  if (!engine.ok()) return engine.status();
+
+  std::unique_ptr<Server> server(new Server());
+  server->device_ = (*engine)->name();
+  server->metrics_ = std::make_unique<Metrics>(server->device_);
+  server->service_ =
+      std::make_unique<ExpertServiceImpl>(options, std::move(*engine), server->metrics_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port),
+                           grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterService(server->service_.get());
+  server->grpc_server_ = builder.BuildAndStart();
+  if (!server->grpc_server_ || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("port: could not listen on ", options.host, ":", options.port));
+  }
+  if (auto* health = server->grpc_server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
+    health->SetServingStatus("moe.v1.ExpertService", true);
+  }
+
+  if (options.metrics_port >= 0) {
+    try {
+      server->exposer_ = std::make_unique<prometheus::Exposer>(
+          absl::StrCat(options.host, ":", options.metrics_port));
+    } catch (const std::exception& e) {
+      server->Shutdown();
+      return absl::UnavailableError(absl::StrCat("metrics_port: could not listen on ",
+                                                 options.metrics_port, ": ", e.what()));
+    }
+    server->exposer_->RegisterCollectable(server->metrics_->registry());
+    auto ports = server->exposer_->GetListeningPorts();
+    server->metrics_port_ = ports.empty() ? options.metrics_port : ports[0];
+  }
+  return server;
+}
+
+Server::~Server() { Shutdown(); }
+
+void Server::Wait() {
+  if (grpc_server_) grpc_server_->Wait();
+}
+
+void Server::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_) {
+    // Open sessions and streams are cancelled; bounded so a stuck client cannot hold shutdown.
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  exposer_.reset();
+}
+
+}  // namespace moe::server

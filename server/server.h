@@ -1,0 +1,52 @@
+// moe-server assembled: the ExpertService on a gRPC server with health checking and reflection,
+// plus the Prometheus exposer. main.cc and the loopback tests both start it through Server::Start.
+#ifndef MOE_SERVER_SERVER_H_
+#define MOE_SERVER_SERVER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/options.h"
+
+namespace grpc {
+class Server;
+}
+namespace prometheus {
+class Exposer;
+}
+
+namespace moe::server {
+
+class Metrics;
+class ExpertServiceImpl;
+
+class Server {
+ public:
+  // Creates the engine for options.device, binds both ports and starts serving.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  // Shutdown()
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  const std::string& device() const { return device_; }
+  Metrics& metrics() { return *metrics_; }
+
+  void Wait();
+  // Cancels open calls (sessions end, their contexts are freed) and stops serving.
+  void Shutdown();
+
+ private:
+  Server() = default;
+  int port_ = 0;
+  int metrics_port_ = -1;
+  std::string device_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<ExpertServiceImpl> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  bool shut_down_ = false;
+};
+
+}  // namespace moe::server
+
+#endif  // MOE_SERVER_SERVER_H_

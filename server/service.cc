@@ -1,0 +1,882 @@
+// ExpertService handlers and reactors (see service.h for the threading rules).
+//
+// Forward and Backward share one reactor template: read chunks until `last_chunk`, hand the
+// assembled micro-batch to the executor, write the response chunks, then read the next
+// micro-batch. Exactly one operation is outstanding at a time, so the reactor needs no lock; a
+// failure finishes the stream with that micro-batch's status.
+#include "server/service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "proto/wire.h"
+#include "server/checkpoint.h"
+#include "server/status_map.h"
+
+namespace moe::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Cancelled / DeadlineExceeded when the call is already over, OK otherwise.
+absl::Status CallAlive(grpc::CallbackServerContext* ctx) {
+  if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+  if (ctx->deadline() <= std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError("the call's deadline passed before the work started");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLayerName(const std::string& name, const char* field) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must be 1 to 128 characters"));
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": \"", name, "\" may contain only letters, digits, '.', '_', '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string SessionOf(grpc::CallbackServerContext* ctx) {
+  auto it = ctx->client_metadata().find(kSessionMetadataKey);
+  if (it == ctx->client_metadata().end()) return "";
+  return std::string(it->second.data(), it->second.size());
+}
+
+// Cuts `tensors` into response messages of at most `chunk` payload bytes each. `header`
+// prepares a message and returns the proto tensors in the same order as `tensors`.
+template <typename Resp, typename Header>
+std::vector<Resp> ChunkResponse(const std::vector<const Tensor*>& tensors, int64_t chunk,
+                                Header header) {
+  std::vector<size_t> sizes;
+  for (const Tensor* t : tensors) sizes.push_back(t ? t->bytes.size() : 0);
+  auto plan = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
+  std::vector<Resp> out(plan.size());
+  for (size_t m = 0; m < plan.size(); ++m) {
+    std::vector<v1::Tensor*> protos = header(&out[m]);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i] && protos[i]) wire::SetTensorHeader(tensors[i]->dtype, tensors[i]->shape, protos[i]);
+    }
+    for (const wire::Piece& p : plan[m]) {
+      protos[p.tensor]->mutable_data()->append(
+          reinterpret_cast<const char*>(tensors[p.tensor]->bytes.data()) + p.offset, p.size);
+    }
+    out[m].set_last_chunk(m + 1 == plan.size());
+  }
+  return out;
+}
+
+int64_t ChunkSize(int64_t requested) {
+  return requested > 0 ? requested : kDefaultResponseChunkBytes;
+}
+
+// --- Forward / Backward -------------------------------------------------------------------
+template <typename Req, typename Resp>
+class MicroBatchReactor : public grpc::ServerBidiReactor<Req, Resp> {
+ public:
+  MicroBatchReactor(ExpertServiceImpl* service, grpc::CallbackServerContext* ctx,
+                    const char* method)
+      : service_(service), ctx_(ctx), method_(method) {
+    service_->metrics().StreamOpened(method_);
+  }
+
+  void Begin() { this->StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // The client half-closed (clean end) or the call is cancelled/broken.
+      if (ctx_->IsCancelled()) {
+        Fail(absl::CancelledError("stream cancelled"));
+      } else if (in_batch_) {
+        Fail(absl::InvalidArgumentError(
+            "last_chunk: the stream ended in the middle of a micro-batch"));
+      } else {
+        this->Finish(grpc::Status::OK);
+      }
+      return;
+    }
+    service_->metrics().BytesIn(method_, static_cast<int64_t>(request_.ByteSizeLong()));
+    const bool first = !in_batch_;
+    if (first) {
+      in_batch_ = true;
+      receive_start_ = Clock::now();
+    }
+    absl::Status st = Accept(request_, first);
+    if (!st.ok()) {
+      Fail(st);
+      return;
+    }
+    if (!request_.last_chunk()) {
+      this->StartRead(&request_);
+      return;
+    }
+    service_->metrics().Stage(method_, "receive", SecondsSince(receive_start_));
+    service_->executor().Submit([this](double queued) {
+      service_->metrics().Stage(method_, "queue", queued);
+      responses_.clear();
+      absl::Status status = CallAlive(ctx_);
+      if (status.ok()) {
+        const Clock::time_point t0 = Clock::now();
+        status = Compute(&responses_);
+        service_->metrics().Stage(method_, "compute", SecondsSince(t0));
+      }
+      if (!status.ok()) {
+        Fail(status);
+        return;
+      }
+      send_start_ = Clock::now();
+      next_ = 0;
+      this->StartWrite(&responses_[0]);
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Fail(absl::CancelledError("the client went away while the response was being sent"));
+      return;
+    }
+    service_->metrics().BytesOut(method_, static_cast<int64_t>(responses_[next_].ByteSizeLong()));
+    if (++next_ < responses_.size()) {
+      this->StartWrite(&responses_[next_]);
+      return;
+    }
+    service_->metrics().Stage(method_, "send", SecondsSince(send_start_));
+    service_->metrics().Request(method_, "OK");
+    responses_.clear();
+    in_batch_ = false;
+    ResetBatch();
+    this->StartRead(&request_);
+  }
+
+  void OnDone() override {
+    service_->metrics().StreamClosed(method_);
+    delete this;
+  }
+
+ protected:
+  // Takes one chunk (`first`: it opens a micro-batch). Reaction thread.
+  virtual absl::Status Accept(const Req& chunk, bool first) = 0;
+  // Runs the micro-batch on the executor and fills the response chunks (at least one).
+  virtual absl::Status Compute(std::vector<Resp>* out) = 0;
+  virtual void ResetBatch() = 0;
+
+  void Fail(const absl::Status& status) {
+    service_->metrics().Request(method_, GrpcCodeName(ToGrpcStatus(status).error_code()));
+    this->Finish(ToGrpcStatus(status));
+  }
+
+  ExpertServiceImpl* service_;
+  grpc::CallbackServerContext* ctx_;
+  std::string method_;
+
+ private:
+  Req request_;
+  std::vector<Resp> responses_;
+  size_t next_ = 0;
+  bool in_batch_ = false;
+  Clock::time_point receive_start_;
+  Clock::time_point send_start_;
+};
+
+class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::ForwardResponse> {
+ public:
+  ForwardReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx)
+      : MicroBatchReactor(s, ctx, "Forward"), session_(SessionOf(ctx)) {
+    Begin();
+  }
+
+ protected:
+  absl::Status Accept(const v1::ForwardRequest& c, bool first) override {
+    if (first) {
+      layer_ = c.layer();
+      context_id_ = c.context_id();
+      training_ = c.training();
+      chunk_ = ChunkSize(c.max_response_chunk_bytes());
+    } else if (c.layer() != layer_ || c.context_id() != context_id_ ||
+               c.training() != training_) {
+      return absl::InvalidArgumentError(
+          "layer, context_id and training must be the same in every chunk of a micro-batch");
+    }
+    if (c.has_x()) {
+      if (auto st = x_.Add(c.x()); !st.ok()) return st;
+    }
+    if (c.has_expert_ids()) {
+      if (auto st = ids_.Add(c.expert_ids()); !st.ok()) return st;
+    }
+    if (c.has_weights()) {
+      if (auto st = weights_.Add(c.weights()); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Compute(std::vector<v1::ForwardResponse>* out) override {
+    auto entry = service_->FindLayer(layer_);
+    if (!entry.ok()) return entry.status();
+    if (training_ && !session_.empty() && !service_->contexts().SessionOpen(session_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(kSessionMetadataKey, ": session ", session_, " is not open"));
+    }
+    ForwardRequest request;
+    request.training = training_;
+    auto x = x_.FinishView();
+    if (!x.ok()) return x.status();
+    request.x = *x;
+    if (ids_.seen()) {
+      auto v = ids_.FinishView();
+      if (!v.ok()) return v.status();
+      request.expert_ids = *v;
+    }
+    if (weights_.seen()) {
+      auto v = weights_.FinishView();
+      if (!v.ok()) return v.status();
+      request.weights = *v;
+    }
+    LayerEntry& e = **entry;
+    auto result = e.layer->Forward(request);
+    if (!result.ok()) return result.status();
+    const int64_t tokens = request.x.shape.empty() ? 0 : request.x.shape[0];
+    if (training_) {
+      if (!result->context) return absl::InternalError("engine returned no training context");
+      if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+      absl::Status put = service_->contexts().Put(layer_, context_id_, session_,
+                                                  std::move(result->context));
+      if (!put.ok()) return put;
+    }
+    service_->metrics().Tokens(layer_, "forward", tokens);
+    service_->metrics().ExpertTokens(layer_, e.config.expert_first,
+                                     result->tokens_per_local_expert);
+    result_ = std::move(*result);
+    const double aux = result_.aux_loss, z = result_.z_loss;
+    const uint64_t id = context_id_;
+    *out = ChunkResponse<v1::ForwardResponse>(
+        {&result_.out, &result_.expert_ids, &result_.weights}, chunk_,
+        [&](v1::ForwardResponse* r) {
+          r->set_context_id(id);
+          r->set_aux_loss(aux);
+          r->set_z_loss(z);
+          return std::vector<v1::Tensor*>{r->mutable_out(), r->mutable_expert_ids(),
+                                          r->mutable_weights()};
+        });
+    result_ = ForwardResult();  // the chunks hold copies
+    return absl::OkStatus();
+  }
+
+  void ResetBatch() override {
+    x_.Reset();
+    ids_.Reset();
+    weights_.Reset();
+  }
+
+ private:
+  const std::string session_;
+  std::string layer_;
+  uint64_t context_id_ = 0;
+  bool training_ = false;
+  int64_t chunk_ = kDefaultResponseChunkBytes;
+  wire::TensorAssembler x_{"x"};
+  wire::TensorAssembler ids_{"expert_ids"};
+  wire::TensorAssembler weights_{"weights"};
+  ForwardResult result_;
+};
+
+class BackwardReactor final
+    : public MicroBatchReactor<v1::BackwardRequest, v1::BackwardResponse> {
+ public:
+  BackwardReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx)
+      : MicroBatchReactor(s, ctx, "Backward") {
+    Begin();
+  }
+
+ protected:
+  absl::Status Accept(const v1::BackwardRequest& c, bool first) override {
+    if (first) {
+      layer_ = c.layer();
+      context_id_ = c.context_id();
+      chunk_ = ChunkSize(c.max_response_chunk_bytes());
+    } else if (c.layer() != layer_ || c.context_id() != context_id_) {
+      return absl::InvalidArgumentError(
+          "layer and context_id must be the same in every chunk of a micro-batch");
+    }
+    if (c.has_dout()) return dout_.Add(c.dout());
+    return absl::OkStatus();
+  }
+
+  absl::Status Compute(std::vector<v1::BackwardResponse>* out) override {
+    auto entry = service_->FindLayer(layer_);
+    if (!entry.ok()) return entry.status();
+    LayerEntry& e = **entry;
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_);
+    if (!tokens.ok()) return tokens.status();
+    auto dout = dout_.FinishView();
+    if (!dout.ok()) return dout.status();
+    // Checked here, before the context is consumed, so a bad dout does not lose it.
+    absl::Status shape = CheckTensor(*dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
+    if (!shape.ok()) return shape;
+    auto context = service_->contexts().Take(layer_, context_id_);
+    if (!context.ok()) return context.status();
+    auto result = e.layer->Backward(std::move(*context), *dout);
+    if (!result.ok()) return result.status();
+    service_->metrics().Tokens(layer_, "backward", *tokens);
+    BackwardResult r = std::move(*result);
+    const uint64_t id = context_id_;
+    *out = ChunkResponse<v1::BackwardResponse>(
+        {&r.dx, r.dweights.empty() ? nullptr : &r.dweights}, chunk_,
+        [&](v1::BackwardResponse* m) {
+          m->set_context_id(id);
+          return std::vector<v1::Tensor*>{m->mutable_dx(),
+                                          r.dweights.empty() ? nullptr : m->mutable_dweights()};
+        });
+    return absl::OkStatus();
+  }
+
+  void ResetBatch() override { dout_.Reset(); }
+
+ private:
+  std::string layer_;
+  uint64_t context_id_ = 0;
+  int64_t chunk_ = kDefaultResponseChunkBytes;
+  wire::TensorAssembler dout_{"dout"};
+};
+
+// --- Weight export / import ---------------------------------------------------------------
+class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
+ public:
+  ExportReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx,
+                const v1::ExportWeightsRequest* req)
+      : service_(s), ctx_(ctx), req_(*req) {
+    s->metrics().BytesIn("ExportWeights", static_cast<int64_t>(req->ByteSizeLong()));
+    s->executor().Submit([this](double queued) {
+      service_->metrics().Stage("ExportWeights", "queue", queued);
+      absl::Status st = CallAlive(ctx_);
+      if (st.ok()) {
+        const Clock::time_point t0 = Clock::now();
+        st = Build();
+        service_->metrics().Stage("ExportWeights", "compute", SecondsSince(t0));
+      }
+      if (!st.ok()) {
+        Done(st);
+        return;
+      }
+      send_start_ = Clock::now();
+      if (chunks_.empty()) {
+        Done(absl::OkStatus());
+      } else {
+        StartWrite(&chunks_[0]);
+      }
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Done(absl::CancelledError("the client went away during the export"));
+      return;
+    }
+    service_->metrics().BytesOut("ExportWeights", static_cast<int64_t>(chunks_[next_].ByteSizeLong()));
+    if (++next_ < chunks_.size()) {
+      StartWrite(&chunks_[next_]);
+      return;
+    }
+    service_->metrics().Stage("ExportWeights", "send", SecondsSince(send_start_));
+    Done(absl::OkStatus());
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Build() {
+    auto entry = service_->FindLayer(req_.layer());
+    if (!entry.ok()) return entry.status();
+    auto state = (*entry)->layer->ExportState(req_.include_optimizer());
+    if (!state.ok()) return state.status();
+    const int64_t chunk = req_.max_chunk_bytes() > 0
+                              ? req_.max_chunk_bytes()
+                              : std::max<int64_t>(1, service_->options().max_message_bytes / 2);
+    for (const auto& [name, t] : *state) {
+      size_t offset = 0;
+      do {
+        const size_t take = std::min<size_t>(static_cast<size_t>(chunk), t.bytes.size() - offset);
+        v1::WeightChunk c;
+        c.set_layer(req_.layer());
+        c.set_name(name);
+        wire::SetTensorHeader(t.dtype, t.shape, c.mutable_tensor());
+        c.mutable_tensor()->set_data(reinterpret_cast<const char*>(t.bytes.data()) + offset, take);
+        offset += take;
+        c.set_last_chunk(offset == t.bytes.size());
+        chunks_.push_back(std::move(c));
+      } while (offset < t.bytes.size());
+    }
+    return absl::OkStatus();
+  }
+  void Done(const absl::Status& st) {
+    service_->metrics().Request("ExportWeights", GrpcCodeName(ToGrpcStatus(st).error_code()));
+    Finish(ToGrpcStatus(st));
+  }
+
+  ExpertServiceImpl* service_;
+  grpc::CallbackServerContext* ctx_;
+  const v1::ExportWeightsRequest req_;
+  std::vector<v1::WeightChunk> chunks_;
+  size_t next_ = 0;
+  Clock::time_point send_start_;
+};
+
+class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
+ public:
+  ImportReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx,
+                v1::ImportWeightsResponse* resp)
+      : service_(s), ctx_(ctx), resp_(resp) {
+    StartRead(&chunk_);
+    receive_start_ = Clock::now();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (ctx_->IsCancelled()) {
+        Done(absl::CancelledError("import cancelled"));
+        return;
+      }
+      service_->metrics().Stage("ImportWeights", "receive", SecondsSince(receive_start_));
+      service_->executor().Submit([this](double queued) {
+        service_->metrics().Stage("ImportWeights", "queue", queued);
+        absl::Status st = CallAlive(ctx_);
+        if (st.ok()) {
+          const Clock::time_point t0 = Clock::now();
+          st = Apply();
+          service_->metrics().Stage("ImportWeights", "compute", SecondsSince(t0));
+        }
+        Done(st);
+      });
+      return;
+    }
+    service_->metrics().BytesIn("ImportWeights", static_cast<int64_t>(chunk_.ByteSizeLong()));
+    if (layer_.empty()) {
+      layer_ = chunk_.layer();
+      if (layer_.empty()) {
+        Done(absl::InvalidArgumentError("layer: required in the first WeightChunk"));
+        return;
+      }
+    }
+    if (chunk_.name().empty()) {
+      Done(absl::InvalidArgumentError("name: every WeightChunk must name its tensor"));
+      return;
+    }
+    auto it = parts_.find(chunk_.name());
+    if (it == parts_.end()) {
+      it = parts_.emplace(chunk_.name(), std::make_unique<wire::TensorAssembler>(
+                                             absl::StrCat("tensor ", chunk_.name()))).first;
+    }
+    if (absl::Status st = it->second->Add(chunk_.tensor()); !st.ok()) {
+      Done(st);
+      return;
+    }
+    StartRead(&chunk_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Apply() {
+    auto entry = service_->FindLayer(layer_);
+    if (!entry.ok()) return entry.status();
+    std::map<std::string, Tensor> state;
+    for (auto& [name, assembler] : parts_) {
+      auto t = assembler->Finish();
+      if (!t.ok()) return t.status();
+      state[name] = std::move(*t);
+    }
+    absl::Status st = (*entry)->layer->ImportState(state);
+    if (!st.ok()) return st;
+    service_->RefreshLayer(**entry);
+    resp_->set_tensors(static_cast<int64_t>(state.size()));
+    return absl::OkStatus();
+  }
+  void Done(const absl::Status& st) {
+    service_->metrics().Request("ImportWeights", GrpcCodeName(ToGrpcStatus(st).error_code()));
+    if (st.ok()) service_->metrics().BytesOut("ImportWeights", static_cast<int64_t>(resp_->ByteSizeLong()));
+    Finish(ToGrpcStatus(st));
+  }
+
+  ExpertServiceImpl* service_;
+  grpc::CallbackServerContext* ctx_;
+  v1::ImportWeightsResponse* resp_;
+  v1::WeightChunk chunk_;
+  std::string layer_;
+  std::map<std::string, std::unique_ptr<wire::TensorAssembler>> parts_;
+  Clock::time_point receive_start_;
+};
+
+// --- Sessions -----------------------------------------------------------------------------
+class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
+ public:
+  SessionReactor(ExpertServiceImpl* s) : service_(s) {
+    std::random_device rd;
+    std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
+    id_ = absl::StrFormat("%016x%016x", gen(), gen());
+    service_->contexts().OpenSession(id_);
+    service_->metrics().StreamOpened("OpenSession");
+    event_.set_session_id(id_);
+    StartWrite(&event_);
+  }
+  void OnWriteDone(bool) override {}  // the stream then stays open until the client leaves
+  void OnCancel() override {
+    // The client cancelled, exited or lost its connection: its contexts go now.
+    service_->contexts().CloseSession(id_);
+    service_->metrics().Request("OpenSession", "CANCELLED");
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session closed"));
+  }
+  void OnDone() override {
+    service_->contexts().CloseSession(id_);  // idempotent
+    service_->metrics().StreamClosed("OpenSession");
+    delete this;
+  }
+
+ private:
+  ExpertServiceImpl* service_;
+  std::string id_;
+  v1::SessionEvent event_;
+};
+
+}  // namespace
+
+// --- ExpertServiceImpl ----------------------------------------------------------------------
+ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, std::unique_ptr<Engine> engine,
+                                     Metrics* metrics)
+    : options_(options),
+      metrics_(metrics),
+      engine_(std::move(engine)),
+      started_(Clock::now()),
+      contexts_(options.context_budget_bytes,
+                std::chrono::milliseconds(static_cast<int64_t>(options.context_ttl_seconds * 1000)),
+                metrics) {
+  metrics_->Layers(0);
+  executor_.Submit([this](double) { SampleMemory(); });
+  sweeper_ = std::thread([this] { SweepLoop(); });
+}
+
+ExpertServiceImpl::~ExpertServiceImpl() {
+  {
+    std::lock_guard<std::mutex> lock(sweep_mu_);
+    sweep_stop_ = true;
+  }
+  sweep_cv_.notify_all();
+  sweeper_.join();
+}
+
+void ExpertServiceImpl::SweepLoop() {
+  // Sweep often enough that a context outlives its TTL by at most a quarter of it (or 1 s).
+  const auto period = std::chrono::milliseconds(std::clamp<int64_t>(
+      static_cast<int64_t>(options_.context_ttl_seconds * 250), 10, 1000));
+  std::unique_lock<std::mutex> lock(sweep_mu_);
+  while (!sweep_cv_.wait_for(lock, period, [this] { return sweep_stop_; })) {
+    contexts_.Expire();
+    executor_.Submit([this](double) { SampleMemory(); });
+  }
+}
+
+void ExpertServiceImpl::SampleMemory() {
+  memory_used_ = engine_->memory_in_use_bytes();
+  memory_total_ = engine_->memory_total_bytes();
+  metrics_->DeviceMemory(memory_used_, memory_total_);
+}
+
+absl::StatusOr<std::shared_ptr<LayerEntry>> ExpertServiceImpl::FindLayer(
+    const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = layers_.find(name);
+  if (it == layers_.end()) {
+    return absl::NotFoundError(absl::StrCat("layer: no layer named \"", name, "\""));
+  }
+  return it->second;
+}
+
+void ExpertServiceImpl::RefreshLayer(LayerEntry& entry) {
+  entry.step = entry.layer->step();
+  entry.resident_bytes = entry.layer->resident_bytes();
+  metrics_->LayerResident(entry.name, entry.resident_bytes);
+  SampleMemory();
+}
+
+void ExpertServiceImpl::FillInfo(const LayerEntry& entry, v1::LayerInfo* info) const {
+  info->set_name(entry.name);
+  *info->mutable_config() = wire::LayerConfigToProto(entry.config);
+  info->set_step(entry.step);
+  info->set_resident_bytes(entry.resident_bytes);
+  auto [n, b] = contexts_.LayerUsage(entry.name);
+  info->set_saved_contexts(n);
+  info->set_saved_context_bytes(b);
+  info->set_device(engine_->name());
+}
+
+void ExpertServiceImpl::FinishUnary(grpc::ServerUnaryReactor* reactor, const char* method,
+                                    const absl::Status& status) {
+  grpc::Status g = ToGrpcStatus(status);
+  metrics_->Request(method, GrpcCodeName(g.error_code()));
+  reactor->Finish(g);
+}
+
+template <typename Work>
+grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContext* ctx,
+                                                      const char* method,
+                                                      const google::protobuf::Message* req,
+                                                      const google::protobuf::Message* resp,
+                                                      Work work) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics_->BytesIn(method, static_cast<int64_t>(req->ByteSizeLong()));
+  executor_.Submit([this, ctx, reactor, method, resp, work](double queued) {
+    metrics_->Stage(method, "queue", queued);
+    absl::Status st = CallAlive(ctx);
+    if (st.ok()) {
+      const Clock::time_point t0 = Clock::now();
+      st = work();
+      metrics_->Stage(method, "compute", SecondsSince(t0));
+    }
+    if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
+    FinishUnary(reactor, method, st);
+  });
+  return reactor;
+}
+
+absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const LayerConfig& config,
+                                            std::unique_ptr<Layer> layer,
+                                            std::shared_ptr<LayerEntry>* out) {
+  auto entry = std::make_shared<LayerEntry>();
+  entry->name = name;
+  entry->config = config;
+  entry->layer = std::move(layer);
+  RefreshLayer(*entry);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    layers_[name] = entry;
+    metrics_->Layers(static_cast<int64_t>(layers_.size()));
+  }
+  *out = entry;
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerContext* ctx,
+                                                         const v1::CreateLayerRequest* req,
+                                                         v1::LayerInfo* resp) {
+  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp]() -> absl::Status {
+    if (auto st = ValidateLayerName(req->name(), "name"); !st.ok()) return st;
+    auto config = wire::LayerConfigFromProto(req->config());
+    if (!config.ok()) return config.status();
+    auto existing = FindLayer(req->name());
+    if (existing.ok()) {
+      const std::string have = wire::LayerConfigToProto((*existing)->config).SerializeAsString();
+      const std::string want = wire::LayerConfigToProto(*config).SerializeAsString();
+      if (req->attach_if_exists() && have == want) {
+        FillInfo(**existing, resp);
+        return absl::OkStatus();
+      }
+      return absl::AlreadyExistsError(absl::StrCat(
+          "name: layer \"", req->name(), "\" already exists",
+          req->attach_if_exists() ? " with a different config" : ""));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<int>(layers_.size()) >= options_.max_layers) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the server already holds --max_layers=", options_.max_layers, " layers"));
+      }
+    }
+    auto layer = engine_->CreateLayer(*config);
+    if (!layer.ok()) return layer.status();
+    std::shared_ptr<LayerEntry> entry;
+    if (auto st = InsertLayer(req->name(), *config, std::move(*layer), &entry); !st.ok()) return st;
+    FillInfo(*entry, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::GetLayer(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetLayerRequest* req,
+                                                      v1::LayerInfo* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto entry = FindLayer(req->name());
+  if (entry.ok()) FillInfo(**entry, resp);
+  FinishUnary(reactor, "GetLayer", entry.status());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::ListLayers(grpc::CallbackServerContext* ctx,
+                                                        const v1::ListLayersRequest*,
+                                                        v1::ListLayersResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::vector<std::shared_ptr<LayerEntry>> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [name, e] : layers_) entries.push_back(e);
+  }
+  for (const auto& e : entries) FillInfo(*e, resp->add_layers());
+  FinishUnary(reactor, "ListLayers", absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::DeleteLayer(grpc::CallbackServerContext* ctx,
+                                                         const v1::DeleteLayerRequest* req,
+                                                         v1::DeleteLayerResponse* resp) {
+  return RunUnary(ctx, "DeleteLayer", req, resp, [this, req]() -> absl::Status {
+    std::shared_ptr<LayerEntry> entry;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = layers_.find(req->name());
+      if (it == layers_.end()) {
+        return absl::NotFoundError(absl::StrCat("name: no layer named \"", req->name(), "\""));
+      }
+      entry = it->second;
+      layers_.erase(it);
+      metrics_->Layers(static_cast<int64_t>(layers_.size()));
+    }
+    contexts_.DropLayer(req->name());
+    metrics_->RemoveLayer(req->name(), entry->config.num_experts);
+    entry.reset();  // the layer is freed here, on the executor
+    SampleMemory();
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ExpertServiceImpl::Forward(
+    grpc::CallbackServerContext* ctx) {
+  return new ForwardReactor(this, ctx);
+}
+
+grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* ExpertServiceImpl::Backward(
+    grpc::CallbackServerContext* ctx) {
+  return new BackwardReactor(this, ctx);
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::Step(grpc::CallbackServerContext* ctx,
+                                                  const v1::StepRequest* req,
+                                                  v1::StepResponse* resp) {
+  return RunUnary(ctx, "Step", req, resp, [this, req, resp]() -> absl::Status {
+    auto entry = FindLayer(req->layer());
+    if (!entry.ok()) return entry.status();
+    auto result = (*entry)->layer->Step();
+    if (!result.ok()) return result.status();
+    RefreshLayer(**entry);
+    metrics_->OptimizerStep(req->layer(), result->grad_norm);
+    resp->set_step(result->step);
+    resp->set_grad_norm(result->grad_norm);
+    resp->set_expert_first((*entry)->config.expert_first);
+    for (int64_t n : result->tokens_per_expert) resp->add_tokens_per_expert(n);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::ZeroGrad(grpc::CallbackServerContext* ctx,
+                                                      const v1::ZeroGradRequest* req,
+                                                      v1::ZeroGradResponse* resp) {
+  return RunUnary(ctx, "ZeroGrad", req, resp, [this, req]() -> absl::Status {
+    auto entry = FindLayer(req->layer());
+    if (!entry.ok()) return entry.status();
+    return (*entry)->layer->ZeroGrad();
+  });
+}
+
+grpc::ServerWriteReactor<v1::WeightChunk>* ExpertServiceImpl::ExportWeights(
+    grpc::CallbackServerContext* ctx, const v1::ExportWeightsRequest* req) {
+  return new ExportReactor(this, ctx, req);
+}
+
+grpc::ServerReadReactor<v1::WeightChunk>* ExpertServiceImpl::ImportWeights(
+    grpc::CallbackServerContext* ctx, v1::ImportWeightsResponse* resp) {
+  return new ImportReactor(this, ctx, resp);
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServerContext* ctx,
+                                                            const v1::SaveCheckpointRequest* req,
+                                                            v1::SaveCheckpointResponse* resp) {
+  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
+    auto entry = FindLayer(req->layer());
+    if (!entry.ok()) return entry.status();
+    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
+    if (!path.ok()) return path.status();
+    auto state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
+    if (!state.ok()) return state.status();
+    auto bytes = EncodeCheckpoint(req->layer(), (*entry)->config, *state);
+    if (!bytes.ok()) return bytes.status();
+    if (auto st = WriteFileAtomically(*path, *bytes); !st.ok()) return st;
+    resp->set_path(*path);
+    resp->set_bytes(static_cast<int64_t>(bytes->size()));
+    resp->set_step((*entry)->layer->step());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
+                                                            const v1::LoadCheckpointRequest* req,
+                                                            v1::LoadCheckpointResponse* resp) {
+  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
+    if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
+    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
+    if (!path.ok()) return path.status();
+    auto bytes = ReadWholeFile(*path);
+    if (!bytes.ok()) return bytes.status();
+    auto decoded = DecodeCheckpoint(*bytes);
+    if (!decoded.ok()) return decoded.status();
+    auto entry = FindLayer(req->layer());
+    if (entry.ok()) {
+      // Into the existing layer: ImportState checks every name, shape and dtype first.
+      if (auto st = (*entry)->layer->ImportState(decoded->state); !st.ok()) return st;
+      RefreshLayer(**entry);
+      FillInfo(**entry, resp->mutable_layer());
+      return absl::OkStatus();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<int>(layers_.size()) >= options_.max_layers) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the server already holds --max_layers=", options_.max_layers, " layers"));
+      }
+    }
+    auto layer = engine_->CreateLayer(decoded->config);
+    if (!layer.ok()) return layer.status();
+    if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) return st;
+    std::shared_ptr<LayerEntry> created;
+    if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), &created);
+        !st.ok()) {
+      return st;
+    }
+    FillInfo(*created, resp->mutable_layer());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetStatsRequest*,
+                                                      v1::StatsResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  resp->set_device(engine_->name());
+  resp->set_device_memory_used_bytes(memory_used_);
+  resp->set_device_memory_total_bytes(memory_total_);
+  resp->set_saved_context_bytes(contexts_.bytes());
+  resp->set_saved_context_budget_bytes(contexts_.budget());
+  resp->set_saved_contexts(contexts_.count());
+  resp->set_sessions(contexts_.sessions());
+  resp->set_uptime_seconds(SecondsSince(started_));
+  std::vector<std::shared_ptr<LayerEntry>> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [name, e] : layers_) entries.push_back(e);
+  }
+  for (const auto& e : entries) FillInfo(*e, resp->add_layers());
+  FinishUnary(reactor, "GetStats", absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerWriteReactor<v1::SessionEvent>* ExpertServiceImpl::OpenSession(
+    grpc::CallbackServerContext*, const v1::OpenSessionRequest*) {
+  return new SessionReactor(this);
+}
+
+}  // namespace moe::server
