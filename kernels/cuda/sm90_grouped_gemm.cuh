@@ -1,0 +1,512 @@
+// Hopper (sm_90a) building blocks for the fused expert kernels: wgmma, cp.async, TMA, mbarrier,
+// and the persistent grouped GEMM that the forward launchers instantiate.
+//
+// One kernel serves both projections of an expert MLP. Each CTA (two consumer warpgroups,
+// 256 threads) loops over output tiles of ALL experts (persistent grid, one CTA per SM), so
+// one launch covers every expert however the tokens are spread. Operands are bf16, K-major on
+// both sides (x rows and weight rows both run along the reduction dimension), staged through a
+// multistage shared-memory ring in the 128-byte swizzle that wgmma reads without bank
+// conflicts:
+//   A (activations): cp.async, 16 bytes per thread, rows GATHERED through the dispatch index
+//      while loading (row r of expert e is x[entries[offsets[e] + r] / K]), so the permuted copy
+//      of x never exists in device memory. Rows past the expert's count are zero-filled.
+//   B (weights):     TMA (cp.async.bulk.tensor, 3-D map over [experts, rows, k]) completing on
+//      an mbarrier, or cp.async as a fallback; out-of-range rows and k are zero-filled either way.
+// The ring is shared by loads of the NEXT tile too (a load cursor runs kStages-2 steps ahead of
+// the math across tile boundaries), so a tile's epilogue overlaps the next tile's loads.
+// Why not a warp-specialised producer: with all 256 threads issuing the gather's cp.async the
+// address work is spread thin; a dedicated producer warpgroup is the next step (docs/FUSED.md).
+//
+// Epilogues, from the fp32 accumulators in registers:
+//   kSwiGLU: B holds kN/2 rows of W1 then the same kN/2 rows of W3, so each thread owns H1 and
+//     H3 of the same (row, column); it writes H = [H1 | H3] (bf16, kept for the backward) and
+//     A = silu(H1) * H3 computed from the bf16-ROUNDED H, so a backward that recomputes A from H
+//     gets bit-identical values.
+//   kPlain: writes the row to Y[entries[slot]], i.e. each (token, k) row contiguously in
+//     [T*K, n] order, so the combine is a contiguous per-token weighted sum.
+// No Abseil, gRPC or protobuf here (house style): raw pointers and cudaError_t only.
+#ifndef MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
+#define MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe::kernels::sm90 {
+
+constexpr int kBlockM = 128;          // rows of a tile: two warpgroups of 64
+constexpr int kBlockK = 64;           // 64 bf16 = 128 bytes = one swizzle atom row
+constexpr int kThreads = 256;         // two consumer warpgroups
+constexpr int kMaxExperts = 1024;     // the tile prefix lives in shared memory
+constexpr int kTileABytes = kBlockM * kBlockK * 2;
+
+// Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
+// in parameter space, where TMA may read them.
+struct GemmParams {
+  CUtensorMap tmap_b0;            // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim]
+  CUtensorMap tmap_b1;            // W3 (kSwiGLU only)
+  const __nv_bfloat16* a;         // kSwiGLU: x [T, k_dim]; kPlain: act [N, k_dim] in slot order
+  const __nv_bfloat16* b0;        // same tensors as the maps, for the cp.async fallback
+  const __nv_bfloat16* b1;
+  const int32_t* offsets;         // [experts + 1]
+  const int32_t* entries;         // [N]: t * top_k + k
+  __nv_bfloat16* out0;            // kSwiGLU: H [N, 2 * n_dim]; kPlain: Y [T * top_k, n_dim]
+  __nv_bfloat16* out1;            // kSwiGLU: A [N, n_dim]
+  int32_t num_experts;
+  int32_t k_dim;
+  int32_t n_dim;
+  int32_t top_k;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy; src_bytes = 0 writes zeros (rows or k past the end).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async
+// proxy (wgmma) once a barrier has ordered them.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// TMA: one box of a 3-D tensor map into shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                          int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across the async wgmma window.
+template <int kN>
+__device__ __forceinline__ void FenceOperands(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for a K-major operand in the 128-byte swizzle: 8-row core
+// groups 1024 bytes apart (stride byte offset), leading byte offset unused for this layout.
+// The tile base must be 1024-byte aligned; stepping k by 16 elements adds 32 bytes to the start.
+__device__ __forceinline__ uint64_t MakeSmemDesc(uint32_t addr) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>(1) << 16;
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+// D[64x128] (+)= A[64x16] * B[128x16]^T, both operands K-major in 128-byte-swizzled shared memory.
+__device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64x256] (+)= A[64x16] * B[256x16]^T, both operands K-major in 128-byte-swizzled shared memory.
+__device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+template <int kN>
+struct Wgmma;
+template <>
+struct Wgmma<128> {
+  __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a, uint64_t b) {
+    WgmmaM64N128K16(d, a, b, 1);
+  }
+};
+template <>
+struct Wgmma<256> {
+  __device__ __forceinline__ static void Run(float (&d)[128], uint64_t a, uint64_t b) {
+    WgmmaM64N256K16(d, a, b, 1);
+  }
+};
+
+__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// One output tile: expert, its first row (relative to the expert), how many of its 128 rows
+// exist, the slot (position in `entries`) of its first row, and its first output column.
+struct TileInfo {
+  int expert;
+  int rows;
+  int slot0;
+  int n0;
+};
+
+// Tiles are numbered expert-major, then row block, then column block (fastest), so the CTAs
+// running at one time share the same gathered rows and the same expert's weights in L2.
+// `prefix[e]` = row blocks of experts before e (prefix[E] = all); `offs` = dispatch offsets.
+template <int kBlockN>
+__device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, const int* prefix,
+                                               const int* offs, int num_experts) {
+  const int mt = tile / n_tiles;
+  const int nt = tile - mt * n_tiles;
+  int lo = 0, hi = num_experts;  // largest e with prefix[e] <= mt; empty experts are skipped
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (prefix[mid] <= mt) lo = mid; else hi = mid;
+  }
+  const int m0 = (mt - prefix[lo]) * kBlockM;
+  const int count = offs[lo + 1] - offs[lo];
+  TileInfo ti;
+  ti.expert = lo;
+  ti.rows = min(kBlockM, count - m0);
+  ti.slot0 = offs[lo] + m0;
+  ti.n0 = nt * kBlockN;
+  return ti;
+}
+
+template <int kN, int kStages>
+constexpr int SmemBytes() {
+  return kStages * (kTileABytes + kN * kBlockK * 2) + 1024 /* alignment slack */ +
+         kStages * 8 /* mbarriers */ + 2 * (kMaxExperts + 1) * 4 /* prefix, offsets */;
+}
+
+// kN: wgmma N, the rows of the B tile (kSwiGLU: kN/2 of W1 then kN/2 of W3).
+// kStages: shared-memory ring depth; loads run kStages-2 steps ahead of the math (the buffer
+// of step s-1 may still be read by an in-flight wgmma, so only s-2 and older are free).
+template <int kN, int kStages, bool kSwiGLU, bool kTmaB>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
+  constexpr int kTileBBytes = kN * kBlockK * 2;
+  constexpr int kStageBytes = kTileABytes + kTileBBytes;
+  constexpr int kAhead = kStages - 2;
+  constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;  // output columns per tile (per half)
+  constexpr int kAcc = kN / 2;                     // fp32 accumulators per thread
+  static_assert(kAhead >= 1, "need at least 3 stages");
+  static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  int* prefix = reinterpret_cast<int*>(bars + kStages);
+  int* offs = prefix + (kMaxExperts + 1);
+
+  const int tid = threadIdx.x;
+  const int num_experts = p.num_experts;
+
+  // ---- Phase 0: row-block prefix over experts (warp 0), offsets cached in shared memory.
+  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = p.offsets[e];
+  __syncthreads();
+  if (tid < 32) {
+    int carry = 0;
+    if (tid == 0) prefix[0] = 0;
+    for (int e0 = 0; e0 < num_experts; e0 += 32) {
+      const int e = e0 + tid;
+      int v = e < num_experts ? (offs[e + 1] - offs[e] + kBlockM - 1) / kBlockM : 0;
+#pragma unroll
+      for (int s = 1; s < 32; s <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, s);
+        if (tid >= s) v += y;
+      }
+      if (e < num_experts) prefix[e + 1] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+  if (kTmaB && tid == 0) {
+    for (int s = 0; s < kStages; ++s) MbarInit(SmemAddr(&bars[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int n_tiles = (p.n_dim + kBlockN - 1) / kBlockN;
+  const int total = prefix[num_experts] * n_tiles;
+  const int num_k = (p.k_dim + kBlockK - 1) / kBlockK;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
+
+  // ---- Load cursor: runs kAhead k-steps ahead of the math, across tile boundaries.
+  const int chunk = tid & 7;  // this thread's 16-byte chunk of every 128-byte row it loads
+  int ld_tile = blockIdx.x;
+  int ld_kt = 0;
+  TileInfo ld = DecodeTile<kBlockN>(ld_tile, n_tiles, prefix, offs, num_experts);
+  const __nv_bfloat16* a_row[kBlockM * 8 / kThreads];
+  bool a_ok[kBlockM * 8 / kThreads];
+  auto set_rows = [&]() {
+#pragma unroll
+    for (int j = 0; j < kBlockM * 8 / kThreads; ++j) {
+      const int r = (tid >> 3) + j * (kThreads / 8);
+      a_ok[j] = r < ld.rows;
+      int src = 0;
+      if (a_ok[j]) src = kSwiGLU ? p.entries[ld.slot0 + r] / p.top_k : ld.slot0 + r;
+      a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
+    }
+  };
+  set_rows();
+
+  auto issue_load = [&](int stage) {
+    if (ld_tile < total) {
+      const uint32_t s_a = base + stage * kStageBytes;
+      const uint32_t s_b = s_a + kTileABytes;
+      const int k0 = ld_kt * kBlockK;
+      const int kk = k0 + chunk * 8;
+      const bool k_ok = kk < p.k_dim;
+      // A: gathered rows, 128-byte swizzle (chunk c of row r lands at chunk c ^ (r % 8)).
+#pragma unroll
+      for (int j = 0; j < kBlockM * 8 / kThreads; ++j) {
+        const int r = (tid >> 3) + j * (kThreads / 8);
+        const bool ok = a_ok[j] && k_ok;
+        CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+      }
+      if constexpr (kTmaB) {
+        if (tid == 0) {
+          const uint32_t bar = SmemAddr(&bars[stage]);
+          MbarArriveExpectTx(bar, kTileBBytes);
+          TmaLoad3d(s_b, &p.tmap_b0, bar, k0, ld.n0, ld.expert);
+          if constexpr (kSwiGLU) {
+            TmaLoad3d(s_b + kTileBBytes / 2, &p.tmap_b1, bar, k0, ld.n0, ld.expert);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kN * 8 / kThreads; ++j) {
+          const int r = (tid >> 3) + j * (kThreads / 8);
+          const int half = kSwiGLU ? r / kBlockN : 0;
+          const int wr = ld.n0 + (kSwiGLU ? r % kBlockN : r);
+          const bool ok = k_ok && wr < p.n_dim;
+          const __nv_bfloat16* w = half ? p.b1 : p.b0;
+          const __nv_bfloat16* src =
+              w + (static_cast<int64_t>(ld.expert) * p.n_dim + wr) * p.k_dim + kk;
+          CpAsync16(s_b + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src : p.b0, ok);
+        }
+      }
+      if (++ld_kt == num_k) {
+        ld_kt = 0;
+        ld_tile += gridDim.x;
+        if (ld_tile < total) {
+          ld = DecodeTile<kBlockN>(ld_tile, n_tiles, prefix, offs, num_experts);
+          set_rows();
+        }
+      }
+    }
+    CpAsyncCommit();  // always one group per step, so the wait counts stay exact
+  };
+
+  const int wg = tid >> 7;
+  const int warp_in_wg = (tid >> 5) & 3;
+  const int lane = tid & 31;
+
+  for (int s = 0; s < kAhead; ++s) issue_load(s);
+
+  uint32_t it = 0;  // k-steps consumed by this CTA, across tiles: ring stage and mbarrier phase
+  float acc[kAcc];
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const TileInfo ti = DecodeTile<kBlockN>(tile, n_tiles, prefix, offs, num_experts);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+    // ---- Main loop: wait for step `it`, issue its wgmmas, refill the freed buffer.
+    for (int kt = 0; kt < num_k; ++kt, ++it) {
+      const int stage = it % kStages;
+      CpAsyncWait<kAhead - 1>();
+      if constexpr (kTmaB) MbarWait(SmemAddr(&bars[stage]), (it / kStages) & 1);
+      FenceProxyAsync();
+      __syncthreads();  // stage visible to all; every wgmma of step it-2 has retired
+      const uint32_t s_a = base + stage * kStageBytes + wg * 64 * 128;
+      const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
+      const uint64_t desc_a = MakeSmemDesc(s_a);
+      const uint64_t desc_b = MakeSmemDesc(s_b);
+      FenceOperands(acc);
+      WgmmaFence();
+#pragma unroll
+      for (int j = 0; j < kBlockK / 16; ++j) {
+        Wgmma<kN>::Run(acc, desc_a + 2 * j, desc_b + 2 * j);  // +32 bytes per k16 step
+      }
+      WgmmaCommit();
+      FenceOperands(acc);
+      issue_load((it + kAhead) % kStages);
+      WgmmaWait<1>();
+      FenceOperands(acc);
+    }
+    WgmmaWait<0>();
+    FenceOperands(acc);
+
+    // ---- Epilogue from registers. Thread owns rows r and r+8, column pairs 8i + 2*(lane%4).
+    const int r_base = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+    const int c_base = 2 * (lane & 3);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r_base + 8 * hr;
+      if (r < ti.rows) {
+        const int64_t slot = ti.slot0 + r;
+        if constexpr (kSwiGLU) {
+          __nv_bfloat16* h_row = p.out0 + slot * 2 * p.n_dim;
+          __nv_bfloat16* a_out = p.out1 + slot * p.n_dim;
+#pragma unroll
+          for (int i = 0; i < kN / 16; ++i) {
+            const int col = ti.n0 + 8 * i + c_base;
+            if (col < p.n_dim) {
+              const __nv_bfloat162 g = __floats2bfloat162_rn(acc[4 * i + 2 * hr],
+                                                            acc[4 * i + 2 * hr + 1]);
+              const int iu = i + kN / 16;
+              const __nv_bfloat162 u = __floats2bfloat162_rn(acc[4 * iu + 2 * hr],
+                                                            acc[4 * iu + 2 * hr + 1]);
+              *reinterpret_cast<__nv_bfloat162*>(h_row + col) = g;
+              *reinterpret_cast<__nv_bfloat162*>(h_row + p.n_dim + col) = u;
+              const float2 gf = __bfloat1622float2(g);
+              const float2 uf = __bfloat1622float2(u);
+              *reinterpret_cast<__nv_bfloat162*>(a_out + col) =
+                  __floats2bfloat162_rn(Silu(gf.x) * uf.x, Silu(gf.y) * uf.y);
+            }
+          }
+        } else {
+          __nv_bfloat16* y_row = p.out0 + static_cast<int64_t>(p.entries[slot]) * p.n_dim;
+#pragma unroll
+          for (int i = 0; i < kN / 8; ++i) {
+            const int col = ti.n0 + 8 * i + c_base;
+            if (col < p.n_dim) {
+              *reinterpret_cast<__nv_bfloat162*>(y_row + col) =
+                  __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+}
+
+// out[t] = sum over k with slot_of[t*K+k] >= 0 of w[t*K+k] * y[t*K+k]; 8 columns a thread,
+// 16-byte loads and stores, fp32 sums. Tokens with no local entry get zeros.
+__global__ void sm90_combine_kernel(const __nv_bfloat16* __restrict__ y,
+                                    const float* __restrict__ w,
+                                    const int32_t* __restrict__ slot_of,
+                                    __nv_bfloat16* __restrict__ out, int64_t num_tokens,
+                                    int top_k, int d) {
+  const int chunks = d / 8;
+  const int64_t total = num_tokens * chunks;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / chunks;
+    const int c = static_cast<int>(i - t * chunks);
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t e = t * top_k + k;
+      if (slot_of[e] < 0) continue;
+      const float pw = w[e];
+      const uint4 v = *reinterpret_cast<const uint4*>(y + e * d + c * 8);
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(v2[q]);
+        sum[2 * q] += pw * f.x;
+        sum[2 * q + 1] += pw * f.y;
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(sum[2 * q], sum[2 * q + 1]);
+    *reinterpret_cast<uint4*>(out + t * d + c * 8) = o;
+  }
+}
+
+}  // namespace moe::kernels::sm90
+
+#endif  // MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
