@@ -1,0 +1,216 @@
+// Bad configs and requests get InvalidArgument whose message names the field, before any work.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/routing.h"
+#include "tests/engine/cpu/test_util.h"
+
+namespace moe::testing {
+namespace {
+
+void ExpectInvalid(const absl::Status& s, const std::string& field) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(field), std::string::npos) << "message '" << s.message()
+                                                        << "' does not name " << field;
+}
+
+TEST(ValidateLayerConfigTest, NamesTheBadField) {
+  const LayerConfig good = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
+  ASSERT_TRUE(ValidateLayerConfig(good).ok());
+  struct Case {
+    std::string field;
+    std::function<void(LayerConfig&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"num_experts", [](LayerConfig& c) { c.num_experts = 0; }},
+      {"top_k", [](LayerConfig& c) { c.top_k = 5; }},
+      {"top_k", [](LayerConfig& c) { c.top_k = 0; }},
+      {"d_model", [](LayerConfig& c) { c.d_model = 0; }},
+      {"d_hidden", [](LayerConfig& c) { c.d_hidden = -3; }},
+      {"activation", [](LayerConfig& c) { c.activation = static_cast<Activation>(9); }},
+      {"dtype", [](LayerConfig& c) { c.dtype = DType::kInt32; }},
+      {"routing", [](LayerConfig& c) { c.routing = static_cast<RoutingMode>(2); }},
+      {"expert_count", [](LayerConfig& c) { c.expert_count = 0; }},
+      {"expert_first", [](LayerConfig& c) { c.expert_first = 3, c.expert_count = 2; }},
+      {"expert_first", [](LayerConfig& c) { c.expert_first = 1; }},
+      {"init_scale", [](LayerConfig& c) { c.init_scale = NAN; }},
+      {"aux_loss_coef", [](LayerConfig& c) { c.aux_loss_coef = -1; }},
+      {"z_loss_coef", [](LayerConfig& c) { c.routing = RoutingMode::kClient, c.z_loss_coef = 1; }},
+      {"optimizer.learning_rate", [](LayerConfig& c) { c.optimizer.learning_rate = -1; }},
+      {"optimizer.beta1", [](LayerConfig& c) { c.optimizer.beta1 = 1.0; }},
+      {"optimizer.beta2", [](LayerConfig& c) { c.optimizer.beta2 = -0.1; }},
+      {"optimizer.epsilon", [](LayerConfig& c) { c.optimizer.epsilon = 0; }},
+      {"optimizer.weight_decay", [](LayerConfig& c) { c.optimizer.weight_decay = INFINITY; }},
+      {"optimizer.momentum", [](LayerConfig& c) { c.optimizer.momentum = 1.5; }},
+      {"optimizer.max_grad_norm", [](LayerConfig& c) { c.optimizer.max_grad_norm = -1; }},
+  };
+  for (const Case& cs : cases) {
+    LayerConfig c = good;
+    cs.edit(c);
+    ExpectInvalid(ValidateLayerConfig(c), cs.field);
+    auto layer = CreateCpuEngine()->CreateLayer(c);
+    ExpectInvalid(layer.status(), cs.field);
+  }
+}
+
+class ForwardValidationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cfg_ = SmallConfig(Activation::kSwiGLU, RoutingMode::kClient);
+    layer_ = MakeLayer(cfg_);
+    x_ = MakeTensor(RandomVec(3 * 8, 1), DType::kFloat32, {3, 8});
+    ids_ = IdTensor({0, 1, 2, 3, 1, 0}, 3, 2);
+    w_ = MakeTensor({0.5, 0.5, 0.3, 0.7, 1, 0}, DType::kFloat32, {3, 2});
+  }
+  ForwardRequest Req() const {
+    ForwardRequest r;
+    r.x = x_.view();
+    r.expert_ids = ids_.view();
+    r.weights = w_.view();
+    return r;
+  }
+  absl::Status Fwd(const ForwardRequest& r) { return layer_->Forward(r).status(); }
+
+  LayerConfig cfg_;
+  std::unique_ptr<Layer> layer_;
+  Tensor x_, ids_, w_;
+};
+
+TEST_F(ForwardValidationTest, GoodRequestPasses) { EXPECT_TRUE(Fwd(Req()).ok()); }
+
+TEST_F(ForwardValidationTest, BadXShape) {
+  Tensor x = MakeTensor(RandomVec(3 * 9, 1), DType::kFloat32, {3, 9});
+  ForwardRequest r = Req();
+  r.x = x.view();
+  ExpectInvalid(Fwd(r), "x");
+  Tensor flat = MakeTensor(RandomVec(24, 1), DType::kFloat32, {24});
+  r.x = flat.view();
+  ExpectInvalid(Fwd(r), "x");
+  TensorView short_bytes = x_.view();
+  short_bytes.size_bytes -= 4;
+  r.x = short_bytes;
+  ExpectInvalid(Fwd(r), "x");
+}
+
+TEST_F(ForwardValidationTest, WrongXDtype) {
+  Tensor x = MakeTensor(RandomVec(3 * 8, 1), DType::kBFloat16, {3, 8});
+  ForwardRequest r = Req();
+  r.x = x.view();
+  ExpectInvalid(Fwd(r), "x");
+}
+
+TEST_F(ForwardValidationTest, OutOfRangeExpertIds) {
+  for (int32_t bad : {4, -1, 1 << 30}) {
+    Tensor ids = IdTensor({0, 1, 2, bad, 1, 0}, 3, 2);
+    ForwardRequest r = Req();
+    r.expert_ids = ids.view();
+    ExpectInvalid(Fwd(r), "expert_ids[1, 1]");
+  }
+}
+
+TEST_F(ForwardValidationTest, DuplicateExpertIdsWithinAToken) {
+  Tensor ids = IdTensor({0, 1, 2, 2, 1, 0}, 3, 2);
+  ForwardRequest r = Req();
+  r.expert_ids = ids.view();
+  const absl::Status s = Fwd(r);
+  ExpectInvalid(s, "expert_ids[1, 1]");
+  EXPECT_NE(s.message().find("duplicates"), std::string::npos) << s;
+}
+
+TEST_F(ForwardValidationTest, BadExpertIdsShapeOrDtype) {
+  Tensor ids = IdTensor({0, 1, 2}, 3, 1);
+  ForwardRequest r = Req();
+  r.expert_ids = ids.view();
+  ExpectInvalid(Fwd(r), "expert_ids");
+  Tensor f = MakeTensor({0, 1, 2, 3, 1, 0}, DType::kFloat32, {3, 2});
+  r.expert_ids = f.view();
+  ExpectInvalid(Fwd(r), "expert_ids");
+  r.expert_ids = TensorView{};
+  ExpectInvalid(Fwd(r), "expert_ids");
+}
+
+TEST_F(ForwardValidationTest, BadWeights) {
+  Tensor w = MakeTensor({0.5, 0.5, 0.3}, DType::kFloat32, {3, 1});
+  ForwardRequest r = Req();
+  r.weights = w.view();
+  ExpectInvalid(Fwd(r), "weights");
+  Tensor nan = MakeTensor({0.5, 0.5, NAN, 0.7, 1, 0}, DType::kFloat32, {3, 2});
+  r.weights = nan.view();
+  ExpectInvalid(Fwd(r), "weights[1, 0]");
+  Tensor i32 = IdTensor({0, 1, 2, 3, 1, 0}, 3, 2);
+  r.weights = i32.view();
+  ExpectInvalid(Fwd(r), "weights");
+}
+
+TEST_F(ForwardValidationTest, ServerRoutingRejectsClientRouting) {
+  auto layer = MakeLayer(SmallConfig(Activation::kSwiGLU, RoutingMode::kServer));
+  ExpectInvalid(layer->Forward(Req()).status(), "expert_ids");
+  ForwardRequest r = Req();
+  r.expert_ids = TensorView{};
+  r.weights = TensorView{};
+  EXPECT_TRUE(layer->Forward(r).ok());
+}
+
+TEST_F(ForwardValidationTest, BadDoutAndForeignContext) {
+  auto fwd = layer_->Forward(Req());
+  ASSERT_TRUE(fwd.ok());
+  Tensor dout = MakeTensor(RandomVec(4 * 8, 2), DType::kFloat32, {4, 8});
+  auto other = MakeLayer(cfg_);
+  auto fwd2 = other->Forward(Req());
+  ASSERT_TRUE(fwd2.ok());
+  ExpectInvalid(layer_->Backward(std::move(fwd2->context), x_.view()).status(), "context");
+  ExpectInvalid(layer_->Backward(nullptr, x_.view()).status(), "context");
+  ExpectInvalid(layer_->Backward(std::move(fwd->context), dout.view()).status(), "dout");
+}
+
+TEST(TensorTest, BFloat16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
+  auto from_bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  EXPECT_EQ(FloatToBFloat16(from_bits(0x3f808000u)), 0x3f80);  // tie, even stays
+  EXPECT_EQ(FloatToBFloat16(from_bits(0x3f818000u)), 0x3f82);  // tie, odd rounds up
+  EXPECT_EQ(FloatToBFloat16(from_bits(0x3f808001u)), 0x3f81);  // above half
+  EXPECT_EQ(FloatToBFloat16(from_bits(0x7f7fffffu)), 0x7f80);  // max float -> inf
+  EXPECT_EQ(FloatToBFloat16(INFINITY), 0x7f80);
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(NAN))));
+  EXPECT_EQ(BFloat16ToFloat(0xc040), -3.0f);
+}
+
+TEST(TensorTest, CheckTensorNamesFieldAndChecksBytes) {
+  Tensor t = Tensor::Zeros(DType::kFloat32, {2, 3});
+  EXPECT_TRUE(CheckTensor(t.view(), "a", DType::kFloat32, {-1, 3}).ok());
+  ExpectInvalid(CheckTensor(t.view(), "alpha", DType::kFloat32, {3, 2}), "alpha");
+  ExpectInvalid(CheckTensor(t.view(), "beta", DType::kBFloat16, {2, 3}), "beta");
+  TensorView v = t.view();
+  v.size_bytes = 20;
+  ExpectInvalid(CheckTensor(v, "gamma", DType::kFloat32, {2, 3}), "gamma");
+  EXPECT_EQ(DTypeSize(DType::kInt64), 8u);
+  EXPECT_STREQ(DTypeName(DType::kBFloat16), "bfloat16");
+}
+
+TEST(EngineFactoryTest, DeviceStrings) {
+  auto cpu = CreateEngine("cpu");
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->name(), "cpu");
+  EXPECT_GT((*cpu)->memory_total_bytes(), 0);
+  auto layer = (*cpu)->CreateLayer(SmallConfig(Activation::kSwiGLU, RoutingMode::kClient));
+  ASSERT_TRUE(layer.ok());
+  EXPECT_EQ((*cpu)->memory_in_use_bytes(), (*layer)->resident_bytes());
+  layer->reset();
+  EXPECT_EQ((*cpu)->memory_in_use_bytes(), 0);
+  auto any = CreateEngine("auto");
+  ASSERT_TRUE(any.ok()) << any.status();
+  ExpectInvalid(CreateEngine("tpu").status(), "device");
+  ExpectInvalid(CreateEngine("cuda:x").status(), "device");
+  EXPECT_EQ(CreateEngine("cuda:4096").status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace moe::testing
