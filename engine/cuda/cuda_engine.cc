@@ -1,19 +1,57 @@
-// CUDA engine entry points: device discovery that never fails, and engine creation.
+// CUDA engine entry points: device discovery that never fails, and the Engine for one device.
 //
-// Interim version: device discovery is real; layer creation arrives with cuda_layer.cc.
+// Creating the engine raises the device's default memory pool release threshold to "keep
+// everything", so the stream-ordered allocations of every layer call are served from memory
+// the pool already holds (cudaMallocAsync without a trip to the driver after warm-up).
 #include "engine/cuda/cuda_engine.h"
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_layer.h"
+#include "engine/cuda/device.h"
 
 namespace moe {
+namespace {
+
+class CudaEngine : public Engine {
+ public:
+  explicit CudaEngine(int device) : device_(device) {}
+  std::string name() const override { return absl::StrCat("cuda:", device_); }
+  absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) override {
+    return cuda::CreateCudaLayer(config, device_);
+  }
+  int64_t memory_in_use_bytes() const override {
+    size_t free_b = 0, total_b = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return static_cast<int64_t>(total_b - free_b);
+  }
+  int64_t memory_total_bytes() const override {
+    size_t free_b = 0, total_b = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return static_cast<int64_t>(total_b);
+  }
+
+ private:
+  int device_;
+};
+
+}  // namespace
 
 int CudaDeviceCount() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no device" error so later calls start clean
+    cudaGetLastError();  // clear the "no device" error so later calls start clean
     return 0;
   }
   return count;
@@ -26,7 +64,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal) {
     return absl::InvalidArgumentError(absl::StrCat("device: cuda:", device_ordinal,
                                                    " out of range, ", count, " device(s)"));
   }
-  return absl::UnimplementedError("cuda: layer support lands with cuda_layer.cc");
+  MOE_CUDA_RETURN(cudaSetDevice(device_ordinal));
+  cudaMemPool_t pool = nullptr;
+  MOE_CUDA_RETURN(cudaDeviceGetDefaultMemPool(&pool, device_ordinal));
+  uint64_t keep_all = UINT64_MAX;
+  MOE_CUDA_RETURN(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  return std::unique_ptr<Engine>(new CudaEngine(device_ordinal));
 }
 
 }  // namespace moe

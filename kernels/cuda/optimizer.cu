@@ -55,14 +55,13 @@ __global__ void adamw_kernel(float* __restrict__ w, float* __restrict__ m, float
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float grad = g[i] * p.grad_scale;
+    float wi = w[i];
+    wi -= p.lr * p.weight_decay * wi;
     const float mi = p.beta1 * m[i] + (1.f - p.beta1) * grad;
     const float vi = p.beta2 * v[i] + (1.f - p.beta2) * grad * grad;
     m[i] = mi;
     v[i] = vi;
-    const float mhat = mi / p.bias_correction1;
-    const float vhat = vi / p.bias_correction2;
-    float wi = w[i];
-    wi = wi - p.lr * p.weight_decay * wi - p.lr * mhat / (sqrtf(vhat) + p.eps);
+    wi -= p.step_size * mi / (sqrtf(vi) * p.inv_sqrt_bc2 + p.eps);
     w[i] = wi;
     if (w_bf16 != nullptr) w_bf16[i] = __float2bfloat16_rn(wi);
     g[i] = 0.f;

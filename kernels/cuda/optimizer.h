@@ -21,11 +21,14 @@ size_t SumSquaresWorkspaceBytes();
 cudaError_t LaunchSumSquares(const float* x, int64_t n, void* workspace, size_t workspace_bytes,
                              double* out, cudaStream_t stream);
 
+// w -= lr * wd * w (decoupled); m, v moments; w -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
+// with step_size = lr / (1 - beta1^step), inv_sqrt_bc2 = 1 / sqrt(1 - beta2^step): the same
+// formula, in the same order, as the CPU engine (and torch.optim.AdamW).
 struct AdamWParams {
   float lr = 0.f, beta1 = 0.f, beta2 = 0.f, eps = 0.f, weight_decay = 0.f;
-  float bias_correction1 = 1.f;  // 1 - beta1^step
-  float bias_correction2 = 1.f;  // 1 - beta2^step
-  float grad_scale = 1.f;        // clipping factor applied to every gradient
+  float step_size = 0.f;
+  float inv_sqrt_bc2 = 1.f;
+  float grad_scale = 1.f;  // clipping factor applied to every gradient
 };
 
 // w, m, v, g fp32 [n]; w_bf16 (bf16 storage copy) may be null. g is zeroed.

@@ -1,0 +1,616 @@
+// The CUDA layer (see cuda_layer.h).
+#include "engine/cuda/cuda_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/expert_pipeline.h"
+#include "engine/cuda/grouped_gemm.h"
+#include "engine/init.h"
+#include "engine/routing.h"
+#include "kernels/cuda/optimizer.h"
+#include "kernels/cuda/router.h"
+
+namespace moe::cuda {
+namespace {
+
+using kernels::ElemType;
+
+// Where a named tensor lives in the flat parameter layout: `blocks` runs of `run` floats, the
+// b-th starting at offset + b * stride.
+struct Segment {
+  std::vector<int64_t> shape;
+  int64_t offset = 0, blocks = 1, run = 0, stride = 0;
+};
+
+class CudaContext : public SavedContext {
+ public:
+  int64_t num_tokens() const override { return t; }
+  int64_t bytes() const override {
+    return static_cast<int64_t>(x.bytes() + h.bytes() + ids.bytes() + p.bytes() +
+                                logits.bytes() + lse.bytes()) +
+           plan.device_bytes();
+  }
+
+  const void* owner = nullptr;
+  int64_t t = 0;
+  DeviceBuffer x;       // [T, d] storage type
+  DeviceBuffer h;       // [routed, g] storage type
+  DeviceBuffer ids;     // [T, K] int32
+  DeviceBuffer p;       // [T, K] fp32
+  DeviceBuffer logits;  // [T, E] fp32, server routing
+  DeviceBuffer lse;     // [T] fp32, server routing
+  DispatchPlan plan;
+  std::vector<float> aux_grad;  // [E] d aux / d s[t,e]; empty when no aux term here
+  float z_scale = 0.f;
+};
+
+class CudaLayer : public Layer {
+ public:
+  CudaLayer(const LayerConfig& config, int device) : cfg_(config), device_(device) {}
+  ~CudaLayer() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_->get());
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  }
+
+  absl::Status Init();
+
+  const LayerConfig& config() const override { return cfg_; }
+  absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request) override;
+  absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
+                                          const TensorView& dout) override;
+  absl::StatusOr<StepResult> Step() override;
+  absl::Status ZeroGrad() override;
+  int64_t step() const override { return step_; }
+  absl::StatusOr<std::map<std::string, Tensor>> ExportState(
+      bool include_optimizer) const override;
+  absl::Status ImportState(const std::map<std::string, Tensor>& state) override;
+  int64_t resident_bytes() const override {
+    return static_cast<int64_t>(master_.bytes() + storage_.bytes() + grad_.bytes() +
+                                m_.bytes() + v_.bytes());
+  }
+
+ private:
+  bool bf16() const { return cfg_.dtype == DType::kBFloat16; }
+  ElemType type() const { return bf16() ? ElemType::kBFloat16 : ElemType::kFloat32; }
+  int64_t elem() const { return bf16() ? 2 : 4; }
+  bool server() const { return cfg_.routing == RoutingMode::kServer; }
+  // Storage-type weights at flat offset `off` (what the GEMMs read).
+  void* Weights(int64_t off) const {
+    return bf16() ? static_cast<void*>(storage_.as<uint16_t>() + off)
+                  : static_cast<void*>(master_.as<float>() + off);
+  }
+  absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what) const {
+    return DeviceBuffer::Allocate(static_cast<size_t>(bytes), stream_, what);
+  }
+  absl::Status Upload(const void* src, int64_t bytes, DeviceBuffer* dst, const char* what);
+  absl::Status EnsurePinned(int64_t bytes);
+  const Segment* FindSegment(const std::string& name) const;
+  absl::Status RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx,
+                             DeviceBuffer* ids, DeviceBuffer* p);
+  absl::Status RouterBackward(const CudaContext& ctx, const float* dp, float* dx);
+
+  LayerConfig cfg_;
+  int device_;
+  std::shared_ptr<Stream> stream_;
+  std::unique_ptr<GemmRunner> gemm_;
+  std::unique_ptr<ExpertPipeline> pipeline_;
+  std::map<std::string, Segment> segments_;
+  int64_t n_w13_ = 0, n_w2_ = 0, n_router_ = 0, n_params_ = 0;
+  DeviceBuffer master_, storage_, grad_, m_, v_;
+  int64_t step_ = 0;
+  std::vector<int64_t> tokens_seen_;
+  void* pinned_ = nullptr;  // host staging for router results and the gradient norm
+  int64_t pinned_bytes_ = 0;
+};
+
+absl::Status CudaLayer::Upload(const void* src, int64_t bytes, DeviceBuffer* dst,
+                               const char* what) {
+  absl::StatusOr<DeviceBuffer> b = Alloc(bytes, what);
+  if (!b.ok()) return b.status();
+  *dst = std::move(*b);
+  if (bytes > 0) {
+    MOE_CUDA_RETURN(cudaMemcpyAsync(dst->get(), src, static_cast<size_t>(bytes),
+                                    cudaMemcpyHostToDevice, stream_->get()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaLayer::EnsurePinned(int64_t bytes) {
+  if (bytes <= pinned_bytes_) return absl::OkStatus();
+  MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));  // nothing may still target it
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  pinned_ = nullptr;
+  pinned_bytes_ = 0;
+  MOE_CUDA_RETURN(cudaMallocHost(&pinned_, static_cast<size_t>(bytes)));
+  pinned_bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+absl::Status CudaLayer::Init() {
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  absl::StatusOr<std::shared_ptr<Stream>> s = Stream::Create(device_);
+  if (!s.ok()) return s.status();
+  stream_ = std::move(*s);
+  absl::StatusOr<std::unique_ptr<GemmRunner>> g = GemmRunner::Create(stream_);
+  if (!g.ok()) return g.status();
+  gemm_ = std::move(*g);
+
+  const int64_t d = cfg_.d_model, h = cfg_.d_hidden, count = cfg_.local_experts();
+  const int64_t gw = cfg_.gated() ? 2 * h : h;
+  n_w13_ = count * gw * d;
+  n_w2_ = count * d * h;
+  n_router_ = server() ? d * cfg_.num_experts : 0;
+  n_params_ = n_w13_ + n_w2_ + n_router_;
+  segments_["w1"] = {{count, h, d}, 0, count, h * d, gw * d};
+  if (cfg_.gated()) segments_["w3"] = {{count, h, d}, h * d, count, h * d, gw * d};
+  segments_["w2"] = {{count, d, h}, n_w13_, 1, n_w2_, n_w2_};
+  if (server()) segments_["router"] = {{d, cfg_.num_experts}, n_w13_ + n_w2_, 1, n_router_, n_router_};
+
+  ExpertShape shape;
+  shape.d_model = d;
+  shape.d_hidden = h;
+  shape.top_k = cfg_.top_k;
+  shape.expert_first = cfg_.expert_first;
+  shape.expert_count = count;
+  shape.activation = static_cast<int>(cfg_.activation);
+  shape.type = type();
+  pipeline_ = std::make_unique<ExpertPipeline>(shape, stream_, gemm_.get());
+
+  // Initial weights: the shared seeded host init, laid out flat, uploaded once.
+  std::vector<float> flat(static_cast<size_t>(n_params_));
+  for (const auto& [name, seg] : segments_) {
+    std::vector<float> w(static_cast<size_t>(NumElements(seg.shape)));
+    MOE_RETURN_IF_ERROR(InitLayerWeight(cfg_, name, w.data()));
+    for (int64_t b = 0; b < seg.blocks; ++b) {
+      std::memcpy(&flat[seg.offset + b * seg.stride], &w[b * seg.run], seg.run * sizeof(float));
+    }
+  }
+  const int64_t pbytes = n_params_ * 4;
+  MOE_RETURN_IF_ERROR(Upload(flat.data(), pbytes, &master_, "weights"));
+  if (bf16()) {
+    absl::StatusOr<DeviceBuffer> b = Alloc(n_params_ * 2, "bf16 weights");
+    if (!b.ok()) return b.status();
+    storage_ = std::move(*b);
+    MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_,
+                                                   storage_.get(), stream_->get()));
+  }
+  for (DeviceBuffer* buf : {&grad_, &m_, &v_}) {
+    if (buf == &v_ && cfg_.optimizer.kind != OptimizerKind::kAdamW) continue;
+    absl::StatusOr<DeviceBuffer> b = Alloc(pbytes, "gradients and optimizer state");
+    if (!b.ok()) return b.status();
+    *buf = std::move(*b);
+    MOE_CUDA_RETURN(cudaMemsetAsync(buf->get(), 0, static_cast<size_t>(pbytes), stream_->get()));
+  }
+  tokens_seen_.assign(count, 0);
+  MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));  // `flat` is released on return
+  return absl::OkStatus();
+}
+
+absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx,
+                                      DeviceBuffer* ids, DeviceBuffer* p) {
+  const int64_t d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
+  cudaStream_t s = stream_->get();
+  absl::StatusOr<DeviceBuffer> logits = Alloc(t * ne * 4, "router logits");
+  if (!logits.ok()) return logits.status();
+  absl::StatusOr<DeviceBuffer> lse = Alloc(t * 4, "router logsumexp");
+  if (!lse.ok()) return lse.status();
+  // logits^T [E, T] = Wr (col-major [E, d]) x x^T [d, T].
+  MOE_RETURN_IF_ERROR(gemm_->Run(
+      {CUBLAS_OP_N, CUBLAS_OP_N, type(), ElemType::kFloat32, 0.f},
+      {{static_cast<int>(ne), static_cast<int>(t), static_cast<int>(d), Weights(n_w13_ + n_w2_),
+        static_cast<int>(ne), x.get(), static_cast<int>(d), logits->get(), static_cast<int>(ne)}}));
+  absl::StatusOr<DeviceBuffer> b = Alloc(t * k * 4, "expert ids");
+  if (!b.ok()) return b.status();
+  *ids = std::move(*b);
+  b = Alloc(t * k * 4, "routing weights");
+  if (!b.ok()) return b.status();
+  *p = std::move(*b);
+  MOE_CUDA_RETURN(kernels::LaunchRouterTopK(logits->as<float>(), t, static_cast<int32_t>(ne),
+                                            static_cast<int32_t>(k), cfg_.renormalize,
+                                            ids->as<int32_t>(), p->as<float>(), lse->as<float>(),
+                                            s));
+  const size_t ws_bytes = kernels::RouterStatsWorkspaceBytes(t, static_cast<int32_t>(ne));
+  absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "router statistics");
+  if (!ws.ok()) return ws.status();
+  absl::StatusOr<DeviceBuffer> stats = Alloc((ne + 1) * 8, "router statistics");
+  if (!stats.ok()) return stats.status();
+  MOE_CUDA_RETURN(kernels::LaunchRouterStats(logits->as<float>(), lse->as<float>(), t,
+                                             static_cast<int32_t>(ne), ws->get(), ws_bytes,
+                                             stats->as<double>(), stats->as<double>() + ne, s));
+  // Stage ids, weights and statistics in pinned memory; the dispatch's one sync covers them.
+  MOE_RETURN_IF_ERROR(EnsurePinned((ne + 1) * 8 + t * k * 8));
+  char* pin = static_cast<char*>(pinned_);
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pin, stats->get(), (ne + 1) * 8, cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pin + (ne + 1) * 8, ids->get(), t * k * 4,
+                                  cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pin + (ne + 1) * 8 + t * k * 4, p->get(), t * k * 4,
+                                  cudaMemcpyDeviceToHost, s));
+  if (ctx != nullptr) {
+    ctx->logits = std::move(*logits);
+    ctx->lse = std::move(*lse);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) {
+  absl::StatusOr<int64_t> t_or = ValidateForwardRequest(cfg_, request);
+  if (!t_or.ok()) return t_or.status();
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  const int64_t t = *t_or, d = cfg_.d_model, k = cfg_.top_k, ne = cfg_.num_experts;
+  const int64_t count = cfg_.local_experts();
+  cudaStream_t s = stream_->get();
+
+  auto ctx = std::make_unique<CudaContext>();
+  ctx->owner = this;
+  ctx->t = t;
+  MOE_RETURN_IF_ERROR(Upload(request.x.data, t * d * elem(), &ctx->x, "x"));
+  ForwardResult res;
+  res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
+  res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
+  if (!server()) {
+    std::memcpy(res.expert_ids.as<int32_t>(), request.expert_ids.data, t * k * 4);
+    ToFloat(request.weights, res.weights.as<float>());
+    MOE_RETURN_IF_ERROR(Upload(res.expert_ids.bytes.data(), t * k * 4, &ctx->ids, "expert_ids"));
+    MOE_RETURN_IF_ERROR(Upload(res.weights.bytes.data(), t * k * 4, &ctx->p, "weights"));
+  } else {
+    MOE_RETURN_IF_ERROR(RouterForward(ctx->x, t, ctx.get(), &ctx->ids, &ctx->p));
+  }
+  MOE_RETURN_IF_ERROR(pipeline_->Dispatch(ctx->ids.as<int32_t>(), t, &ctx->plan));
+
+  if (server()) {
+    // The dispatch's sync completed the staged router results.
+    const char* pin = static_cast<const char*>(pinned_);
+    std::vector<double> stats(ne + 1);
+    std::memcpy(stats.data(), pin, (ne + 1) * 8);
+    std::memcpy(res.expert_ids.as<int32_t>(), pin + (ne + 1) * 8, t * k * 4);
+    std::memcpy(res.weights.as<float>(), pin + (ne + 1) * 8 + t * k * 4, t * k * 4);
+    std::vector<double> f(ne, 0.0);
+    const int32_t* idx = res.expert_ids.as<int32_t>();
+    for (int64_t i = 0; i < t * k; ++i) f[idx[i]] += 1.0;
+    double sum = 0.0;
+    for (int64_t e = 0; e < ne; ++e) sum += (f[e] / (t * k)) * (stats[e] / t);
+    res.aux_loss = cfg_.aux_loss_coef * ne * sum;
+    res.z_loss = cfg_.z_loss_coef * stats[ne] / t;
+    // The aux terms enter the gradients only on the shard owning expert 0 (engine/layer.h).
+    if (cfg_.expert_first == 0 && cfg_.aux_loss_coef != 0.0) {
+      ctx->aux_grad.resize(ne);
+      for (int64_t e = 0; e < ne; ++e) {
+        ctx->aux_grad[e] = static_cast<float>(cfg_.aux_loss_coef * ne * (f[e] / (t * k)) / t);
+      }
+    }
+    if (cfg_.expert_first == 0 && cfg_.z_loss_coef != 0.0) {
+      ctx->z_scale = static_cast<float>(2.0 * cfg_.z_loss_coef / t);
+    }
+  }
+  res.tokens_per_local_expert = ctx->plan.tokens_per_expert;
+
+  const int64_t g = cfg_.gated() ? 2 * cfg_.d_hidden : cfg_.d_hidden;
+  if (request.training) {
+    absl::StatusOr<DeviceBuffer> hb = Alloc(ctx->plan.total_routed * g * elem(), "saved H");
+    if (!hb.ok()) return hb.status();
+    ctx->h = std::move(*hb);
+  }
+  absl::StatusOr<DeviceBuffer> out = Alloc(t * d * elem(), "out");
+  if (!out.ok()) return out.status();
+  ExpertWeights w{Weights(0), Weights(n_w13_)};
+  MOE_RETURN_IF_ERROR(pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w,
+                                         request.training ? ctx->h.get() : nullptr, out->get()));
+  res.out = Tensor::Zeros(cfg_.dtype, {t, d});
+  MOE_CUDA_RETURN(cudaMemcpyAsync(res.out.bytes.data(), out->get(), res.out.bytes.size(),
+                                  cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  (void)count;
+  if (request.training) {
+    if (!server()) ctx->aux_grad.clear();
+    res.context = std::move(ctx);
+  }
+  return res;
+}
+
+absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, float* dx) {
+  const int64_t t = ctx.t, d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
+  cudaStream_t s = stream_->get();
+  DeviceBuffer aux;
+  if (!ctx.aux_grad.empty()) {
+    MOE_RETURN_IF_ERROR(Upload(ctx.aux_grad.data(), ne * 4, &aux, "aux gradient"));
+  }
+  absl::StatusOr<DeviceBuffer> dl = Alloc(t * ne * 4, "router dlogits");
+  if (!dl.ok()) return dl.status();
+  MOE_CUDA_RETURN(kernels::LaunchRouterBackward(
+      ctx.logits.as<float>(), ctx.lse.as<float>(), ctx.ids.as<int32_t>(), dp, aux.as<float>(),
+      ctx.z_scale, t, static_cast<int32_t>(ne), static_cast<int32_t>(k), cfg_.renormalize,
+      dl->as<float>(), s));
+  // The router GEMMs of the backward run in fp32, as the CPU engine's: x and the stored
+  // (bf16-rounded) router weights widened to fp32.
+  const float* xf = ctx.x.as<float>();
+  const float* wr = master_.as<float>() + n_w13_ + n_w2_;
+  DeviceBuffer xf_buf, wr_buf;
+  if (bf16()) {
+    absl::StatusOr<DeviceBuffer> b = Alloc(t * d * 4, "router x fp32");
+    if (!b.ok()) return b.status();
+    xf_buf = std::move(*b);
+    MOE_CUDA_RETURN(kernels::LaunchBFloat16ToFloat(ctx.x.get(), t * d, xf_buf.as<float>(), s));
+    xf = xf_buf.as<float>();
+    b = Alloc(n_router_ * 4, "router weights fp32");
+    if (!b.ok()) return b.status();
+    wr_buf = std::move(*b);
+    MOE_CUDA_RETURN(kernels::LaunchBFloat16ToFloat(Weights(n_w13_ + n_w2_), n_router_,
+                                                   wr_buf.as<float>(), s));
+    wr = wr_buf.as<float>();
+  }
+  float* dwr = grad_.as<float>() + n_w13_ + n_w2_;
+  // dWr (col-major [E, d]) += dl^T [E, T] x x [T, d].
+  MOE_RETURN_IF_ERROR(gemm_->Run(
+      {CUBLAS_OP_N, CUBLAS_OP_T, ElemType::kFloat32, ElemType::kFloat32, 1.f},
+      {{static_cast<int>(ne), static_cast<int>(d), static_cast<int>(t), dl->get(),
+        static_cast<int>(ne), xf, static_cast<int>(d), dwr, static_cast<int>(ne)}}));
+  // dx^T [d, T] += Wr [d, E] (col-major [E, d] transposed) x dl^T [E, T].
+  MOE_RETURN_IF_ERROR(gemm_->Run(
+      {CUBLAS_OP_T, CUBLAS_OP_N, ElemType::kFloat32, ElemType::kFloat32, 1.f},
+      {{static_cast<int>(d), static_cast<int>(t), static_cast<int>(ne), wr, static_cast<int>(ne),
+        dl->get(), static_cast<int>(ne), dx, static_cast<int>(d)}}));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext> context,
+                                                   const TensorView& dout) {
+  auto* ctx = dynamic_cast<CudaContext*>(context.get());
+  if (ctx == nullptr || ctx->owner != this) {
+    return absl::InvalidArgumentError(
+        "context: not a saved context from a training Forward of this layer");
+  }
+  const int64_t t = ctx->t, d = cfg_.d_model, k = cfg_.top_k;
+  if (absl::Status st = ValidateDout(cfg_, dout, t); !st.ok()) return st;
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  cudaStream_t s = stream_->get();
+  DeviceBuffer dout_d;
+  MOE_RETURN_IF_ERROR(Upload(dout.data, t * d * elem(), &dout_d, "dout"));
+  // With server routing dx accumulates the router path in fp32 before one rounding.
+  const ElemType dx_type = server() ? ElemType::kFloat32 : type();
+  absl::StatusOr<DeviceBuffer> dx = Alloc(t * d * static_cast<int64_t>(kernels::ElemSize(dx_type)), "dx");
+  if (!dx.ok()) return dx.status();
+  absl::StatusOr<DeviceBuffer> dp = Alloc(t * k * 4, "dweights");
+  if (!dp.ok()) return dp.status();
+  ExpertWeights w{Weights(0), Weights(n_w13_)};
+  ExpertGrads grads{grad_.as<float>(), grad_.as<float>() + n_w13_};
+  MOE_RETURN_IF_ERROR(pipeline_->Backward(ctx->plan, ctx->x.get(), ctx->h.get(),
+                                          ctx->p.as<float>(), dout_d.get(), w, grads, dx->get(),
+                                          dx_type, dp->as<float>()));
+  BackwardResult res;
+  res.dx = Tensor::Zeros(cfg_.dtype, {t, d});
+  if (server()) {
+    MOE_RETURN_IF_ERROR(RouterBackward(*ctx, dp->as<float>(), dx->as<float>()));
+    if (bf16()) {
+      absl::StatusOr<DeviceBuffer> dxb = Alloc(t * d * 2, "dx bf16");
+      if (!dxb.ok()) return dxb.status();
+      MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(dx->as<float>(), t * d, dxb->get(), s));
+      *dx = std::move(*dxb);
+    }
+  } else {
+    res.dweights = Tensor::Zeros(DType::kFloat32, {t, k});
+    MOE_CUDA_RETURN(cudaMemcpyAsync(res.dweights.bytes.data(), dp->get(), t * k * 4,
+                                    cudaMemcpyDeviceToHost, s));
+  }
+  MOE_CUDA_RETURN(cudaMemcpyAsync(res.dx.bytes.data(), dx->get(), res.dx.bytes.size(),
+                                  cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  for (size_t l = 0; l < tokens_seen_.size(); ++l) tokens_seen_[l] += ctx->plan.tokens_per_expert[l];
+  return res;
+}
+
+absl::StatusOr<StepResult> CudaLayer::Step() {
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  cudaStream_t s = stream_->get();
+  const OptimizerConfig& o = cfg_.optimizer;
+  const size_t ws_bytes = kernels::SumSquaresWorkspaceBytes();
+  absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes) + 8, "gradient norm");
+  if (!ws.ok()) return ws.status();
+  auto* sq_d = reinterpret_cast<double*>(static_cast<char*>(ws->get()) + ws_bytes);
+  MOE_CUDA_RETURN(kernels::LaunchSumSquares(grad_.as<float>(), n_params_, ws->get(), ws_bytes,
+                                            sq_d, s));
+  MOE_RETURN_IF_ERROR(EnsurePinned(8));
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, sq_d, 8, cudaMemcpyDeviceToHost, s));
+  // Step's one sync: the norm is part of the result and decides the clipping factor.
+  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  double sq;
+  std::memcpy(&sq, pinned_, 8);
+  const double norm = std::sqrt(sq);
+  if (!std::isfinite(norm)) {
+    (void)ZeroGrad();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "gradients: global norm is ", norm, "; step skipped and gradients cleared"));
+  }
+  // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
+  double clip = 1.0;
+  if (o.max_grad_norm > 0.0) clip = std::min(1.0, o.max_grad_norm / (norm + 1e-6));
+  ++step_;
+  void* lowp = bf16() ? storage_.get() : nullptr;
+  if (o.kind == OptimizerKind::kAdamW) {
+    const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step_));
+    const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step_));
+    kernels::AdamWParams p;
+    p.lr = static_cast<float>(o.learning_rate);
+    p.beta1 = static_cast<float>(o.beta1);
+    p.beta2 = static_cast<float>(o.beta2);
+    p.eps = static_cast<float>(o.epsilon);
+    p.weight_decay = static_cast<float>(o.weight_decay);
+    p.step_size = static_cast<float>(o.learning_rate / bc1);
+    p.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+    p.grad_scale = static_cast<float>(clip);
+    MOE_CUDA_RETURN(kernels::LaunchAdamW(master_.as<float>(), m_.as<float>(), v_.as<float>(),
+                                         grad_.as<float>(), lowp, n_params_, p, s));
+  } else {
+    kernels::SgdParams p;
+    p.lr = static_cast<float>(o.learning_rate);
+    p.momentum = static_cast<float>(o.momentum);
+    p.weight_decay = static_cast<float>(o.weight_decay);
+    p.grad_scale = static_cast<float>(clip);
+    MOE_CUDA_RETURN(kernels::LaunchSgd(master_.as<float>(), m_.as<float>(), grad_.as<float>(),
+                                       lowp, n_params_, p, s));
+  }
+  StepResult res;
+  res.step = step_;
+  res.grad_norm = norm;
+  res.tokens_per_expert = tokens_seen_;
+  std::fill(tokens_seen_.begin(), tokens_seen_.end(), 0);
+  return res;
+}
+
+absl::Status CudaLayer::ZeroGrad() {
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  MOE_CUDA_RETURN(cudaMemsetAsync(grad_.get(), 0, grad_.bytes(), stream_->get()));
+  std::fill(tokens_seen_.begin(), tokens_seen_.end(), 0);
+  return absl::OkStatus();
+}
+
+const Segment* CudaLayer::FindSegment(const std::string& name) const {
+  auto it = segments_.find(name);
+  return it == segments_.end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<std::map<std::string, Tensor>> CudaLayer::ExportState(
+    bool include_optimizer) const {
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  cudaStream_t s = stream_->get();
+  const bool adamw = cfg_.optimizer.kind == OptimizerKind::kAdamW;
+  // Whole flat buffers to the host, then sliced into named tensors.
+  std::vector<float> master(n_params_), m, v;
+  MOE_CUDA_RETURN(cudaMemcpyAsync(master.data(), master_.get(), n_params_ * 4,
+                                  cudaMemcpyDeviceToHost, s));
+  if (include_optimizer) {
+    m.resize(n_params_);
+    MOE_CUDA_RETURN(cudaMemcpyAsync(m.data(), m_.get(), n_params_ * 4, cudaMemcpyDeviceToHost, s));
+    if (adamw) {
+      v.resize(n_params_);
+      MOE_CUDA_RETURN(cudaMemcpyAsync(v.data(), v_.get(), n_params_ * 4,
+                                      cudaMemcpyDeviceToHost, s));
+    }
+  }
+  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  auto slice = [](const std::vector<float>& flat, const Segment& seg, DType dtype) {
+    Tensor t = Tensor::Zeros(dtype, seg.shape);
+    for (int64_t b = 0; b < seg.blocks; ++b) {
+      const float* src = &flat[seg.offset + b * seg.stride];
+      if (dtype == DType::kBFloat16) {
+        uint16_t* dst = t.as<uint16_t>() + b * seg.run;
+        for (int64_t i = 0; i < seg.run; ++i) dst[i] = FloatToBFloat16(src[i]);
+      } else {
+        std::memcpy(t.as<float>() + b * seg.run, src, seg.run * sizeof(float));
+      }
+    }
+    return t;
+  };
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, seg] : segments_) {
+    // The stored bf16 weights are exactly the rounding of the fp32 master.
+    out[name] = slice(master, seg, cfg_.dtype);
+    if (!include_optimizer) continue;
+    if (adamw) {
+      out[name + ".exp_avg"] = slice(m, seg, DType::kFloat32);
+      out[name + ".exp_avg_sq"] = slice(v, seg, DType::kFloat32);
+    } else {
+      out[name + ".momentum"] = slice(m, seg, DType::kFloat32);
+    }
+    if (bf16()) out[name + ".master"] = slice(master, seg, DType::kFloat32);
+  }
+  if (include_optimizer) {
+    Tensor st = Tensor::Zeros(DType::kInt64, {1});
+    st.as<int64_t>()[0] = step_;
+    out["step"] = std::move(st);
+  }
+  return out;
+}
+
+absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) {
+  // Validate everything first (same rules and messages as the CPU engine), then apply.
+  const bool adamw = cfg_.optimizer.kind == OptimizerKind::kAdamW;
+  for (const auto& [name, tensor] : state) {
+    const std::string field = absl::StrCat("state[\"", name, "\"]");
+    if (name == "step") {
+      if (absl::Status st = CheckTensor(tensor.view(), field, DType::kInt64, {1}); !st.ok()) {
+        return st;
+      }
+      if (tensor.as<int64_t>()[0] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": step must be >= 0"));
+      }
+      continue;
+    }
+    const size_t dot = name.find('.');
+    const std::string base = name.substr(0, dot);
+    const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
+    const Segment* seg = FindSegment(base);
+    const bool known_suffix = suffix.empty() || (suffix == "master" && bf16()) ||
+                              ((suffix == "exp_avg" || suffix == "exp_avg_sq") && adamw) ||
+                              (suffix == "momentum" && !adamw);
+    if (seg == nullptr || !known_suffix) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": this layer has no state tensor of that name"));
+    }
+    const DType want = suffix.empty() ? cfg_.dtype : DType::kFloat32;
+    if (absl::Status st = CheckTensor(tensor.view(), field, want, seg->shape); !st.ok()) {
+      return st;
+    }
+    const TensorView v = tensor.view();
+    for (int64_t i = 0; i < v.num_elements(); ++i) {
+      const float x = LoadFloat(v, i);
+      if (!std::isfinite(x) || (suffix == "exp_avg_sq" && x < 0.0f)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": element ", i, " = ", x,
+            suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
+      }
+    }
+  }
+  MOE_CUDA_RETURN(cudaSetDevice(device_));
+  cudaStream_t s = stream_->get();
+  bool weights_changed = false;
+  // Weights first, then masters: a master imported with its weight wins.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const auto& [name, tensor] : state) {
+      if (name == "step") {
+        if (pass == 0) step_ = tensor.as<int64_t>()[0];
+        continue;
+      }
+      const size_t dot = name.find('.');
+      const Segment& seg = *FindSegment(name.substr(0, dot));
+      const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
+      DeviceBuffer* dst = nullptr;
+      if (pass == 0 && suffix.empty()) dst = &master_;
+      if (pass == 1 && suffix == "master") dst = &master_;
+      if (pass == 0 && (suffix == "exp_avg" || suffix == "momentum")) dst = &m_;
+      if (pass == 0 && suffix == "exp_avg_sq") dst = &v_;
+      if (dst == nullptr) continue;
+      if (dst == &master_) weights_changed = true;
+      const std::vector<float> f = ToFloat(tensor.view());
+      // Strided placement of blocks (w1 / w3 rows inside the stacked [W1; W3]).
+      MOE_CUDA_RETURN(cudaMemcpy2DAsync(dst->as<float>() + seg.offset, seg.stride * 4, f.data(),
+                                        seg.run * 4, seg.run * 4, seg.blocks,
+                                        cudaMemcpyHostToDevice, s));
+      MOE_CUDA_RETURN(cudaStreamSynchronize(s));  // `f` dies at the end of this iteration
+    }
+  }
+  if (weights_changed && bf16()) {
+    MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_,
+                                                   storage_.get(), s));
+    MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Layer>> CreateCudaLayer(const LayerConfig& config, int device) {
+  if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
+  auto layer = std::make_unique<CudaLayer>(config, device);
+  if (absl::Status s = layer->Init(); !s.ok()) return s;
+  return std::unique_ptr<Layer>(std::move(layer));
+}
+
+}  // namespace moe::cuda

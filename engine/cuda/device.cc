@@ -1,0 +1,60 @@
+// CUDA plumbing for the engine (see device.h).
+#include "engine/cuda/device.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::cuda {
+
+absl::Status CudaStatus(cudaError_t err, const char* what, const char* file, int line) {
+  const std::string msg = absl::StrCat("cuda: ", what, " failed at ", file, ":", line, ": ",
+                                       cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file, int line) {
+  const std::string msg = absl::StrCat("cublas: ", what, " failed at ", file, ":", line,
+                                       ": status ", static_cast<int>(err));
+  if (err == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+absl::StatusOr<std::shared_ptr<Stream>> Stream::Create(int device) {
+  MOE_CUDA_RETURN(cudaSetDevice(device));
+  cudaStream_t s = nullptr;
+  MOE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return std::shared_ptr<Stream>(new Stream(device, s));
+}
+
+Stream::~Stream() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  cudaStreamDestroy(stream_);
+}
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, std::shared_ptr<Stream> stream,
+                                                    const char* what) {
+  DeviceBuffer b;
+  if (bytes == 0) return b;
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocAsync(&p, bytes, stream->get());
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // out-of-memory is not sticky; clear it so later calls start clean
+    return absl::ResourceExhaustedError(absl::StrCat("cuda: cannot allocate ", bytes,
+                                                     " bytes of device memory for ", what, ": ",
+                                                     cudaGetErrorString(err)));
+  }
+  b.ptr_ = p;
+  b.bytes_ = bytes;
+  b.stream_ = std::move(stream);
+  return b;
+}
+
+void DeviceBuffer::Reset() {
+  if (ptr_ != nullptr) cudaFreeAsync(ptr_, stream_->get());
+  ptr_ = nullptr;
+  bytes_ = 0;
+  stream_.reset();
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,280 @@
+// The expert pipeline on device pointers (see expert_pipeline.h for the math and the chunking).
+#include "engine/cuda/expert_pipeline.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/combine.h"
+#include "kernels/cuda/dispatch.h"
+#include "kernels/cuda/expert_backward.h"
+#include "kernels/cuda/expert_forward.h"
+#include "kernels/cuda/gather.h"
+
+namespace moe::cuda {
+namespace {
+
+using kernels::ElemType;
+
+const char* Offset(const void* base, int64_t bytes) {
+  return static_cast<const char*>(base) + bytes;
+}
+char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+
+}  // namespace
+
+ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
+                               GemmRunner* gemm)
+    : shape_(shape), stream_(std::move(stream)), gemm_(gemm) {}
+
+ExpertPipeline::~ExpertPipeline() {
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+}
+
+absl::StatusOr<DeviceBuffer> ExpertPipeline::Alloc(int64_t bytes, const char* what) {
+  return DeviceBuffer::Allocate(static_cast<size_t>(bytes), stream_, what);
+}
+
+int64_t ExpertPipeline::ChunkTokens(int64_t num_tokens) const {
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(shape_.type));
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
+  // The larger of the forward's and the backward's live temporaries per routed row.
+  const int64_t fwd = e * (2 * d + g + h);
+  const int64_t bwd = e * (d + h + g + h) + e * d;
+  const int64_t per_row = std::max(fwd, bwd);
+  const int64_t rows = std::clamp<int64_t>(kChunkBudgetBytes / per_row, 1, kMaxChunkRows);
+  return std::clamp<int64_t>(rows / shape_.top_k, 1, std::max<int64_t>(num_tokens, 1));
+}
+
+absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens,
+                                      DispatchPlan* plan) {
+  const int64_t K = shape_.top_k, count = shape_.expert_count;
+  const int64_t chunk_tokens = ChunkTokens(num_tokens);
+  const int64_t num_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  const int64_t per_chunk = 2 * count + 1;
+  plan->num_tokens = num_tokens;
+  plan->chunks.assign(num_chunks, ChunkPlan{});
+  absl::StatusOr<DeviceBuffer> b = Alloc(num_tokens * K * 4, "dispatch entries");
+  if (!b.ok()) return b.status();
+  plan->entries = std::move(*b);
+  b = Alloc(num_tokens * K * 4, "dispatch slot_of");
+  if (!b.ok()) return b.status();
+  plan->slot_of = std::move(*b);
+  b = Alloc(num_chunks * per_chunk * 4, "dispatch counts");
+  if (!b.ok()) return b.status();
+  plan->counts = std::move(*b);
+  const size_t ws_bytes =
+      kernels::DispatchWorkspaceBytes(chunk_tokens, static_cast<int32_t>(count));
+  absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "dispatch workspace");
+  if (!ws.ok()) return ws.status();
+
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    ChunkPlan& ch = plan->chunks[c];
+    ch.t0 = c * chunk_tokens;
+    ch.tokens = std::min(chunk_tokens, num_tokens - ch.t0);
+    int32_t* offsets = plan->counts.as<int32_t>() + c * per_chunk;
+    int32_t* counts = offsets + count + 1;
+    MOE_CUDA_RETURN(kernels::LaunchDispatch(
+        ids + ch.t0 * K, ch.tokens, static_cast<int32_t>(K),
+        static_cast<int32_t>(shape_.expert_first), static_cast<int32_t>(count), counts, offsets,
+        plan->entries.as<int32_t>() + ch.t0 * K, plan->slot_of.as<int32_t>() + ch.t0 * K,
+        ws->get(), ws_bytes, stream_->get()));
+  }
+  const int64_t ints = num_chunks * per_chunk;
+  if (ints > pinned_ints_) {
+    MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));  // old staging may still be a target
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
+    pinned_ = nullptr;
+    pinned_ints_ = 0;
+    MOE_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(&pinned_), static_cast<size_t>(ints) * 4));
+    pinned_ints_ = ints;
+  }
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, plan->counts.get(), static_cast<size_t>(ints) * 4,
+                                  cudaMemcpyDeviceToHost, stream_->get()));
+  // The one host synchronisation of a forward: the grouped GEMMs need per-expert row counts
+  // on the host.
+  MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));
+
+  plan->tokens_per_expert.assign(count, 0);
+  int64_t row_base = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    ChunkPlan& ch = plan->chunks[c];
+    const int32_t* src = pinned_ + c * per_chunk;
+    ch.offsets.assign(src, src + count + 1);
+    ch.counts.assign(src + count + 1, src + per_chunk);
+    ch.routed = ch.offsets[count];
+    ch.row_base = row_base;
+    row_base += ch.routed;
+    for (int64_t l = 0; l < count; ++l) plan->tokens_per_expert[l] += ch.counts[l];
+  }
+  plan->total_routed = row_base;
+  return absl::OkStatus();
+}
+
+absl::Status ExpertPipeline::ExpertUpProjection(const ChunkPlan& chunk, const void* xg,
+                                                const void* w13, void* h) {
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(shape_.type));
+  const int64_t d = shape_.d_model, g = shape_.gate_width();
+  std::vector<GemmProblem> probs;
+  probs.reserve(chunk.counts.size());
+  for (size_t l = 0; l < chunk.counts.size(); ++l) {
+    const int64_t off = chunk.offsets[l];
+    // H_l^T [g, m] = W13_l [g, d] (col-major [d, g], transposed) x Xg_l^T [d, m].
+    probs.push_back({static_cast<int>(g), chunk.counts[l], static_cast<int>(d),
+                     Offset(w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                     Offset(xg, off * d * e), static_cast<int>(d), Offset(h, off * g * e),
+                     static_cast<int>(g)});
+  }
+  return gemm_->Run({CUBLAS_OP_T, CUBLAS_OP_N, shape_.type, shape_.type, 0.f}, probs);
+}
+
+absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, const float* p,
+                                     const ExpertWeights& w, void* h_saved, void* out) {
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(shape_.type));
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
+  const int64_t K = shape_.top_k;
+  cudaStream_t s = stream_->get();
+  for (const ChunkPlan& ch : plan.chunks) {
+    const int64_t n = ch.routed;
+    const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+    const int32_t* slots = plan.slot_of.as<int32_t>() + ch.t0 * K;
+    DeviceBuffer y;
+    if (n > 0) {
+      absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+      if (!xg.ok()) return xg.status();
+      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                                static_cast<int32_t>(K), n, xg->get(), s));
+      DeviceBuffer h_tmp;
+      void* hb;
+      if (h_saved != nullptr) {
+        hb = Offset(h_saved, ch.row_base * g * e);
+      } else {
+        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e, "H");
+        if (!t.ok()) return t.status();
+        h_tmp = std::move(*t);
+        hb = h_tmp.get();
+      }
+      MOE_RETURN_IF_ERROR(ExpertUpProjection(ch, xg->get(), w.w13, hb));
+      xg->Reset();
+      absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "A");
+      if (!a.ok()) return a.status();
+      MOE_CUDA_RETURN(kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h,
+                                                       a->get(), s));
+      h_tmp.Reset();
+      absl::StatusOr<DeviceBuffer> yb = Alloc(n * d * e, "Y");
+      if (!yb.ok()) return yb.status();
+      y = std::move(*yb);
+      std::vector<GemmProblem> probs;
+      for (size_t l = 0; l < ch.counts.size(); ++l) {
+        const int64_t off = ch.offsets[l];
+        // Y_l^T [d, m] = W2_l [d, h] (col-major [h, d], transposed) x A_l^T [h, m].
+        probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(h),
+                         Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
+                         Offset(a->get(), off * h * e), static_cast<int>(h),
+                         Offset(y.get(), off * d * e), static_cast<int>(d)});
+      }
+      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_T, CUBLAS_OP_N, shape_.type, shape_.type, 0.f},
+                                     probs));
+    }
+    MOE_CUDA_RETURN(kernels::LaunchCombine(y.get(), shape_.type, slots, p + ch.t0 * K, ch.tokens,
+                                           static_cast<int32_t>(K), d,
+                                           Offset(out, ch.t0 * d * e), shape_.type, s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
+                                      const void* h_saved, const float* p, const void* dout,
+                                      const ExpertWeights& w, const ExpertGrads& grads, void* dx,
+                                      kernels::ElemType dx_type, float* dp) {
+  const ElemType type = shape_.type;
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
+  const int64_t dxe = static_cast<int64_t>(kernels::ElemSize(dx_type));
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
+  const int64_t K = shape_.top_k;
+  cudaStream_t s = stream_->get();
+  MOE_CUDA_RETURN(cudaMemsetAsync(dp, 0, plan.num_tokens * K * sizeof(float), s));
+  for (const ChunkPlan& ch : plan.chunks) {
+    const int64_t n = ch.routed;
+    const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+    const int32_t* slots = plan.slot_of.as<int32_t>() + ch.t0 * K;
+    const size_t nl = ch.counts.size();
+    DeviceBuffer dxg;
+    if (n > 0) {
+      const void* hb = Offset(h_saved, ch.row_base * g * e);
+      absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
+      if (!gbuf.ok()) return gbuf.status();
+      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
+                                                static_cast<int32_t>(K), n, gbuf->get(), s));
+      absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
+      if (!dau.ok()) return dau.status();
+      std::vector<GemmProblem> probs;
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
+        probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
+                         Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
+                         Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                         Offset(dau->get(), off * h * e), static_cast<int>(h)});
+      }
+      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+      absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
+      if (!dh.ok()) return dh.status();
+      absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
+      if (!ap.ok()) return ap.status();
+      MOE_CUDA_RETURN(kernels::LaunchActivationBackward(
+          hb, dau->get(), entries, p + ch.t0 * K, type, shape_.activation, n, h, dh->get(),
+          ap->get(), dp + ch.t0 * K, s));
+      dau->Reset();
+      probs.clear();
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
+        probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
+                         Offset(ap->get(), off * h * e), static_cast<int>(h),
+                         Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                         grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
+      }
+      MOE_RETURN_IF_ERROR(
+          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, 1.f}, probs));
+      gbuf->Reset();
+      ap->Reset();
+      absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+      if (!xg.ok()) return xg.status();
+      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                                static_cast<int32_t>(K), n, xg->get(), s));
+      probs.clear();
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
+        probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
+                         Offset(xg->get(), off * d * e), static_cast<int>(d),
+                         Offset(dh->get(), off * g * e), static_cast<int>(g),
+                         grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
+      }
+      MOE_RETURN_IF_ERROR(
+          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, 1.f}, probs));
+      xg->Reset();
+      absl::StatusOr<DeviceBuffer> dxb = Alloc(n * d * e, "dXg");
+      if (!dxb.ok()) return dxb.status();
+      dxg = std::move(*dxb);
+      probs.clear();
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
+        probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
+                         Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                         Offset(dh->get(), off * g * e), static_cast<int>(g),
+                         Offset(dxg.get(), off * d * e), static_cast<int>(d)});
+      }
+      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+    }
+    MOE_CUDA_RETURN(kernels::LaunchCombine(dxg.get(), type, slots, nullptr, ch.tokens,
+                                           static_cast<int32_t>(K), d,
+                                           Offset(dx, ch.t0 * d * dxe), dx_type, s));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe::cuda

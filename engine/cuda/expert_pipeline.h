@@ -1,0 +1,128 @@
+// The expert part of a layer on the GPU, on device pointers: dispatch, forward and backward.
+//
+// The CUDA layer (cuda_layer.cc) and the kernel benchmark (bench/) both drive this, so the
+// benchmark times exactly what the service runs, minus the host<->device copies.
+//
+// Forward, per token chunk:  Xg = x[entries]; H = Xg [W1;W3]^T (grouped GEMM, the seam
+//   ExpertUpProjection below); A = act(H1) (* H3) (one fused pass); Y = A W2^T (grouped GEMM);
+//   out = sum_k p Y[slot_of] (per-token gather-sum). Only x and H are kept for the backward.
+// Backward, per chunk:  G = dout[entries]; dA_u = G W2 (grouped); one fused pass recomputes A
+//   from H and gives dH, p*A and dp = <dA_u, A>; dW2 += (pA)^T G; Xg = x[entries] again;
+//   d[W1;W3] += dH^T Xg; dXg = dH [W1;W3]; dx = sum_k dXg[slot_of].
+//
+// Chunks: tokens are processed in chunks small enough that the per-chunk temporaries stay
+// under a fixed budget (kChunkBudgetBytes), so T = 2M tokens fits next to its saved H. Each
+// chunk has its own dispatch (entries and slot_of are chunk-local), all enqueued up front.
+//
+// Host synchronisation: exactly one per Forward, in Dispatch(): the per-expert counts of
+// every chunk are copied to the host, because the grouped GEMMs take their row counts as host
+// arrays. Backward reuses those counts and does not synchronise.
+#ifndef MOE_ENGINE_CUDA_EXPERT_PIPELINE_H_
+#define MOE_ENGINE_CUDA_EXPERT_PIPELINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/cuda/device.h"
+#include "engine/cuda/grouped_gemm.h"
+#include "kernels/cuda/types.h"
+
+namespace moe::cuda {
+
+struct ExpertShape {
+  int64_t d_model = 0;
+  int64_t d_hidden = 0;
+  int64_t top_k = 0;
+  int64_t expert_first = 0;
+  int64_t expert_count = 0;
+  int activation = 0;  // moe::Activation value
+  kernels::ElemType type = kernels::ElemType::kBFloat16;
+
+  bool gated() const { return activation == 0; }
+  int64_t gate_width() const { return gated() ? 2 * d_hidden : d_hidden; }
+};
+
+// Storage-type weights: w13 [count, g, d] (per expert W1's h rows, then W3's for SwiGLU),
+// w2 [count, d, h]. Gradients are fp32 in the same layouts, accumulated.
+struct ExpertWeights {
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+};
+struct ExpertGrads {
+  float* dw13 = nullptr;
+  float* dw2 = nullptr;
+};
+
+struct ChunkPlan {
+  int64_t t0 = 0;          // first token
+  int64_t tokens = 0;
+  int64_t row_base = 0;    // first row of this chunk in the saved H
+  int64_t routed = 0;      // (t,k) rows routed to local experts
+  std::vector<int32_t> counts;   // [count]
+  std::vector<int32_t> offsets;  // [count + 1]
+};
+
+struct DispatchPlan {
+  int64_t num_tokens = 0;
+  int64_t total_routed = 0;
+  std::vector<ChunkPlan> chunks;
+  std::vector<int64_t> tokens_per_expert;  // summed over chunks
+  DeviceBuffer entries;   // [T*K] int32: chunk c's list at t0*K, chunk-local entry values
+  DeviceBuffer slot_of;   // [T*K] int32: chunk-local slots
+  DeviceBuffer counts;    // [chunks, count + 1 + count] int32: offsets then counts per chunk
+
+  int64_t device_bytes() const { return entries.bytes() + slot_of.bytes() + counts.bytes(); }
+};
+
+class ExpertPipeline {
+ public:
+  // Per-chunk temporaries stay under this many bytes.
+  static constexpr int64_t kChunkBudgetBytes = int64_t{6} << 30;
+  static constexpr int64_t kMaxChunkRows = int64_t{1} << 19;
+
+  ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream, GemmRunner* gemm);
+  ~ExpertPipeline();
+  ExpertPipeline(const ExpertPipeline&) = delete;
+  ExpertPipeline& operator=(const ExpertPipeline&) = delete;
+
+  const ExpertShape& shape() const { return shape_; }
+  int64_t ChunkTokens(int64_t num_tokens) const;
+
+  // Enqueues the MoEBlaze dispatch of every chunk of ids [T, K] (device), then synchronises
+  // the stream once (the documented sync) and fills the plan's host counts. Work the caller
+  // enqueued before (router, copies into pinned memory) completes with it.
+  absl::Status Dispatch(const int32_t* ids, int64_t num_tokens, DispatchPlan* plan);
+
+  // x [T, d], out [T, d] of the storage type; p [T, K] fp32. h_saved: [total_routed, g] to
+  // keep H for the backward, or null (inference).
+  absl::Status Forward(const DispatchPlan& plan, const void* x, const float* p,
+                       const ExpertWeights& w, void* h_saved, void* out);
+
+  // dout [T, d] storage type; dx [T, d] of dx_type (storage type, or fp32 when the router
+  // path is added afterwards); dp [T, K] fp32, fully written (0 for (t,k) outside the shard).
+  absl::Status Backward(const DispatchPlan& plan, const void* x, const void* h_saved,
+                        const float* p, const void* dout, const ExpertWeights& w,
+                        const ExpertGrads& grads, void* dx, kernels::ElemType dx_type,
+                        float* dp);
+
+  // Seam for architecture-specific expert kernels (engineer E's sm90_* grouped GEMM): computes
+  // H [rows, g] = Xg W13^T for every local expert of one chunk. Replace the body (behind a
+  // CanImplement check) to plug in a fused kernel; everything else stays as it is.
+  absl::Status ExpertUpProjection(const ChunkPlan& chunk, const void* xg, const void* w13,
+                                  void* h);
+
+ private:
+  absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what);
+
+  ExpertShape shape_;
+  std::shared_ptr<Stream> stream_;
+  GemmRunner* gemm_;
+  int32_t* pinned_ = nullptr;  // host staging for the counts, grown on demand
+  int64_t pinned_ints_ = 0;
+};
+
+}  // namespace moe::cuda
+
+#endif  // MOE_ENGINE_CUDA_EXPERT_PIPELINE_H_
