@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# DeployStageRuntime: runs the Dockerfile's build-stage steps on CI's build tree and checks what
+# the runtime image would hold. scripts/build must succeed (on an up-to-date tree it only
+# confirms nothing is stale); scripts/stage-runtime must lay out moe-server with every library
+# it needs beyond what the CUDA runtime image provides; and the staged server, started with
+# nothing but the staged library directory and the image's default arguments (ports moved to
+# free loopback ones, device cpu), must answer its health check and serve /metrics, then exit
+# cleanly on SIGTERM.
+#
+# Usage: stage_runtime_test.sh REPO_ROOT BUILD_DIR HEALTH_PROBE
+set -euo pipefail
+repo=$1
+build=$2
+probe=$3
+tmp=$(mktemp -d)
+server_pid=""
+cleanup() {
+  [[ -n "$server_pid" ]] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAILED: $*" >&2; exit 1; }
+
+MOE_BUILD_DIR="$build" bash "$repo/scripts/build" >"$tmp/build.log" 2>&1 ||
+  { tail -30 "$tmp/build.log" >&2; fail "scripts/build failed"; }
+bash "$repo/scripts/stage-runtime" "$build" "$tmp/stage" || fail "scripts/stage-runtime failed"
+
+bin=$tmp/stage/opt/moe/bin
+lib=$tmp/stage/opt/moe/lib
+[[ -x "$bin/moe-server" ]] || fail "moe-server was not staged"
+[[ -d "$tmp/stage/var/lib/moe/checkpoints" ]] || fail "the checkpoint directory was not staged"
+[[ -n "$(ls "$lib")" ]] || fail "no libraries were staged (gRPC at least should be)"
+
+# Every library a staged program loads resolves either into the staged lib/ or to one the
+# runtime image provides (the same list stage-runtime leaves out).
+base='^(linux-vdso|ld-linux[^ ]*|libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnccl|libnvrtc|libnvJitLink|libcurand|libcufft|libcusparse|libcusolver)\.so'
+for program in "$bin"/*; do
+  while read -r soname arrow path _; do
+    [[ "$arrow" == "=>" ]] || continue
+    [[ "$soname" =~ $base ]] && continue
+    [[ "$path" == "$lib/$soname" ]] ||
+      fail "$(basename "$program") loads $soname from $path, not from the staged $lib"
+  done < <(LD_LIBRARY_PATH=$lib ldd "$program")
+done
+echo "ok: $(ls "$bin" | tr '\n' ' ')load only staged or base-image libraries ($(ls "$lib" | wc -l) staged)"
+
+# The image's CMD, with its ports and device moved, from a bare environment.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+grpc_port=$(free_port)
+metrics_port=$(free_port)
+mapfile -t cmd < <(python3 -c '
+import json, re, sys
+text = open(sys.argv[1]).read()
+for a in json.loads(re.search(r"^CMD\s+(\[.*\])", text, re.M).group(1)):
+    if a.split("=")[0] not in ("--port", "--metrics_port", "--device", "--checkpoint_dir"):
+        print(a)' "$repo/docker/Dockerfile")
+env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$lib" "$bin/moe-server" "${cmd[@]}" \
+  --host=127.0.0.1 --port="$grpc_port" --metrics_port="$metrics_port" --device=cpu \
+  --checkpoint_dir="$tmp/stage/var/lib/moe/checkpoints" >"$tmp/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 1 120); do
+  "$probe" "127.0.0.1:$grpc_port" moe.v1.ExpertService >/dev/null 2>&1 && break
+  kill -0 "$server_pid" 2>/dev/null || { cat "$tmp/server.log" >&2; fail "staged moe-server exited"; }
+  sleep 0.25
+done
+"$probe" "127.0.0.1:$grpc_port" moe.v1.ExpertService || { cat "$tmp/server.log" >&2; fail "staged moe-server is not SERVING"; }
+python3 - "$metrics_port" <<'PY' || fail "staged moe-server does not serve /metrics"
+import sys, urllib.request
+body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+assert "moe_device_memory_total_bytes" in body, body[:500]
+PY
+kill -TERM "$server_pid"
+rc=0
+wait "$server_pid" || rc=$?
+server_pid=""
+[[ $rc -eq 0 ]] || { cat "$tmp/server.log" >&2; fail "staged moe-server exited with $rc on SIGTERM"; }
+echo "ok: the staged moe-server serves health and metrics, and exits 0 on SIGTERM"
