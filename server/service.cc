@@ -61,17 +61,21 @@ template <typename Resp, typename Header>
 std::vector<Resp> ChunkResponse(const std::vector<const Tensor*>& tensors, int64_t chunk,
                                 Header header) {
   std::vector<size_t> sizes;
-  for (const Tensor* t : tensors) sizes.push_back(t ? t->bytes.size() : 0);
+  std::vector<const Tensor*> present = tensors;
+  for (const Tensor*& t : present) {
+    if (t && t->empty()) t = nullptr;  // an empty result tensor stays unset on the wire
+  }
+  for (const Tensor* t : present) sizes.push_back(t ? t->bytes.size() : 0);
   auto plan = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
   std::vector<Resp> out(plan.size());
   for (size_t m = 0; m < plan.size(); ++m) {
     std::vector<v1::Tensor*> protos = header(&out[m]);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i] && protos[i]) wire::SetTensorHeader(tensors[i]->dtype, tensors[i]->shape, protos[i]);
+    for (size_t i = 0; i < present.size(); ++i) {
+      if (present[i] && protos[i]) wire::SetTensorHeader(present[i]->dtype, present[i]->shape, protos[i]);
     }
     for (const wire::Piece& p : plan[m]) {
       protos[p.tensor]->mutable_data()->append(
-          reinterpret_cast<const char*>(tensors[p.tensor]->bytes.data()) + p.offset, p.size);
+          reinterpret_cast<const char*>(present[p.tensor]->bytes.data()) + p.offset, p.size);
     }
     out[m].set_last_chunk(m + 1 == plan.size());
   }
@@ -266,8 +270,9 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
           r->set_context_id(id);
           r->set_aux_loss(aux);
           r->set_z_loss(z);
-          return std::vector<v1::Tensor*>{r->mutable_out(), r->mutable_expert_ids(),
-                                          r->mutable_weights()};
+          return std::vector<v1::Tensor*>{
+              r->mutable_out(), result_.expert_ids.empty() ? nullptr : r->mutable_expert_ids(),
+              result_.weights.empty() ? nullptr : r->mutable_weights()};
         });
     result_ = ForwardResult();  // the chunks hold copies
     return absl::OkStatus();

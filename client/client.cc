@@ -1,0 +1,693 @@
+// moe::client implementation (see client.h). Forward and Backward run on gRPC's callback client
+// API: each call is a heap-allocated ClientBidiReactor that writes its request chunks, reads the
+// response chunks and fulfils a promise from OnDone, so the caller's thread never waits unless it
+// asks the future.
+#include "client/client.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/wire.h"
+
+namespace moe::client {
+namespace {
+
+constexpr char kSessionMetadataKey[] = "moe-session-id";
+
+// Request chunks for `views` (in the order the header lambda returns proto tensors for).
+template <typename Req, typename Header>
+std::vector<Req> ChunkRequest(const std::vector<const TensorView*>& views, int64_t chunk,
+                              Header header) {
+  std::vector<size_t> sizes;
+  for (const TensorView* v : views) sizes.push_back(v && !v->empty() ? v->size_bytes : 0);
+  auto plan = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
+  std::vector<Req> out(plan.size());
+  for (size_t m = 0; m < plan.size(); ++m) {
+    std::vector<v1::Tensor*> protos = header(&out[m]);
+    for (size_t i = 0; i < views.size(); ++i) {
+      if (views[i] && !views[i]->empty()) {
+        wire::SetTensorHeader(views[i]->dtype, views[i]->shape, protos[i]);
+      }
+    }
+    for (const wire::Piece& p : plan[m]) {
+      protos[p.tensor]->mutable_data()->append(
+          static_cast<const char*>(views[p.tensor]->data) + p.offset, p.size);
+    }
+    out[m].set_last_chunk(m + 1 == plan.size());
+  }
+  return out;
+}
+
+// One micro-batch on its own bidi stream.
+template <typename Req, typename Resp, typename Out>
+class StreamCall final : public grpc::ClientBidiReactor<Req, Resp> {
+ public:
+  using Assemble = std::function<absl::StatusOr<Out>(std::vector<Resp>&)>;
+  StreamCall(std::vector<Req> requests, Assemble assemble)
+      : requests_(std::move(requests)), assemble_(std::move(assemble)) {}
+
+  grpc::ClientContext* context() { return &ctx_; }
+  std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
+
+  void Start() {
+    this->StartWrite(&requests_[0]);
+    this->StartRead(&response_);
+    this->StartCall();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) return;  // the call failed; OnDone reports why
+    if (++next_ < requests_.size()) {
+      this->StartWrite(&requests_[next_]);
+    } else {
+      this->StartWritesDone();
+    }
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    responses_.push_back(std::move(response_));
+    response_.Clear();
+    this->StartRead(&response_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    if (!status.ok()) {
+      promise_.set_value(FromGrpcStatus(status));
+    } else if (responses_.empty() || !responses_.back().last_chunk()) {
+      promise_.set_value(absl::DataLossError("the server ended the stream without a complete response"));
+    } else {
+      promise_.set_value(assemble_(responses_));
+    }
+    delete this;
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::vector<Req> requests_;
+  size_t next_ = 0;
+  Resp response_;
+  std::vector<Resp> responses_;
+  Assemble assemble_;
+  std::promise<absl::StatusOr<Out>> promise_;
+};
+
+template <typename T>
+std::future<absl::StatusOr<T>> Ready(absl::Status status) {
+  std::promise<absl::StatusOr<T>> p;
+  p.set_value(std::move(status));
+  return p.get_future();
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+Tensor ToTensor(const TensorView& view) {
+  Tensor t;
+  t.dtype = view.dtype;
+  t.shape = view.shape;
+  t.bytes.resize(view.size_bytes);
+  if (view.size_bytes) std::memcpy(t.bytes.data(), view.data, view.size_bytes);
+  return t;
+}
+
+// --- Session ---------------------------------------------------------------------------------
+// Holds the OpenSession stream open for the Connection's lifetime. The first event names the
+// session; cancelling the call (destructor) tells the server to free the session's contexts.
+class Connection::SessionCall final : public grpc::ClientReadReactor<v1::SessionEvent> {
+ public:
+  void Start(v1::ExpertService::Stub* stub) {
+    stub->async()->OpenSession(&ctx_, &request_, this);
+    StartRead(&event_);
+    StartCall();
+  }
+  std::future<std::string> first_event() { return id_.get_future(); }
+  void OnReadDone(bool ok) override {
+    if (ok && !got_) {
+      got_ = true;
+      id_.set_value(event_.session_id());
+    }
+    if (ok) StartRead(&event_);
+  }
+  void OnDone(const grpc::Status&) override {
+    if (!got_) {
+      got_ = true;
+      id_.set_value("");
+    }
+    done_.set_value();
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  std::future<void> done() { return done_.get_future(); }
+  grpc::ClientContext ctx_;
+
+ private:
+  v1::OpenSessionRequest request_;
+  v1::SessionEvent event_;
+  bool got_ = false;
+  std::promise<std::string> id_;
+  std::promise<void> done_;
+};
+
+absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::string& target,
+                                                                ClientOptions options) {
+  if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
+  std::shared_ptr<Connection> c(new Connection());
+  c->target_ = target;
+  c->options_ = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_receive_bytes, INT32_MAX)));
+  args.SetMaxSendMessageSize(-1);
+  c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.timeout)) {
+    return absl::UnavailableError(absl::StrCat("could not connect to ", target, " within ",
+                                               options.timeout.count(), " ms"));
+  }
+  c->stub_ = v1::ExpertService::NewStub(c->channel_);
+  std::random_device rd;
+  c->context_prefix_ = (static_cast<uint64_t>(rd()) << 32) & 0xFFFFFFFF00000000ull;
+  if (options.open_session) {
+    auto* s = new SessionCall();
+    c->session_ = s;
+    s->ctx_.set_wait_for_ready(true);
+    auto id = s->first_event();
+    s->Start(c->stub_.get());
+    if (id.wait_for(options.timeout) != std::future_status::ready || (c->session_id_ = id.get()).empty()) {
+      return absl::UnavailableError(absl::StrCat("OpenSession on ", target, " failed"));
+    }
+  }
+  return c;
+}
+
+Connection::~Connection() {
+  if (session_) {
+    auto done = session_->done();
+    session_->Cancel();
+    done.wait();
+    delete session_;
+  }
+}
+
+uint64_t Connection::NextContextId() { return context_prefix_ | (++context_counter_ & 0xFFFFFFFFull); }
+
+void Connection::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  if (!session_id_.empty()) ctx->AddMetadata(kSessionMetadataKey, session_id_);
+}
+
+absl::Status Connection::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  absl::Status st = FromGrpcStatus(health->Check(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(target_, " is not serving (",
+        grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::LayerInfo> Connection::CreateLayer(const std::string& name,
+                                                      const LayerConfig& config,
+                                                      bool attach_if_exists) {
+  v1::CreateLayerRequest req;
+  req.set_name(name);
+  *req.mutable_config() = wire::LayerConfigToProto(config);
+  req.set_attach_if_exists(attach_if_exists);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::LayerInfo info;
+  absl::Status st = FromGrpcStatus(stub_->CreateLayer(&ctx, req, &info));
+  if (!st.ok()) return st;
+  return info;
+}
+
+absl::StatusOr<v1::LayerInfo> Connection::GetLayer(const std::string& name) {
+  v1::GetLayerRequest req;
+  req.set_name(name);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::LayerInfo info;
+  absl::Status st = FromGrpcStatus(stub_->GetLayer(&ctx, req, &info));
+  if (!st.ok()) return st;
+  return info;
+}
+
+absl::StatusOr<std::vector<v1::LayerInfo>> Connection::ListLayers() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ListLayersResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->ListLayers(&ctx, {}, &resp));
+  if (!st.ok()) return st;
+  return std::vector<v1::LayerInfo>(resp.layers().begin(), resp.layers().end());
+}
+
+absl::Status Connection::DeleteLayer(const std::string& name) {
+  v1::DeleteLayerRequest req;
+  req.set_name(name);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::DeleteLayerResponse resp;
+  return FromGrpcStatus(stub_->DeleteLayer(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::StatsResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
+  if (!st.ok()) return st;
+  return resp;
+}
+
+std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(
+    const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
+    const TensorView& ids, const TensorView& weights) {
+  const int64_t chunk = options_.chunk_bytes;
+  auto requests = ChunkRequest<v1::ForwardRequest>(
+      {&x, &ids, &weights}, chunk, [&](v1::ForwardRequest* r) {
+        r->set_layer(layer);
+        r->set_context_id(context_id);
+        r->set_training(training);
+        r->set_max_response_chunk_bytes(std::min(chunk, options_.max_receive_bytes / 2));
+        // Absent tensors stay unset (server routing sends no ids or weights).
+        return std::vector<v1::Tensor*>{r->mutable_x(),
+                                        ids.empty() ? nullptr : r->mutable_expert_ids(),
+                                        weights.empty() ? nullptr : r->mutable_weights()};
+      });
+  auto* call = new StreamCall<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput>(
+      std::move(requests),
+      [](std::vector<v1::ForwardResponse>& rs) -> absl::StatusOr<ForwardOutput> {
+        wire::TensorAssembler out("out"), ids("expert_ids"), w("weights");
+        for (const auto& r : rs) {
+          if (r.has_out()) { if (auto s = out.Add(r.out()); !s.ok()) return s; }
+          if (r.has_expert_ids()) { if (auto s = ids.Add(r.expert_ids()); !s.ok()) return s; }
+          if (r.has_weights()) { if (auto s = w.Add(r.weights()); !s.ok()) return s; }
+        }
+        ForwardOutput o;
+        o.context_id = rs.front().context_id();
+        o.aux_loss = rs.front().aux_loss();
+        o.z_loss = rs.front().z_loss();
+        auto t = out.Finish();
+        if (!t.ok()) return t.status();
+        o.out = std::move(*t);
+        if (ids.seen()) {
+          auto v = ids.Finish();
+          if (!v.ok()) return v.status();
+          o.expert_ids = std::move(*v);
+        }
+        if (w.seen()) {
+          auto v = w.Finish();
+          if (!v.ok()) return v.status();
+          o.weights = std::move(*v);
+        }
+        return o;
+      });
+  Prepare(call->context());
+  auto fut = call->future();
+  stub_->async()->Forward(call->context(), call);
+  call->Start();
+  return fut;
+}
+
+std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
+                                                                 uint64_t context_id,
+                                                                 const TensorView& dout) {
+  const int64_t chunk = options_.chunk_bytes;
+  auto requests = ChunkRequest<v1::BackwardRequest>({&dout}, chunk, [&](v1::BackwardRequest* r) {
+    r->set_layer(layer);
+    r->set_context_id(context_id);
+    r->set_max_response_chunk_bytes(std::min(chunk, options_.max_receive_bytes / 2));
+    return std::vector<v1::Tensor*>{r->mutable_dout()};
+  });
+  auto* call = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
+      std::move(requests),
+      [](std::vector<v1::BackwardResponse>& rs) -> absl::StatusOr<BackwardOutput> {
+        wire::TensorAssembler dx("dx"), dw("dweights");
+        for (const auto& r : rs) {
+          if (r.has_dx()) { if (auto s = dx.Add(r.dx()); !s.ok()) return s; }
+          if (r.has_dweights()) { if (auto s = dw.Add(r.dweights()); !s.ok()) return s; }
+        }
+        BackwardOutput o;
+        auto t = dx.Finish();
+        if (!t.ok()) return t.status();
+        o.dx = std::move(*t);
+        if (dw.seen()) {
+          auto v = dw.Finish();
+          if (!v.ok()) return v.status();
+          o.dweights = std::move(*v);
+        }
+        return o;
+      });
+  Prepare(call->context());
+  auto fut = call->future();
+  stub_->async()->Backward(call->context(), call);
+  call->Start();
+  return fut;
+}
+
+absl::StatusOr<StepOutput> Connection::Step(const std::string& layer) {
+  v1::StepRequest req;
+  req.set_layer(layer);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::StepResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->Step(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  StepOutput o;
+  o.step = resp.step();
+  o.grad_norm = resp.grad_norm();
+  o.expert_first = resp.expert_first();
+  o.tokens_per_expert.assign(resp.tokens_per_expert().begin(), resp.tokens_per_expert().end());
+  return o;
+}
+
+absl::Status Connection::ZeroGrad(const std::string& layer) {
+  v1::ZeroGradRequest req;
+  req.set_layer(layer);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ZeroGradResponse resp;
+  return FromGrpcStatus(stub_->ZeroGrad(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::map<std::string, Tensor>> Connection::ExportWeights(const std::string& layer,
+                                                                        bool include_optimizer) {
+  v1::ExportWeightsRequest req;
+  req.set_layer(layer);
+  req.set_include_optimizer(include_optimizer);
+  req.set_max_chunk_bytes(std::min(options_.chunk_bytes, options_.max_receive_bytes / 2));
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  auto reader = stub_->ExportWeights(&ctx, req);
+  std::map<std::string, std::unique_ptr<wire::TensorAssembler>> parts;
+  v1::WeightChunk chunk;
+  while (reader->Read(&chunk)) {
+    auto& a = parts[chunk.name()];
+    if (!a) a = std::make_unique<wire::TensorAssembler>(chunk.name());
+    if (auto s = a->Add(chunk.tensor()); !s.ok()) {
+      ctx.TryCancel();
+      reader->Finish();
+      return s;
+    }
+  }
+  absl::Status st = FromGrpcStatus(reader->Finish());
+  if (!st.ok()) return st;
+  std::map<std::string, Tensor> out;
+  for (auto& [name, a] : parts) {
+    auto t = a->Finish();
+    if (!t.ok()) return t.status();
+    out[name] = std::move(*t);
+  }
+  return out;
+}
+
+absl::Status Connection::ImportWeights(const std::string& layer,
+                                       const std::map<std::string, Tensor>& state) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ImportWeightsResponse resp;
+  auto writer = stub_->ImportWeights(&ctx, &resp);
+  const size_t chunk = static_cast<size_t>(options_.chunk_bytes);
+  bool first = true;
+  for (const auto& [name, t] : state) {
+    size_t offset = 0;
+    do {
+      const size_t take = std::min(chunk, t.bytes.size() - offset);
+      v1::WeightChunk c;
+      if (first) c.set_layer(layer);
+      first = false;
+      c.set_name(name);
+      wire::SetTensorHeader(t.dtype, t.shape, c.mutable_tensor());
+      c.mutable_tensor()->set_data(reinterpret_cast<const char*>(t.bytes.data()) + offset, take);
+      offset += take;
+      c.set_last_chunk(offset == t.bytes.size());
+      if (!writer->Write(c)) return FromGrpcStatus(writer->Finish());
+    } while (offset < t.bytes.size());
+  }
+  writer->WritesDone();
+  return FromGrpcStatus(writer->Finish());
+}
+
+absl::StatusOr<v1::SaveCheckpointResponse> Connection::SaveCheckpoint(const std::string& layer,
+                                                                      const std::string& path) {
+  v1::SaveCheckpointRequest req;
+  req.set_layer(layer);
+  req.set_path(path);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::SaveCheckpointResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->SaveCheckpoint(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  return resp;
+}
+
+absl::StatusOr<v1::LayerInfo> Connection::LoadCheckpoint(const std::string& layer,
+                                                         const std::string& path) {
+  v1::LoadCheckpointRequest req;
+  req.set_layer(layer);
+  req.set_path(path);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::LoadCheckpointResponse resp;
+  absl::Status st = FromGrpcStatus(stub_->LoadCheckpoint(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  return resp.layer();
+}
+
+// --- RemoteLayer -----------------------------------------------------------------------------
+absl::StatusOr<std::unique_ptr<RemoteLayer>> RemoteLayer::Create(std::shared_ptr<Connection> conn,
+                                                                 const std::string& name,
+                                                                 const LayerConfig& config) {
+  auto info = conn->CreateLayer(name, config, /*attach_if_exists=*/true);
+  if (!info.ok()) return info.status();
+  auto c = wire::LayerConfigFromProto(info->config());
+  if (!c.ok()) return c.status();
+  return std::unique_ptr<RemoteLayer>(new RemoteLayer(std::move(conn), name, *c));
+}
+
+absl::StatusOr<std::unique_ptr<RemoteLayer>> RemoteLayer::Attach(std::shared_ptr<Connection> conn,
+                                                                 const std::string& name) {
+  auto info = conn->GetLayer(name);
+  if (!info.ok()) return info.status();
+  auto c = wire::LayerConfigFromProto(info->config());
+  if (!c.ok()) return c.status();
+  return std::unique_ptr<RemoteLayer>(new RemoteLayer(std::move(conn), name, *c));
+}
+
+std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(const TensorView& x,
+                                                                const TensorView& ids,
+                                                                const TensorView& weights,
+                                                                bool training) {
+  return conn_->Forward(name_, training ? conn_->NextContextId() : 0, training, x, ids, weights);
+}
+
+std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t context_id,
+                                                                  const TensorView& dout) {
+  return conn_->Backward(name_, context_id, dout);
+}
+
+// --- ShardedLayer ----------------------------------------------------------------------------
+absl::StatusOr<std::unique_ptr<ShardedLayer>> ShardedLayer::Create(
+    std::vector<std::shared_ptr<Connection>> conns, const std::string& name,
+    const LayerConfig& config) {
+  if (conns.empty()) return absl::InvalidArgumentError("conns: at least one server is needed");
+  if (config.routing != RoutingMode::kClient) {
+    return absl::InvalidArgumentError(
+        "config.routing: a sharded layer needs client routing (the client must know where each "
+        "token goes)");
+  }
+  if (config.dtype != DType::kFloat32) {
+    return absl::InvalidArgumentError("config.dtype: a sharded layer sums partials in float32");
+  }
+  const int64_t n = static_cast<int64_t>(conns.size());
+  if (config.num_experts < n) {
+    return absl::InvalidArgumentError(absl::StrCat("config.num_experts: ", config.num_experts,
+                                                   " experts cannot be split over ", n, " servers"));
+  }
+  std::unique_ptr<ShardedLayer> s(new ShardedLayer());
+  s->config_ = config;
+  s->config_.expert_first = 0;
+  s->config_.expert_count = -1;
+  int64_t first = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    LayerConfig c = s->config_;
+    c.expert_first = first;
+    c.expert_count = config.num_experts / n + (i < config.num_experts % n ? 1 : 0);
+    first += c.expert_count;
+    auto layer = RemoteLayer::Create(conns[i], name, c);
+    if (!layer.ok()) return layer.status();
+    s->shards_.push_back(std::move(*layer));
+  }
+  return s;
+}
+
+std::future<absl::StatusOr<ForwardOutput>> ShardedLayer::Forward(const TensorView& x,
+                                                                 const TensorView& ids,
+                                                                 const TensorView& weights,
+                                                                 bool training) {
+  return std::async(std::launch::async, &ShardedLayer::RunForward, this, ToTensor(x),
+                    ToTensor(ids), ToTensor(weights), training);
+}
+
+std::future<absl::StatusOr<BackwardOutput>> ShardedLayer::Backward(uint64_t context_id,
+                                                                   const TensorView& dout) {
+  return std::async(std::launch::async, &ShardedLayer::RunBackward, this, context_id,
+                    ToTensor(dout));
+}
+
+namespace {
+// Rows `rows` of a row-major [T, ...] tensor.
+Tensor GatherRows(const Tensor& t, const std::vector<int64_t>& rows) {
+  Tensor out;
+  out.dtype = t.dtype;
+  out.shape = t.shape;
+  out.shape[0] = static_cast<int64_t>(rows.size());
+  const size_t row = t.shape[0] ? t.bytes.size() / t.shape[0] : 0;
+  out.bytes.resize(rows.size() * row);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(out.bytes.data() + i * row, t.bytes.data() + rows[i] * row, row);
+  }
+  return out;
+}
+// dst[rows[i], :] += src[i, :], float32.
+void ScatterAdd(const Tensor& src, const std::vector<int64_t>& rows, Tensor* dst) {
+  const int64_t width = dst->shape.size() > 1 ? dst->shape[1] : 1;
+  const float* s = src.as<float>();
+  float* d = dst->as<float>();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (int64_t j = 0; j < width; ++j) d[rows[i] * width + j] += s[i * width + j];
+  }
+}
+}  // namespace
+
+absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Tensor weights,
+                                                       bool training) {
+  const int64_t d = config_.d_model, k = config_.top_k;
+  if (auto st = CheckTensor(x.view(), "x", DType::kFloat32, {-1, d}); !st.ok()) return st;
+  const int64_t tokens = x.shape[0];
+  if (auto st = CheckTensor(ids.view(), "expert_ids", DType::kInt32, {tokens, k}); !st.ok()) {
+    return st;
+  }
+  Pending pending;
+  pending.tokens = tokens;
+  pending.shard_context.assign(shards_.size(), 0);
+  pending.rows.resize(shards_.size());
+  const int32_t* id = ids.as<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (size_t s = 0; s < shards_.size(); ++s) {
+      const LayerConfig& c = shards_[s]->config();
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = id[t * k + j];
+        if (e < 0 || e >= config_.num_experts) {
+          return absl::InvalidArgumentError(absl::StrCat("expert_ids: id ", e, " at [", t, ",", j,
+                                                         "] is outside [0, ", config_.num_experts, ")"));
+        }
+        if (e >= c.expert_first && e < c.expert_first + c.local_experts()) {
+          pending.rows[s].push_back(t);
+          break;
+        }
+      }
+    }
+  }
+  std::vector<Tensor> xs(shards_.size()), is(shards_.size()), ws(shards_.size());
+  std::vector<std::future<absl::StatusOr<ForwardOutput>>> futures(shards_.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (pending.rows[s].empty()) continue;
+    xs[s] = GatherRows(x, pending.rows[s]);
+    is[s] = GatherRows(ids, pending.rows[s]);
+    ws[s] = GatherRows(weights, pending.rows[s]);
+    futures[s] = shards_[s]->Forward(xs[s].view(), is[s].view(), ws[s].view(), training);
+  }
+  ForwardOutput out;
+  out.out = Tensor::Zeros(DType::kFloat32, {tokens, d});
+  out.expert_ids = ids;
+  out.weights = weights;
+  absl::Status first_error;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!futures[s].valid()) continue;
+    auto r = futures[s].get();
+    if (!r.ok()) {
+      if (first_error.ok()) first_error = r.status();
+      continue;
+    }
+    ScatterAdd(r->out, pending.rows[s], &out.out);
+    pending.shard_context[s] = r->context_id;
+  }
+  if (!first_error.ok()) return first_error;  // shard contexts die with TTL or the session
+  if (training) {
+    out.context_id = next_id_++;
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_[out.context_id] = std::move(pending);
+  }
+  return out;
+}
+
+absl::StatusOr<BackwardOutput> ShardedLayer::RunBackward(uint64_t context_id, Tensor dout) {
+  Pending pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(context_id);
+    if (it == pending_.end()) {
+      return absl::NotFoundError(absl::StrCat("context_id: no pending sharded context ", context_id));
+    }
+    pending = std::move(it->second);
+    pending_.erase(it);
+  }
+  const int64_t d = config_.d_model, k = config_.top_k;
+  if (auto st = CheckTensor(dout.view(), "dout", DType::kFloat32, {pending.tokens, d}); !st.ok()) {
+    return st;
+  }
+  std::vector<Tensor> douts(shards_.size());
+  std::vector<std::future<absl::StatusOr<BackwardOutput>>> futures(shards_.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (pending.rows[s].empty()) continue;
+    douts[s] = GatherRows(dout, pending.rows[s]);
+    futures[s] = shards_[s]->Backward(pending.shard_context[s], douts[s].view());
+  }
+  BackwardOutput out;
+  out.dx = Tensor::Zeros(DType::kFloat32, {pending.tokens, d});
+  out.dweights = Tensor::Zeros(DType::kFloat32, {pending.tokens, k});
+  absl::Status first_error;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!futures[s].valid()) continue;
+    auto r = futures[s].get();
+    if (!r.ok()) {
+      if (first_error.ok()) first_error = r.status();
+      continue;
+    }
+    ScatterAdd(r->dx, pending.rows[s], &out.dx);
+    ScatterAdd(r->dweights, pending.rows[s], &out.dweights);
+  }
+  if (!first_error.ok()) return first_error;
+  return out;
+}
+
+absl::StatusOr<StepOutput> ShardedLayer::Step() {
+  StepOutput out;
+  out.tokens_per_expert.assign(config_.num_experts, 0);
+  double sq = 0;
+  for (auto& shard : shards_) {
+    auto r = shard->Step();
+    if (!r.ok()) return r.status();
+    out.step = r->step;
+    sq += r->grad_norm * r->grad_norm;
+    for (size_t i = 0; i < r->tokens_per_expert.size(); ++i) {
+      out.tokens_per_expert[r->expert_first + i] = r->tokens_per_expert[i];
+    }
+  }
+  out.grad_norm = std::sqrt(sq);
+  return out;
+}
+
+}  // namespace moe::client

@@ -1,0 +1,223 @@
+// moe::client: the library a trainer links to run its MoE layers on one or several moe-servers.
+//
+//   auto conn = moe::client::Connection::Connect("localhost:50051");
+//   auto layer = moe::client::RemoteLayer::Create(*conn, "moe0", config);
+//   auto fut = (*layer)->Forward(x, ids, p);        // several may be in flight at once
+//   auto fwd = fut.get();                           // absl::StatusOr<ForwardOutput>
+//   auto bwd = (*layer)->Backward(fwd->context_id, dout).get();
+//   auto step = (*layer)->Step();
+//
+// Every call carries a deadline (ClientOptions::timeout). Errors are absl::Status with the
+// server's code and message. Tensors larger than ClientOptions::chunk_bytes are split into
+// several messages (docs/PROTOCOL.md, "Chunking") and responses reassembled. Each Forward or
+// Backward is its own bidirectional stream, so micro-batches in flight do not wait on each
+// other; a Connection also holds one OpenSession stream, so the server frees this client's
+// saved contexts when the client goes away.
+#ifndef MOE_CLIENT_CLIENT_H_
+#define MOE_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/layer.h"
+#include "engine/tensor.h"
+#include "moe/v1/moe.grpc.pb.h"
+
+namespace moe::client {
+
+struct ClientOptions {
+  std::chrono::milliseconds timeout{30000};  // deadline of every call
+  int64_t chunk_bytes = int64_t{1} << 20;    // tensor payload per request message
+  int64_t max_receive_bytes = int64_t{256} << 20;
+  bool open_session = true;                  // tie saved contexts to this connection
+};
+
+// grpc::Status -> absl::Status, code and message unchanged.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+struct ForwardOutput {
+  uint64_t context_id = 0;
+  Tensor out;         // [T, d]
+  Tensor expert_ids;  // [T, K] int32, the routing used
+  Tensor weights;     // [T, K] float32
+  double aux_loss = 0;
+  double z_loss = 0;
+};
+
+struct BackwardOutput {
+  Tensor dx;        // [T, d]
+  Tensor dweights;  // [T, K] float32 (client routing), else empty
+};
+
+struct StepOutput {
+  int64_t step = 0;
+  double grad_norm = 0;
+  int64_t expert_first = 0;
+  std::vector<int64_t> tokens_per_expert;
+};
+
+// One server.
+class Connection {
+ public:
+  // Connects (waiting up to the timeout for the channel) and opens the session.
+  static absl::StatusOr<std::shared_ptr<Connection>> Connect(const std::string& target,
+                                                             ClientOptions options = {});
+  ~Connection();  // ends the session: the server frees its contexts
+
+  const std::string& target() const { return target_; }
+  const std::string& session_id() const { return session_id_; }
+  const ClientOptions& options() const { return options_; }
+
+  // grpc.health.v1 Check of `service` ("" = the whole server). OK only when SERVING.
+  absl::Status Health(const std::string& service = "");
+
+  absl::StatusOr<v1::LayerInfo> CreateLayer(const std::string& name, const LayerConfig& config,
+                                            bool attach_if_exists = false);
+  absl::StatusOr<v1::LayerInfo> GetLayer(const std::string& name);
+  absl::StatusOr<std::vector<v1::LayerInfo>> ListLayers();
+  absl::Status DeleteLayer(const std::string& name);
+  absl::StatusOr<v1::StatsResponse> GetStats();
+
+  // `ids`, `weights` empty for server routing. `training` keeps a context under `context_id`.
+  std::future<absl::StatusOr<ForwardOutput>> Forward(const std::string& layer,
+                                                     uint64_t context_id, bool training,
+                                                     const TensorView& x, const TensorView& ids,
+                                                     const TensorView& weights);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(const std::string& layer,
+                                                       uint64_t context_id,
+                                                       const TensorView& dout);
+  absl::StatusOr<StepOutput> Step(const std::string& layer);
+  absl::Status ZeroGrad(const std::string& layer);
+
+  absl::StatusOr<std::map<std::string, Tensor>> ExportWeights(const std::string& layer,
+                                                              bool include_optimizer);
+  absl::Status ImportWeights(const std::string& layer, const std::map<std::string, Tensor>& state);
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& layer,
+                                                            const std::string& path);
+  absl::StatusOr<v1::LayerInfo> LoadCheckpoint(const std::string& layer, const std::string& path);
+
+  // A context id unique to this connection (random prefix, counter).
+  uint64_t NextContextId();
+  v1::ExpertService::Stub* stub() { return stub_.get(); }
+  // A ClientContext with this connection's deadline and session metadata.
+  void Prepare(grpc::ClientContext* ctx) const;
+
+ private:
+  class SessionCall;
+  Connection() = default;
+  std::string target_;
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::ExpertService::Stub> stub_;
+  std::string session_id_;
+  SessionCall* session_ = nullptr;
+  uint64_t context_prefix_ = 0;
+  std::atomic<uint64_t> context_counter_{0};
+};
+
+// A layer on one server.
+class RemoteLayer {
+ public:
+  // Creates the layer, or attaches to an existing one with an identical config.
+  static absl::StatusOr<std::unique_ptr<RemoteLayer>> Create(std::shared_ptr<Connection> conn,
+                                                             const std::string& name,
+                                                             const LayerConfig& config);
+  // Attaches to an existing layer (NotFound if there is none).
+  static absl::StatusOr<std::unique_ptr<RemoteLayer>> Attach(std::shared_ptr<Connection> conn,
+                                                             const std::string& name);
+
+  const std::string& name() const { return name_; }
+  const LayerConfig& config() const { return config_; }
+  Connection& connection() { return *conn_; }
+
+  // Training forwards get a fresh context id (ForwardOutput::context_id) for their Backward.
+  std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x,
+                                                     const TensorView& ids = {},
+                                                     const TensorView& weights = {},
+                                                     bool training = true);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id,
+                                                       const TensorView& dout);
+  absl::StatusOr<StepOutput> Step() { return conn_->Step(name_); }
+  absl::Status ZeroGrad() { return conn_->ZeroGrad(name_); }
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& path) {
+    return conn_->SaveCheckpoint(name_, path);
+  }
+  absl::Status LoadCheckpoint(const std::string& path) {
+    return conn_->LoadCheckpoint(name_, path).status();
+  }
+  absl::StatusOr<std::map<std::string, Tensor>> ExportWeights(bool include_optimizer = false) {
+    return conn_->ExportWeights(name_, include_optimizer);
+  }
+  absl::Status ImportWeights(const std::map<std::string, Tensor>& state) {
+    return conn_->ImportWeights(name_, state);
+  }
+
+ private:
+  RemoteLayer(std::shared_ptr<Connection> conn, std::string name, LayerConfig config)
+      : conn_(std::move(conn)), name_(std::move(name)), config_(config) {}
+  std::shared_ptr<Connection> conn_;
+  std::string name_;
+  LayerConfig config_;
+};
+
+// One logical client-routed layer whose experts are spread over several servers, each holding a
+// contiguous range. Forward sends each shard only the tokens with at least one of the top-K
+// picks in its range and sums the partial outputs; Backward does the same for dout and sums dx
+// and dweights. Shards with no routed tokens get no call. float32 layers only: summing rounded
+// bf16 partials would not be the layer's arithmetic.
+class ShardedLayer {
+ public:
+  // Splits [0, E) into `conns.size()` contiguous ranges (sizes differ by at most one) and creates
+  // (or attaches) "<name>" on each server with that range. config.expert_first/count ignored.
+  static absl::StatusOr<std::unique_ptr<ShardedLayer>> Create(
+      std::vector<std::shared_ptr<Connection>> conns, const std::string& name,
+      const LayerConfig& config);
+
+  const LayerConfig& config() const { return config_; }
+  size_t num_shards() const { return shards_.size(); }
+  RemoteLayer& shard(size_t i) { return *shards_[i]; }
+
+  // Blocks the calling thread only inside the returned future (std::async).
+  std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x, const TensorView& ids,
+                                                     const TensorView& weights,
+                                                     bool training = true);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id,
+                                                       const TensorView& dout);
+  // Steps every shard; tokens_per_expert covers all E experts, grad_norm is the global norm.
+  absl::StatusOr<StepOutput> Step();
+
+ private:
+  struct Pending {
+    int64_t tokens = 0;
+    // Per shard: its context id and the global rows it received (none: the shard was skipped).
+    std::vector<uint64_t> shard_context;
+    std::vector<std::vector<int64_t>> rows;
+  };
+  ShardedLayer() = default;
+  absl::StatusOr<ForwardOutput> RunForward(Tensor x, Tensor ids, Tensor weights, bool training);
+  absl::StatusOr<BackwardOutput> RunBackward(uint64_t context_id, Tensor dout);
+
+  LayerConfig config_;
+  std::vector<std::unique_ptr<RemoteLayer>> shards_;
+  std::mutex mu_;
+  std::map<uint64_t, Pending> pending_;
+  std::atomic<uint64_t> next_id_{1};
+};
+
+// Copies a view into an owning tensor.
+Tensor ToTensor(const TensorView& view);
+
+}  // namespace moe::client
+
+#endif  // MOE_CLIENT_CLIENT_H_
