@@ -8,7 +8,7 @@
 // unwritten element fails the finite check, and rows the kernels must NOT write (entries routed
 // outside the shard) must still hold the poison bit-for-bit. Float results pass by the
 // normalised error ||gpu - ref|| / ||ref|| < 1e-2 (bf16 operands and outputs; fp32 sums).
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,8 @@
+# tests/kernels/cuda/sm90.cmake: the fused Hopper kernels' test, included by
+# tests/kernels/cuda/CMakeLists.txt. A plain main (no GoogleTest) so the very same binary also
+# runs on a GPU machine without the project's dependencies; it returns 77 without an sm_90 GPU,
+# which ctest reports as skipped. Label "gpu": CI (no GPU) leaves it out, scripts/gpu-check runs it.
+add_executable(sm90_expert_forward_test ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_forward_test.cc)
+target_link_libraries(sm90_expert_forward_test PRIVATE moe::kernels_sm90 moe::kernels_cpu)
+add_test(NAME Sm90ExpertForward COMMAND sm90_expert_forward_test)
+set_tests_properties(Sm90ExpertForward PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300)
