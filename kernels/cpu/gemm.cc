@@ -29,17 +29,22 @@ void PackA(const Operand& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, flo
   for (int64_t ir = 0; ir < mc; ir += mr) {
     const int64_t rows = std::min<int64_t>(mr, mc - ir);
     float* panel = out + ir * kc;
-    for (int64_t p = 0; p < kc; ++p) {
-      float* dst = panel + p * mr;
-      int64_t i = 0;
-      if (a.trans) {
+    if (a.trans) {
+      for (int64_t p = 0; p < kc; ++p) {
         const float* src = a.p + (p0 + p) * a.ld + i0 + ir;
+        float* dst = panel + p * mr;
+        int64_t i = 0;
         for (; i < rows; ++i) dst[i] = alpha * src[i];
-      } else {
-        const float* src = a.p + (i0 + ir) * a.ld + p0 + p;
-        for (; i < rows; ++i) dst[i] = alpha * src[i * a.ld];
+        for (; i < mr; ++i) dst[i] = 0.0f;
       }
-      for (; i < mr; ++i) dst[i] = 0.0f;
+    } else {
+      // Row by row: contiguous reads, writes strided by MR within an L1-resident panel.
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* src = a.p + (i0 + ir + i) * a.ld + p0;
+        for (int64_t p = 0; p < kc; ++p) panel[p * mr + i] = alpha * src[p];
+      }
+      for (int64_t i = rows; i < mr; ++i)
+        for (int64_t p = 0; p < kc; ++p) panel[p * mr + i] = 0.0f;
     }
   }
 }
