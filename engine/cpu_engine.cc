@@ -110,8 +110,7 @@ struct Param {
 
   int64_t size() const { return static_cast<int64_t>(w.size()); }
   int64_t bytes() const {
-    return static_cast<int64_t>(w.size() + master.size() + grad.size() + m.size() + v.size()) *
-           4;
+    return static_cast<int64_t>(w.size() + master.size() + grad.size() + m.size() + v.size()) * 4;
   }
 };
 
@@ -119,21 +118,21 @@ class CpuContext : public SavedContext {
  public:
   int64_t num_tokens() const override { return t; }
   int64_t bytes() const override {
-    return static_cast<int64_t>(x.size() + 4 * (idx.size() + p.size() + counts.size() +
-                                                 offsets.size() + entries.size() +
-                                                 slot_of.size() + h32.size()) +
+    return static_cast<int64_t>(x.size() +
+                                4 * (idx.size() + p.size() + counts.size() + offsets.size() +
+                                     entries.size() + slot_of.size() + h32.size()) +
                                 2 * h16.size());
   }
 
   const void* owner = nullptr;
   int64_t t = 0;
   DType x_dtype = DType::kFloat32;
-  std::vector<std::byte> x;              // [T, d], layer dtype, as received
-  std::vector<int32_t> idx;              // [T, K] routing used
-  std::vector<float> p;                  // [T, K]
+  std::vector<std::byte> x;                                // [T, d], layer dtype, as received
+  std::vector<int32_t> idx;                                // [T, K] routing used
+  std::vector<float> p;                                    // [T, K]
   std::vector<int32_t> counts, offsets, entries, slot_of;  // dispatch
-  std::vector<float> h32;                // [N, hw] with fp32 storage
-  std::vector<uint16_t> h16;             // [N, hw] with bf16 storage
+  std::vector<float> h32;                                  // [N, hw] with fp32 storage
+  std::vector<uint16_t> h16;                               // [N, hw] with bf16 storage
 };
 
 class CpuLayer : public Layer {
@@ -163,8 +162,7 @@ class CpuLayer : public Layer {
   absl::StatusOr<StepResult> Step() override;
   absl::Status ZeroGrad() override;
   int64_t step() const override { return step_; }
-  absl::StatusOr<std::map<std::string, Tensor>> ExportState(
-      bool include_optimizer) const override;
+  absl::StatusOr<std::map<std::string, Tensor>> ExportState(bool include_optimizer) const override;
   absl::Status ImportState(const std::map<std::string, Tensor>& state) override;
   int64_t resident_bytes() const override {
     int64_t b = 0;
@@ -176,8 +174,7 @@ class CpuLayer : public Layer {
   absl::StatusOr<ForwardResult> ForwardImpl(const ForwardRequest& request);
   absl::StatusOr<BackwardResult> BackwardImpl(std::unique_ptr<SavedContext> context,
                                               const TensorView& dout);
-  void RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, double* aux,
-                   double* z);
+  void RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, double* aux, double* z);
   void RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf);
   // A = act(H1) (* H3), rounded to bf16 with bf16 storage.
   void Activate(const float* h, int64_t n, float* a);
@@ -190,7 +187,7 @@ class CpuLayer : public Layer {
   LayerConfig cfg_;
   std::shared_ptr<std::atomic<int64_t>> memory_;
   ThreadPool* pool_;
-  std::vector<Param> params_;   // w1, [w3], w2, [router]
+  std::vector<Param> params_;  // w1, [w3], w2, [router]
   Param* w1_ = nullptr;
   Param* w3_ = nullptr;
   Param* w2_ = nullptr;
@@ -266,8 +263,7 @@ void CpuLayer::RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, d
                            double* z) {
   const int64_t d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   std::vector<float> logits(t * ne), probs(t * ne), lse(t);
-  Sgemm(false, false, t, ne, d, 1.0f, xf, d, router_->w.data(), ne, 0.0f, logits.data(), ne,
-        pool_);
+  Sgemm(false, false, t, ne, d, 1.0f, xf, d, router_->w.data(), ne, 0.0f, logits.data(), ne, pool_);
   ParallelChunks(pool_, t, 256, [&](int64_t b, int64_t e) {
     kernels::RouteTopKCpu(logits.data() + b * ne, e - b, static_cast<int32_t>(ne),
                           static_cast<int32_t>(k), cfg_.renormalize, probs.data() + b * ne,
@@ -310,8 +306,8 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
 
   std::vector<int32_t> counts(count), offsets(count + 1), entries(t * k), slot_of(t * k);
   kernels::DispatchCpu(idx, t, static_cast<int32_t>(k), static_cast<int32_t>(cfg_.expert_first),
-                       static_cast<int32_t>(count), counts.data(), offsets.data(),
-                       entries.data(), slot_of.data());
+                       static_cast<int32_t>(count), counts.data(), offsets.data(), entries.data(),
+                       slot_of.data());
   const int64_t n_routed = offsets[count];
   entries.resize(n_routed);
   res.tokens_per_local_expert.assign(counts.begin(), counts.end());
@@ -343,8 +339,8 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
     Sgemm(false, true, n, h, d, 1.0f, xl.data(), d, w1_->w.data() + l * h * d, d, 0.0f, hb, w,
           pool_);
     if (w3_ != nullptr) {
-      Sgemm(false, true, n, h, d, 1.0f, xl.data(), d, w3_->w.data() + l * h * d, d, 0.0f,
-            hb + h, w, pool_);
+      Sgemm(false, true, n, h, d, 1.0f, xl.data(), d, w3_->w.data() + l * h * d, d, 0.0f, hb + h, w,
+            pool_);
     }
     if (bf16()) {
       RoundBf16InPlace(pool_, hb, n * w);
@@ -394,13 +390,11 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
   return res;
 }
 
-void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const float* dp,
-                              float* dxf) {
+void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf) {
   const int64_t t = ctx.t, d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   // Recompute softmax and logsumexp from x and the router (only x is saved).
   std::vector<float> logits(t * ne), probs(t * ne), lse(t);
-  Sgemm(false, false, t, ne, d, 1.0f, xf, d, router_->w.data(), ne, 0.0f, logits.data(), ne,
-        pool_);
+  Sgemm(false, false, t, ne, d, 1.0f, xf, d, router_->w.data(), ne, 0.0f, logits.data(), ne, pool_);
   {
     std::vector<int32_t> idx_tmp(t * k);
     std::vector<float> p_tmp(t * k);
@@ -446,8 +440,7 @@ void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const floa
       }
     }
   });
-  Sgemm(true, false, d, ne, t, 1.0f, xf, d, dl.data(), ne, 1.0f, router_->grad.data(), ne,
-        pool_);
+  Sgemm(true, false, d, ne, t, 1.0f, xf, d, dl.data(), ne, 1.0f, router_->grad.data(), ne, pool_);
   Sgemm(false, true, t, d, ne, 1.0f, dl.data(), ne, router_->w.data(), ne, 1.0f, dxf, d, pool_);
 }
 
@@ -463,8 +456,7 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
   if (absl::Status s = ValidateDout(cfg_, dout, t); !s.ok()) return s;
 
   std::vector<float> xf(t * d), dof(t * d);
-  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size()},
-                  xf.data());
+  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size()}, xf.data());
   ToFloatParallel(pool_, dout, dof.data());
 
   const std::vector<int32_t>& counts = ctx->counts;
@@ -592,8 +584,8 @@ absl::StatusOr<StepResult> CpuLayer::Step() {
   const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) {
     (void)ZeroGrad();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "gradients: global norm is ", norm, "; step skipped and gradients cleared"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("gradients: global norm is ", norm, "; step skipped and gradients cleared"));
   }
   // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
   double clip = 1.0;
@@ -646,8 +638,7 @@ absl::Status CpuLayer::ZeroGrad() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::map<std::string, Tensor>> CpuLayer::ExportState(
-    bool include_optimizer) const {
+absl::StatusOr<std::map<std::string, Tensor>> CpuLayer::ExportState(bool include_optimizer) const {
   std::map<std::string, Tensor> out;
   for (const Param& p : params_) {
     out[p.name] = FromFloat(pool_, p.w.data(), cfg_.dtype, p.shape);
@@ -658,7 +649,8 @@ absl::StatusOr<std::map<std::string, Tensor>> CpuLayer::ExportState(
     } else {
       out[p.name + ".momentum"] = FromFloat(pool_, p.m.data(), DType::kFloat32, p.shape);
     }
-    if (bf16()) out[p.name + ".master"] = FromFloat(pool_, p.master.data(), DType::kFloat32, p.shape);
+    if (bf16())
+      out[p.name + ".master"] = FromFloat(pool_, p.master.data(), DType::kFloat32, p.shape);
   }
   if (include_optimizer) {
     Tensor s = Tensor::Zeros(DType::kInt64, {1});
@@ -697,9 +689,9 @@ absl::Status CpuLayer::ImportState(const std::map<std::string, Tensor>& state) {
     for (int64_t i = 0; i < v.num_elements(); ++i) {
       const float x = LoadFloat(v, i);
       if (!std::isfinite(x) || (suffix == "exp_avg_sq" && x < 0.0f)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": element ", i, " = ", x,
-            suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": element ", i, " = ", x,
+                         suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
       }
     }
   }

@@ -41,8 +41,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device) 
 #ifdef MOE_HAVE_CUDA_ENGINE
   const int count = CudaDeviceCount();
   if (ordinal >= count) {
-    return absl::UnavailableError(absl::StrCat("device: '", device, "' is not available (",
-                                               count, " CUDA device(s) visible)"));
+    return absl::UnavailableError(absl::StrCat("device: '", device, "' is not available (", count,
+                                               " CUDA device(s) visible)"));
   }
   return CreateCudaEngine(ordinal);
 #else

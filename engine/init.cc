@@ -14,8 +14,8 @@ uint64_t SplitMix64(uint64_t v) {
   return v ^ (v >> 31);
 }
 
-void InitNormal(uint64_t seed, uint64_t tensor_id, int64_t first_element, int64_t n,
-                double stddev, float* out) {
+void InitNormal(uint64_t seed, uint64_t tensor_id, int64_t first_element, int64_t n, double stddev,
+                float* out) {
   constexpr double kTwoPi = 6.283185307179586;
   constexpr double kInv24 = 1.0 / 16777216.0;
   const uint64_t base = SplitMix64(SplitMix64(seed) ^ tensor_id);
@@ -38,8 +38,8 @@ absl::Status InitLayerWeight(const LayerConfig& c, absl::string_view name, float
     InitNormal(c.seed, 3, first * d * h, count * d * h,
                c.init_scale / std::sqrt(static_cast<double>(h)), out);
   } else if (name == "router" && c.routing == RoutingMode::kServer) {
-    InitNormal(c.seed, 4, 0, d * c.num_experts,
-               c.init_scale / std::sqrt(static_cast<double>(d)), out);
+    InitNormal(c.seed, 4, 0, d * c.num_experts, c.init_scale / std::sqrt(static_cast<double>(d)),
+               out);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("name: this layer has no weight '", name, "'"));
   }

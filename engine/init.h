@@ -25,8 +25,8 @@ namespace moe {
 uint64_t SplitMix64(uint64_t v);
 
 // out[j] = sample for global element first_element + j of tensor `tensor_id`, j in [0, n).
-void InitNormal(uint64_t seed, uint64_t tensor_id, int64_t first_element, int64_t n,
-                double stddev, float* out);
+void InitNormal(uint64_t seed, uint64_t tensor_id, int64_t first_element, int64_t n, double stddev,
+                float* out);
 
 // Fills `out` with the layer's initial (local, fp32, unrounded) values of the named weight:
 // "w1", "w3", "w2" ([count, ...] of this shard) or "router" ([d, E]). With bf16 storage these

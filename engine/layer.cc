@@ -2,12 +2,13 @@
 //
 // Every engine calls it before allocating anything, so the server's error for a bad config is
 // the same whichever device serves it. Each message names the offending field.
+#include "engine/layer.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "engine/layer.h"
 
 namespace moe {
 namespace {
@@ -26,8 +27,8 @@ absl::Status ValidateLayerConfig(const LayerConfig& c) {
     return Bad("num_experts", absl::StrCat("= ", c.num_experts, ", must be in [1, 2^31)"));
   }
   if (c.top_k < 1 || c.top_k > c.num_experts) {
-    return Bad("top_k", absl::StrCat("= ", c.top_k, ", must be in [1, num_experts = ",
-                                     c.num_experts, "]"));
+    return Bad("top_k",
+               absl::StrCat("= ", c.top_k, ", must be in [1, num_experts = ", c.num_experts, "]"));
   }
   if (c.d_model < 1 || c.d_model > kMaxInt32) {
     return Bad("d_model", absl::StrCat("= ", c.d_model, ", must be >= 1"));
@@ -44,17 +45,17 @@ absl::Status ValidateLayerConfig(const LayerConfig& c) {
   if (r < 0 || r > 1) return Bad("routing", absl::StrCat("= ", r, " is not client or server"));
   if (c.expert_count == -1) {
     if (c.expert_first != 0) {
-      return Bad("expert_first", absl::StrCat("= ", c.expert_first,
-                                              ", must be 0 when expert_count = -1 (all)"));
+      return Bad("expert_first",
+                 absl::StrCat("= ", c.expert_first, ", must be 0 when expert_count = -1 (all)"));
     }
   } else {
     if (c.expert_count < 1) {
       return Bad("expert_count", absl::StrCat("= ", c.expert_count, ", must be -1 or >= 1"));
     }
     if (c.expert_first < 0 || c.expert_first + c.expert_count > c.num_experts) {
-      return Bad("expert_first", absl::StrCat("= ", c.expert_first, " with expert_count = ",
-                                              c.expert_count, " exceeds num_experts = ",
-                                              c.num_experts));
+      return Bad("expert_first",
+                 absl::StrCat("= ", c.expert_first, " with expert_count = ", c.expert_count,
+                              " exceeds num_experts = ", c.num_experts));
     }
   }
   // Weights per local expert must be addressable; 2^40 elements is far beyond any host/GPU.

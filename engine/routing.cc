@@ -32,8 +32,8 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
     }
     return t;
   }
-  if (absl::Status s = ValidateClientRouting(request.expert_ids, request.weights, t,
-                                             config.top_k, config.num_experts, config.dtype);
+  if (absl::Status s = ValidateClientRouting(request.expert_ids, request.weights, t, config.top_k,
+                                             config.num_experts, config.dtype);
       !s.ok()) {
     return s;
   }
@@ -81,8 +81,7 @@ absl::Status ValidateClientRouting(const TensorView& expert_ids, const TensorVie
   return absl::OkStatus();
 }
 
-absl::Status ValidateDout(const LayerConfig& config, const TensorView& dout,
-                          int64_t num_tokens) {
+absl::Status ValidateDout(const LayerConfig& config, const TensorView& dout, int64_t num_tokens) {
   return CheckTensor(dout, "dout", config.dtype, {num_tokens, config.d_model});
 }
 

@@ -14,20 +14,28 @@ namespace moe {
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kBFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
   }
   return 0;
 }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
   }
   return "unknown";
 }
@@ -52,8 +60,8 @@ absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType 
     return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
   };
   if (view.dtype != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", DTypeName(view.dtype),
-                                                   ", expected ", DTypeName(dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": dtype ", DTypeName(view.dtype), ", expected ", DTypeName(dtype)));
   }
   bool match = view.shape.size() == shape.size();
   for (size_t i = 0; match && i < shape.size(); ++i) {
@@ -61,15 +69,13 @@ absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType 
   }
   if (!match) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", shape_str(view.shape),
-                                                   ", expected ", shape_str(shape),
-                                                   " (-1 = any)"));
+                                                   ", expected ", shape_str(shape), " (-1 = any)"));
   }
   const size_t want = static_cast<size_t>(view.num_elements()) * DTypeSize(dtype);
   if (view.size_bytes != want) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", view.size_bytes,
                                                    " bytes for shape ", shape_str(view.shape),
-                                                   " of ", DTypeName(dtype), ", expected ",
-                                                   want));
+                                                   " of ", DTypeName(dtype), ", expected ", want));
   }
   if (want > 0 && view.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));

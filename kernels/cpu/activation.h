@@ -19,12 +19,14 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float ActForward(ActKind kind, float x) {
   switch (kind) {
     case ActKind::kSwiGLU:
-    case ActKind::kSiLU: return x * Sigmoid(x);
+    case ActKind::kSiLU:
+      return x * Sigmoid(x);
     case ActKind::kGeLUTanh: {
       constexpr float kC = 0.7978845608028654f, kA = 0.044715f;
       return 0.5f * x * (1.0f + std::tanh(kC * (x + kA * x * x * x)));
     }
-    case ActKind::kReLU: return x > 0.0f ? x : 0.0f;
+    case ActKind::kReLU:
+      return x > 0.0f ? x : 0.0f;
   }
   return 0.0f;
 }
@@ -42,7 +44,8 @@ inline float ActBackward(ActKind kind, float x) {
       const float t = std::tanh(kC * (x + kA * x * x * x));
       return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kC * (1.0f + 3.0f * kA * x * x);
     }
-    case ActKind::kReLU: return x > 0.0f ? 1.0f : 0.0f;
+    case ActKind::kReLU:
+      return x > 0.0f ? 1.0f : 0.0f;
   }
   return 0.0f;
 }

@@ -9,9 +9,9 @@
 
 namespace moe::kernels {
 
-void DispatchCpu(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
-                 int32_t expert_first, int32_t expert_count, int32_t* counts, int32_t* offsets,
-                 int32_t* entries, int32_t* slot_of) {
+void DispatchCpu(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k, int32_t expert_first,
+                 int32_t expert_count, int32_t* counts, int32_t* offsets, int32_t* entries,
+                 int32_t* slot_of) {
   const int64_t n = num_tokens * top_k;
   for (int32_t l = 0; l < expert_count; ++l) counts[l] = 0;
   // Pass 1: histogram of the shard's experts.

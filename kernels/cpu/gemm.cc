@@ -131,8 +131,8 @@ inline __attribute__((always_inline)) void MacroKernel(const BlockArgs& g) {
     const int64_t cols = std::min<int64_t>(kNr, g.nc - jr);
     for (int64_t ir = 0; ir < g.mc; ir += MR) {
       const int64_t rows = std::min<int64_t>(MR, g.mc - ir);
-      MicroKernel<V, MR, NV>(g.kc, g.pa + ir * g.kc, g.pb + jr * g.kc, g.c + ir * g.ldc + jr,
-                             g.ldc, rows, cols, g.accumulate);
+      MicroKernel<V, MR, NV>(g.kc, g.pa + ir * g.kc, g.pb + jr * g.kc, g.c + ir * g.ldc + jr, g.ldc,
+                             rows, cols, g.accumulate);
     }
   }
 }
@@ -140,9 +140,7 @@ inline __attribute__((always_inline)) void MacroKernel(const BlockArgs& g) {
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void MacroAvx512(const BlockArgs& g) {
   MacroKernel<V16, 8, 2>(g);
 }
-__attribute__((target("avx2,fma"))) void MacroAvx2(const BlockArgs& g) {
-  MacroKernel<V8, 6, 2>(g);
-}
+__attribute__((target("avx2,fma"))) void MacroAvx2(const BlockArgs& g) { MacroKernel<V8, 6, 2>(g); }
 void MacroGeneric(const BlockArgs& g) { MacroKernel<V8, 6, 2>(g); }
 
 struct KernelChoice {
@@ -169,9 +167,9 @@ const KernelChoice& Choice() {
 
 const char* SgemmKernelName() { return Choice().name; }
 
-void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc, ThreadPool* pool) {
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
+           ThreadPool* pool) {
   if (m <= 0 || n <= 0) return;
   if (beta != 0.0f && beta != 1.0f) {
     for (int64_t i = 0; i < m; ++i)
@@ -206,8 +204,8 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
       const int64_t kc = std::min(kKc, k - p0);
       PackA(opa, i0, mc, p0, kc, alpha, mr, buf_a.data());
       PackB(opb, p0, kc, j0, nc, nr, buf_b.data());
-      BlockArgs args{kc, mc, nc, buf_a.data(), buf_b.data(), c + i0 * ldc + j0, ldc,
-                     p0 > 0 || beta == 1.0f};
+      BlockArgs args{
+          kc, mc, nc, buf_a.data(), buf_b.data(), c + i0 * ldc + j0, ldc, p0 > 0 || beta == 1.0f};
       kc_choice.macro(args);
     }
   };

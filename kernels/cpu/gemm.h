@@ -20,9 +20,9 @@
 
 namespace moe::kernels {
 
-void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc, ThreadPool* pool);
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
+           ThreadPool* pool);
 
 // Which micro-kernel Sgemm uses on this machine: "avx512", "avx2" or "generic".
 const char* SgemmKernelName();

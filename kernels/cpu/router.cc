@@ -10,8 +10,7 @@
 namespace moe::kernels {
 
 void RouteTopKCpu(const float* logits, int64_t num_tokens, int32_t num_experts, int32_t top_k,
-                  bool renormalize, float* probs, float* lse, int32_t* expert_ids,
-                  float* weights) {
+                  bool renormalize, float* probs, float* lse, int32_t* expert_ids, float* weights) {
   std::vector<float> s(num_experts);
   std::vector<char> taken(num_experts);
   for (int64_t t = 0; t < num_tokens; ++t) {

@@ -16,8 +16,7 @@ namespace moe::kernels {
 //   expert_ids[t, k], weights[t, k] = top-K of probs, weights renormalised to sum 1 when
 //   `renormalize`.
 void RouteTopKCpu(const float* logits, int64_t num_tokens, int32_t num_experts, int32_t top_k,
-                  bool renormalize, float* probs, float* lse, int32_t* expert_ids,
-                  float* weights);
+                  bool renormalize, float* probs, float* lse, int32_t* expert_ids, float* weights);
 
 }  // namespace moe::kernels
 

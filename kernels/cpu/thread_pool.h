@@ -45,9 +45,9 @@ class ThreadPool {
   std::condition_variable done_;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
-  int64_t next_ = 0;       // guarded by mu_
+  int64_t next_ = 0;  // guarded by mu_
   int64_t generation_ = 0;
-  int active_ = 0;         // workers still inside the current generation
+  int active_ = 0;  // workers still inside the current generation
   bool stop_ = false;
 };
 

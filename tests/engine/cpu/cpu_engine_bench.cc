@@ -23,8 +23,7 @@
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -113,8 +112,8 @@ int main(int argc, char** argv) {
     std::printf(
         "iter %d: forward %.3f s (%.1f GFLOP/s)  backward %.3f s (%.1f GFLOP/s)  step %.3f s  "
         "context %.1f MiB\n",
-        it, t1 - t0, fwd_flops / (t1 - t0) * 1e-9, t2 - t1, bwd_flops / (t2 - t1) * 1e-9,
-        t3 - t2, ctx_bytes / 1048576.0);
+        it, t1 - t0, fwd_flops / (t1 - t0) * 1e-9, t2 - t1, bwd_flops / (t2 - t1) * 1e-9, t3 - t2,
+        ctx_bytes / 1048576.0);
   }
   rusage ru;
   getrusage(RUSAGE_SELF, &ru);

@@ -81,10 +81,14 @@ std::map<std::string, std::vector<double>> Deltas(const RefParams& before, const
 
 std::string Name(Activation a) {
   switch (a) {
-    case Activation::kSwiGLU: return "SwiGLU";
-    case Activation::kSiLU: return "SiLU";
-    case Activation::kGeLUTanh: return "GeLUTanh";
-    case Activation::kReLU: return "ReLU";
+    case Activation::kSwiGLU:
+      return "SwiGLU";
+    case Activation::kSiLU:
+      return "SiLU";
+    case Activation::kGeLUTanh:
+      return "GeLUTanh";
+    case Activation::kReLU:
+      return "ReLU";
   }
   return "Unknown";
 }
@@ -133,8 +137,7 @@ void CheckGradients(const LayerConfig& c, const Batch& b) {
   ASSERT_TRUE(step.ok()) << step.status();
   const auto deltas = Deltas(params, *layer);
   constexpr double kEps = 1e-6, kBound = 1e-4;
-  auto loss = [&](const RefParams& pp, const std::vector<double>& x,
-                  const std::vector<double>& p) {
+  auto loss = [&](const RefParams& pp, const std::vector<double>& x, const std::vector<double>& p) {
     return RefLoss(c, pp, x, b.t, b.idx, p, b.dout);
   };
   double norm_sq = 0.0;
@@ -276,9 +279,11 @@ TEST(CpuLayerTest, ShardedServerLayersSumToTheFullLayer) {
   const RefParams pf = ParamsOf(*lf), pa = ParamsOf(*la), pb = ParamsOf(*lb);
   // A shard's initial weights are the slice of the full layer's (counter-based init).
   const size_t half = pf.w.at("w1").size() / 2;
-  EXPECT_EQ(pa.w.at("w1"), std::vector<double>(pf.w.at("w1").begin(), pf.w.at("w1").begin() + half));
+  EXPECT_EQ(pa.w.at("w1"),
+            std::vector<double>(pf.w.at("w1").begin(), pf.w.at("w1").begin() + half));
   EXPECT_EQ(pb.w.at("w2"), std::vector<double>(pf.w.at("w2").begin() + half, pf.w.at("w2").end()));
-  const FwdBwd rf = ForwardBackward(*lf, b), ra = ForwardBackward(*la, b), rb = ForwardBackward(*lb, b);
+  const FwdBwd rf = ForwardBackward(*lf, b), ra = ForwardBackward(*la, b),
+               rb = ForwardBackward(*lb, b);
   auto sum = [](const Tensor& x, const Tensor& y) {
     std::vector<double> s = ToDouble(x), t = ToDouble(y);
     for (size_t i = 0; i < s.size(); ++i) s[i] += t[i];
@@ -516,8 +521,8 @@ TEST(CpuLayerTest, ExportImportRoundTrip) {
   auto b = MakeLayer(c);
   auto sa = a->ExportState(true);
   ASSERT_TRUE(sa.ok());
-  for (const char* name : {"w1", "w3", "w2", "router", "w1.exp_avg", "w1.exp_avg_sq",
-                           "router.master", "step"}) {
+  for (const char* name :
+       {"w1", "w3", "w2", "router", "w1.exp_avg", "w1.exp_avg_sq", "router.master", "step"}) {
     EXPECT_TRUE(sa->count(name)) << name;
   }
   EXPECT_EQ(sa->at("w1").dtype, DType::kBFloat16);

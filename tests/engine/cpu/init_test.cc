@@ -69,9 +69,9 @@ TEST(InitTest, StandardDeviationIsScaleOverSqrtFanIn) {
     EXPECT_NEAR(mean, 0.0, 5 * want / std::sqrt(static_cast<double>(w.n))) << w.name;
   }
   std::vector<float> v(1);
-  EXPECT_EQ(InitLayerWeight(SmallConfig(Activation::kReLU, RoutingMode::kClient), "w3", v.data())
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      InitLayerWeight(SmallConfig(Activation::kReLU, RoutingMode::kClient), "w3", v.data()).code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

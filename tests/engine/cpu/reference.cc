@@ -11,10 +11,12 @@ namespace {
 double Act(Activation a, double x) {
   switch (a) {
     case Activation::kSwiGLU:
-    case Activation::kSiLU: return x / (1.0 + std::exp(-x));
+    case Activation::kSiLU:
+      return x / (1.0 + std::exp(-x));
     case Activation::kGeLUTanh:
       return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
-    case Activation::kReLU: return x > 0 ? x : 0.0;
+    case Activation::kReLU:
+      return x > 0 ? x : 0.0;
   }
   return 0.0;
 }

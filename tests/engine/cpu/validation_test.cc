@@ -14,8 +14,8 @@ namespace {
 
 void ExpectInvalid(const absl::Status& s, const std::string& field) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_NE(s.message().find(field), std::string::npos) << "message '" << s.message()
-                                                        << "' does not name " << field;
+  EXPECT_NE(s.message().find(field), std::string::npos)
+      << "message '" << s.message() << "' does not name " << field;
 }
 
 TEST(ValidateLayerConfigTest, NamesTheBadField) {

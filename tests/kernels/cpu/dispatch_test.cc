@@ -22,14 +22,14 @@ struct Dispatch {
 };
 
 Dispatch RunDispatch(const std::vector<int32_t>& ids, int64_t t, int32_t k, int32_t first,
-             int32_t count) {
+                     int32_t count) {
   Dispatch d;
   d.counts.assign(count, kPoison);
   d.offsets.assign(count + 1, kPoison);
   d.entries.assign(t * k, kPoison);
   d.slot_of.assign(t * k, kPoison);
-  DispatchCpu(ids.data(), t, k, first, count, d.counts.data(), d.offsets.data(),
-              d.entries.data(), d.slot_of.data());
+  DispatchCpu(ids.data(), t, k, first, count, d.counts.data(), d.offsets.data(), d.entries.data(),
+              d.slot_of.data());
   return d;
 }
 
@@ -49,8 +49,8 @@ void Check(const std::vector<int32_t>& ids, int64_t t, int32_t k, int32_t first,
   ASSERT_EQ(d.offsets[0], 0);
   ASSERT_EQ(d.offsets[count], n);
   for (int32_t l = 0; l < count; ++l) {
-    const int32_t want = static_cast<int32_t>(std::count_if(
-        routed.begin(), routed.end(), [&](const auto& r) { return r.first == l; }));
+    const int32_t want = static_cast<int32_t>(
+        std::count_if(routed.begin(), routed.end(), [&](const auto& r) { return r.first == l; }));
     ASSERT_EQ(d.counts[l], want) << "expert " << l;
     ASSERT_EQ(d.offsets[l + 1] - d.offsets[l], want) << "expert " << l;
   }
@@ -107,9 +107,7 @@ TEST(DispatchCpuTest, TopKEqualsNumExperts) {
   Check(RandomRouting(40, 6, 6, 7), 40, 6, 0, 6, "K = E");
 }
 
-TEST(DispatchCpuTest, SingleToken) {
-  Check({3, 0, 2}, 1, 3, 0, 4, "T = 1");
-}
+TEST(DispatchCpuTest, SingleToken) { Check({3, 0, 2}, 1, 3, 0, 4, "T = 1"); }
 
 TEST(DispatchCpuTest, ShardRanges) {
   const auto ids = RandomRouting(200, 4, 12, 11);

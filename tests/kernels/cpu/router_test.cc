@@ -12,7 +12,8 @@ namespace {
 
 TEST(RouteTopKCpuTest, SoftmaxAndLogSumExpMatchDouble) {
   const int32_t e = 5;
-  const std::vector<float> logits = {0.5f, -1.0f, 3.0f, 2.0f, 0.0f, 100.0f, 99.0f, -50.0f, 0.0f, 1.0f};
+  const std::vector<float> logits = {0.5f,   -1.0f, 3.0f,   2.0f, 0.0f,
+                                     100.0f, 99.0f, -50.0f, 0.0f, 1.0f};
   std::vector<float> probs(10), lse(2), w(4);
   std::vector<int32_t> ids(4);
   RouteTopKCpu(logits.data(), 2, e, 2, false, probs.data(), lse.data(), ids.data(), w.data());
