@@ -7,11 +7,12 @@
 # free loopback ones, device cpu), must answer its health check and serve /metrics, then exit
 # cleanly on SIGTERM.
 #
-# Usage: stage_runtime_test.sh REPO_ROOT BUILD_DIR HEALTH_PROBE
+# Usage: stage_runtime_test.sh REPO_ROOT BUILD_DIR HEALTH_PROBE PYTHON_WITH_YAML
 set -euo pipefail
 repo=$1
 build=$2
 probe=$3
+py=$4
 tmp=$(mktemp -d)
 server_pid=""
 cleanup() {
@@ -45,10 +46,10 @@ done
 echo "ok: $(ls "$bin" | tr '\n' ' ')load only staged or base-image libraries ($(ls "$lib" | wc -l) staged)"
 
 # The image's CMD, with its ports and device moved, from a bare environment.
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 grpc_port=$(free_port)
 metrics_port=$(free_port)
-mapfile -t cmd < <(python3 -c '
+mapfile -t cmd < <("$py" -c '
 import json, re, sys
 text = open(sys.argv[1]).read()
 for a in json.loads(re.search(r"^CMD\s+(\[.*\])", text, re.M).group(1)):
@@ -64,11 +65,23 @@ for _ in $(seq 1 120); do
   sleep 0.25
 done
 "$probe" "127.0.0.1:$grpc_port" moe.v1.ExpertService || { cat "$tmp/server.log" >&2; fail "staged moe-server is not SERVING"; }
-python3 - "$metrics_port" <<'PY' || fail "staged moe-server does not serve /metrics"
+"$py" - "$metrics_port" <<'PY' || fail "staged moe-server does not serve /metrics"
 import sys, urllib.request
 body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
 assert "moe_device_memory_total_bytes" in body, body[:500]
 PY
+# The compose healthcheck, run as compose would run it in the container, on this port.
+mapfile -t check < <("$py" -c '
+import sys, yaml
+test = yaml.safe_load(open(sys.argv[1]))["services"]["moe-server"]["healthcheck"]["test"]
+assert test[0] == "CMD", test
+for a in test[1:]:
+    print(a.replace("localhost:50051", "127.0.0.1:" + sys.argv[2]))' "$repo/docker/compose.yaml" "$grpc_port")
+[[ -x "$bin/${check[0]}" ]] || fail "the compose healthcheck runs ${check[0]}, which is not staged"
+env -i PATH="$bin:/usr/bin:/bin" LD_LIBRARY_PATH="$lib" "${check[@]}" ||
+  fail "the compose healthcheck (${check[*]}) fails against the staged server"
+echo "ok: the compose healthcheck passes: ${check[*]}"
+
 kill -TERM "$server_pid"
 rc=0
 wait "$server_pid" || rc=$?

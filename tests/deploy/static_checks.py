@@ -273,6 +273,11 @@ def check_compose():
     for flag in ("port", "metrics_port"):
         if args.get(flag) not in published:
             fail(f"compose publishes {sorted(published)}, not --{flag}={args.get(flag)}")
+    hc = svc["moe-server"].get("healthcheck", {}).get("test", [])
+    with open(path("scripts/stage-runtime")) as f:
+        required = re.search(r"^required=\((.*)\)", f.read(), re.M).group(1).split()
+    if len(hc) < 2 or hc[0] != "CMD" or hc[1] not in required:
+        fail(f"moe-server healthcheck {hc} does not run a program the image always has {required}")
     named = set(compose.get("volumes", {}))
     mounts = {}
     for name, s in svc.items():

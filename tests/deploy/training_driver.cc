@@ -1,10 +1,12 @@
 // training_driver: a short, real training run against a moe-server, for the deploy tests that
 // watch the server through Prometheus. It creates a server-routed SwiGLU layer, runs STEPS
 // rounds of Forward -> Backward -> Step on fresh random micro-batches (pausing between rounds so
-// the run spans several 1 s scrapes), saves a checkpoint, and makes one call that must fail
-// (Forward on a layer that does not exist: NOT_FOUND), so that every series the dashboard and
-// the alert rules read exists afterwards, error codes included. Exits non-zero when any call
-// that should succeed fails, or the bad call does not fail with NOT_FOUND.
+// the run spans several 1 s scrapes), saves a checkpoint, makes one call that must fail
+// (Forward on a layer that does not exist: NOT_FOUND), and ends with a training Forward whose
+// Backward never comes, so that closing the connection makes the server drop that context
+// (reason session_closed). Afterwards every series the dashboard and the alert rules read
+// exists, error codes and dropped contexts included. Exits non-zero when any call that should
+// succeed fails, or the bad call does not fail with NOT_FOUND.
 //
 // Usage: training_driver HOST:PORT STEPS PAUSE_MS
 #include <chrono>
@@ -86,7 +88,10 @@ int main(int argc, char** argv) {
   if (missing.status().code() != absl::StatusCode::kNotFound) {
     return Fail("forward on a missing layer should be NOT_FOUND", missing.status());
   }
-  std::printf("training_driver: %d steps, %lld tokens, checkpoint saved\n", steps,
-              static_cast<long long>(tokens));
+  // Abandoned: the session's end (the connection going away below) frees it.
+  auto abandoned = (*layer)->Forward(x.view()).get();
+  if (!abandoned.ok()) return Fail("forward to abandon", abandoned.status());
+  std::printf("training_driver: %d steps, %lld tokens, checkpoint saved, one context abandoned\n",
+              steps, static_cast<long long>(tokens + kTokens));
   return 0;
 }
