@@ -1,9 +1,16 @@
 // CUDA plumbing for the engine (see device.h).
 #include "engine/cuda/device.h"
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 
 namespace moe::cuda {
+namespace {
+std::atomic<bool> poison_allocations{false};
+}  // namespace
+
+void SetPoisonAllocationsForTesting(bool on) { poison_allocations = on; }
 
 absl::Status CudaStatus(cudaError_t err, const char* what, const char* file, int line) {
   const std::string msg = absl::StrCat("cuda: ", what, " failed at ", file, ":", line, ": ",
@@ -43,6 +50,10 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, std::shared_pt
     return absl::ResourceExhaustedError(absl::StrCat("cuda: cannot allocate ", bytes,
                                                      " bytes of device memory for ", what, ": ",
                                                      cudaGetErrorString(err)));
+  }
+  if (poison_allocations && cudaMemsetAsync(p, 0xff, bytes, stream->get()) != cudaSuccess) {
+    cudaFreeAsync(p, stream->get());
+    return absl::InternalError("cuda: poisoning a test allocation failed");
   }
   b.ptr_ = p;
   b.bytes_ = bytes;

@@ -43,6 +43,10 @@ absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file
     if (absl::Status moe_st_ = (expr); !moe_st_.ok()) return moe_st_;                \
   } while (0)
 
+// Test hook: when on, every DeviceBuffer::Allocate fills its memory with 0xFF bytes (NaN for
+// fp32 and bf16) so that an output element a kernel forgot to write shows up in comparisons.
+void SetPoisonAllocationsForTesting(bool on);
+
 // A stream (and the device it belongs to) shared by a layer and the contexts it created, so
 // a context dropped after its layer still frees on a live stream.
 class Stream {

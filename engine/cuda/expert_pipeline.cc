@@ -2,6 +2,7 @@
 #include "engine/cuda/expert_pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -22,11 +23,19 @@ const char* Offset(const void* base, int64_t bytes) {
 }
 char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
 
+std::atomic<int64_t> test_max_chunk_rows{0};
+
 }  // namespace
 
+void SetMaxChunkRowsForTesting(int64_t rows) { test_max_chunk_rows = rows; }
+
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
-                               GemmRunner* gemm)
-    : shape_(shape), stream_(std::move(stream)), gemm_(gemm) {}
+                               GemmRunner* gemm, int64_t max_chunk_rows)
+    : shape_(shape), stream_(std::move(stream)), gemm_(gemm), max_chunk_rows_(max_chunk_rows) {
+  if (max_chunk_rows_ <= 0) {
+    max_chunk_rows_ = test_max_chunk_rows > 0 ? test_max_chunk_rows.load() : kMaxChunkRows;
+  }
+}
 
 ExpertPipeline::~ExpertPipeline() {
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
@@ -43,7 +52,7 @@ int64_t ExpertPipeline::ChunkTokens(int64_t num_tokens) const {
   const int64_t fwd = e * (2 * d + g + h);
   const int64_t bwd = e * (d + h + g + h) + e * d;
   const int64_t per_row = std::max(fwd, bwd);
-  const int64_t rows = std::clamp<int64_t>(kChunkBudgetBytes / per_row, 1, kMaxChunkRows);
+  const int64_t rows = std::clamp<int64_t>(kChunkBudgetBytes / per_row, 1, max_chunk_rows_);
   return std::clamp<int64_t>(rows / shape_.top_k, 1, std::max<int64_t>(num_tokens, 1));
 }
 

@@ -76,13 +76,20 @@ struct DispatchPlan {
   int64_t device_bytes() const { return entries.bytes() + slot_of.bytes() + counts.bytes(); }
 };
 
+// Test hook: pipelines created afterwards use at most `rows` routed rows per chunk, so small
+// test shapes run through several chunks. 0 restores the default.
+void SetMaxChunkRowsForTesting(int64_t rows);
+
 class ExpertPipeline {
  public:
   // Per-chunk temporaries stay under this many bytes.
   static constexpr int64_t kChunkBudgetBytes = int64_t{6} << 30;
   static constexpr int64_t kMaxChunkRows = int64_t{1} << 19;
 
-  ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream, GemmRunner* gemm);
+  // max_chunk_rows: routed rows per chunk at most; <= 0 takes kMaxChunkRows (or the test
+  // override below).
+  ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream, GemmRunner* gemm,
+                 int64_t max_chunk_rows = 0);
   ~ExpertPipeline();
   ExpertPipeline(const ExpertPipeline&) = delete;
   ExpertPipeline& operator=(const ExpertPipeline&) = delete;
@@ -119,6 +126,7 @@ class ExpertPipeline {
   ExpertShape shape_;
   std::shared_ptr<Stream> stream_;
   GemmRunner* gemm_;
+  int64_t max_chunk_rows_;
   int32_t* pinned_ = nullptr;  // host staging for the counts, grown on demand
   int64_t pinned_ints_ = 0;
 };
