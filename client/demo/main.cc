@@ -22,14 +22,14 @@
 #include "client/client.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "moe-server address");
-ABSL_FLAG(int, steps, 60, "optimizer steps");
+ABSL_FLAG(int, steps, 100, "optimizer steps");
 ABSL_FLAG(int, micro_batches, 4, "micro-batches per step, all in flight at once");
 ABSL_FLAG(int64_t, tokens, 256, "tokens per micro-batch");
 ABSL_FLAG(int64_t, experts, 8, "experts E");
 ABSL_FLAG(int64_t, top_k, 2, "experts per token K");
 ABSL_FLAG(int64_t, d_model, 64, "model width d");
 ABSL_FLAG(int64_t, d_hidden, 128, "expert hidden width h");
-ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
+ABSL_FLAG(double, lr, 1e-2, "AdamW learning rate");
 ABSL_FLAG(std::string, checkpoint, "demo/student.safetensors",
           "checkpoint path under the server's --checkpoint_dir");
 ABSL_FLAG(double, timeout_seconds, 60, "deadline of each call");
