@@ -19,6 +19,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/dispatch.h"
@@ -224,15 +225,23 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   const double up_flop = 2.0 * N * d * 2.0 * h, down_flop = 2.0 * N * h * d;
   char line[1024];
   // Every tile config, so one run shows what the heuristics leave on the table.
-  for (const Sm90GemmConfig c : {Sm90GemmConfig{256, true}, Sm90GemmConfig{128, true},
-                                 Sm90GemmConfig{256, false}, Sm90GemmConfig{128, false}}) {
+  const int g_up = up_cfg.group_m, g_down = down_cfg.group_m;
+  const std::vector<std::pair<Sm90GemmConfig, Sm90GemmConfig>> sweep = {
+      {{256, true, 1, g_up}, {256, true, 1, g_down}}, {{256, true, 1, 1}, {256, true, 1, 1}},
+      {{128, true, 1, g_up}, {128, true, 1, g_down}}, {{128, true, 2, g_up}, {128, true, 2, g_down}},
+      {{256, false, 1, g_up}, {256, false, 1, g_down}},
+      {{128, false, 2, g_up}, {128, false, 2, g_down}},
+      {{256, true, 1, g_up, 192}, {256, true, 1, g_down, 192}}};
+  for (const auto& pair : sweep) {
+    const Sm90GemmConfig c = pair.first, cd = pair.second;
     const float up_ms = MedianMs([&] { up(c); });
-    const float down_ms = MedianMs([&] { down(c); });
+    const float down_ms = MedianMs([&] { down(cd); });
     std::snprintf(line, sizeof(line),
-                  "{\"kind\":\"tile\",\"preset\":\"%s\",\"block_n\":%d,\"tma\":%d,"
-                  "\"up_ms\":%.4f,\"up_tflops\":%.1f,\"down_ms\":%.4f,\"down_tflops\":%.1f}",
-                  ps.name, c.block_n, c.tma_weights ? 1 : 0, up_ms, up_flop / up_ms / 1e9,
-                  down_ms, down_flop / down_ms / 1e9);
+                  "{\"kind\":\"tile\",\"preset\":\"%s\",\"block_m\":%d,\"block_n\":%d,\"tma\":%d,"
+                  "\"ctas\":%d,\"group_m\":[%d,%d],\"up_ms\":%.4f,\"up_tflops\":%.1f,"
+                  "\"down_ms\":%.4f,\"down_tflops\":%.1f}",
+                  ps.name, c.block_m, c.block_n, c.tma_weights ? 1 : 0, c.ctas_per_sm, c.group_m,
+                  cd.group_m, up_ms, up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
     Emit(line);
   }
   const float up_ms = MedianMs([&] { up(up_cfg); });
@@ -250,12 +259,14 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
                               2.0 * N * d + T * d);
   std::snprintf(line, sizeof(line),
                 "{\"kind\":\"fused\",\"preset\":\"%s\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,"
-                "\"K\":%d,\"up_block_n\":%d,\"down_block_n\":%d,\"up_ms\":%.4f,\"down_ms\":%.4f,"
+                "\"K\":%d,\"up_block_n\":%d,\"down_block_n\":%d,\"up_group_m\":%d,"
+                "\"down_group_m\":%d,\"up_ms\":%.4f,\"down_ms\":%.4f,"
                 "\"combine_ms\":%.4f,\"fwd_ms\":%.4f,\"fwd_tflops\":%.1f,"
                 "\"up_tflops\":%.1f,\"down_tflops\":%.1f,\"flop_floor_ms\":%.4f,"
                 "\"byte_floor_ms\":%.4f,\"cublas_tflops\":%.1f,\"copy_tbs\":%.2f}",
                 ps.name, static_cast<long long>(T), d, h, E, K, up_cfg.block_n,
-                down_cfg.block_n, up_ms, down_ms, comb_ms, fwd_ms, fwd_flop / fwd_ms / 1e9,
+                down_cfg.block_n, up_cfg.group_m, down_cfg.group_m, up_ms, down_ms, comb_ms,
+                fwd_ms, fwd_flop / fwd_ms / 1e9,
                 up_flop / up_ms / 1e9, down_flop / down_ms / 1e9,
                 fwd_flop / (gemm_tflops * 1e12) * 1e3, bytes / (copy_tbs * 1e12) * 1e3,
                 gemm_tflops, copy_tbs);

@@ -24,3 +24,6 @@ grep -E '"kind":"tile"' "$out/fused.jsonl" | cut -c1-200
 PYTHONUNBUFFERED=1 timeout 400 python3 "$dir/torch_moe_reference.py" --preset "$@" --json "$out/torch.jsonl" > "$out/torch.log" 2>&1; echo "torch rc=$?"
 tail -3 "$out/torch.log"
 python3 bench/sm90_compare.py "$out/fused.jsonl" "$out/torch.jsonl" | tee "$out/compare.txt"
+echo "== compute-sanitizer memcheck on the test"
+timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "$dir/sm90_expert_forward_test" > "$out/memcheck.log" 2>&1; echo "memcheck rc=$?"
+grep -E "ERROR SUMMARY|ALL PASSED|FAILED" "$out/memcheck.log" | head -5

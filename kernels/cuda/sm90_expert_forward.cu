@@ -68,38 +68,57 @@ int SmCount() {
   return sms;
 }
 
-template <int kN, int kStages, bool kSwiGLU, bool kTmaB>
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, int kMinBlocks>
 cudaError_t LaunchGemm(const GemmParams& params, cudaStream_t stream) {
-  auto* kernel = sm90::sm90_grouped_gemm_kernel<kN, kStages, kSwiGLU, kTmaB>;
-  constexpr int kSmem = sm90::SmemBytes<kN, kStages>();
+  auto* kernel =
+      sm90::sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kMinBlocks>;
+  constexpr int kSmem = sm90::SmemBytes<kWarpgroups, kN, kStages>();
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int sms = SmCount();
   if (sms <= 0) return cudaErrorNoDevice;
-  kernel<<<sms, sm90::kThreads, kSmem, stream>>>(params);
+  kernel<<<sms * kMinBlocks, kWarpgroups * 128, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 
-// The one place runtime config becomes template constants.
-template <bool kSwiGLU>
-cudaError_t DispatchGemm(const Sm90GemmConfig& config, GemmParams& params,
-                         const void* b0, const void* b1, cudaStream_t stream) {
-  const int box_rows = kSwiGLU ? config.block_n / 2 : config.block_n;
-  if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;  // block_n
-  if (config.tma_weights) {
-    cudaError_t err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.n_dim,
-                                      params.k_dim, box_rows);
-    if (err == cudaSuccess && kSwiGLU) {
-      err = EncodeWeightMap(&params.tmap_b1, b1, params.num_experts, params.n_dim,
-                            params.k_dim, box_rows);
-    }
-    if (err != cudaSuccess) return err;
-    return config.block_n == 256 ? LaunchGemm<256, 4, kSwiGLU, true>(params, stream)
-                                 : LaunchGemm<128, 6, kSwiGLU, true>(params, stream);
+// The one place runtime config becomes template constants. The ring depth follows the tile:
+// ~192 KB of shared memory for one CTA per SM, ~96 KB each for two.
+template <bool kSwiGLU, bool kTmaB>
+cudaError_t LaunchTile(const Sm90GemmConfig& config, const GemmParams& params,
+                       cudaStream_t stream) {
+  if (config.block_m == 128 && config.block_n == 256 && config.ctas_per_sm == 1) {
+    return LaunchGemm<2, 256, 4, kSwiGLU, kTmaB, 1>(params, stream);
   }
-  return config.block_n == 256 ? LaunchGemm<256, 4, kSwiGLU, false>(params, stream)
-                               : LaunchGemm<128, 6, kSwiGLU, false>(params, stream);
+  if (config.block_m == 128 && config.block_n == 128 && config.ctas_per_sm == 1) {
+    return LaunchGemm<2, 128, 6, kSwiGLU, kTmaB, 1>(params, stream);
+  }
+  if (config.block_m == 128 && config.block_n == 128 && config.ctas_per_sm == 2) {
+    return LaunchGemm<2, 128, 3, kSwiGLU, kTmaB, 2>(params, stream);
+  }
+  if (config.block_m == 192 && config.block_n == 256 && config.ctas_per_sm == 1) {
+    return LaunchGemm<3, 256, 3, kSwiGLU, kTmaB, 1>(params, stream);
+  }
+  return cudaErrorInvalidValue;  // unsupported (block_m, block_n, ctas_per_sm)
+}
+
+template <bool kSwiGLU>
+cudaError_t DispatchGemm(const Sm90GemmConfig& config, GemmParams& params, const void* b0,
+                         const void* b1, cudaStream_t stream) {
+  if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
+  if (config.ctas_per_sm != 1 && config.ctas_per_sm != 2) return cudaErrorInvalidValue;
+  if (config.group_m < 1) return cudaErrorInvalidValue;
+  params.group_m = config.group_m;
+  if (!config.tma_weights) return LaunchTile<kSwiGLU, false>(config, params, stream);
+  const int box_rows = kSwiGLU ? config.block_n / 2 : config.block_n;
+  cudaError_t err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.n_dim,
+                                    params.k_dim, box_rows);
+  if (err == cudaSuccess && kSwiGLU) {
+    err = EncodeWeightMap(&params.tmap_b1, b1, params.num_experts, params.n_dim, params.k_dim,
+                          box_rows);
+  }
+  if (err != cudaSuccess) return err;
+  return LaunchTile<kSwiGLU, true>(config, params, stream);
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -123,7 +142,7 @@ const char* Sm90CanImplement(const Sm90ExpertProblem& problem) {
     return "num_tokens * top_k exceeds the int32 range of entries";
   }
   // Row-block counts are int32 tile ids: (N / 128 + experts) * column blocks must fit.
-  const int64_t row_blocks = CeilDiv(problem.num_tokens * problem.top_k, sm90::kBlockM) +
+  const int64_t row_blocks = CeilDiv(problem.num_tokens * problem.top_k, sm90::kMinBlockM) +
                              problem.num_experts;
   const int64_t col_blocks = CeilDiv(2 * static_cast<int64_t>(problem.d_hidden) +
                                          problem.d_model, 64);
@@ -147,7 +166,7 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   const int64_t routed =
       problem.num_routed >= 0 ? problem.num_routed : problem.num_tokens * problem.top_k;
   // Expected row blocks: full blocks plus about half a ragged block per expert.
-  const int64_t row_blocks = CeilDiv(routed, sm90::kBlockM) + problem.num_experts / 2;
+  const int64_t row_blocks = CeilDiv(routed, sm90::kMinBlockM) + problem.num_experts / 2;
   // Output columns per tile: up-projection tiles cover block_n/2 of h (W1 and W3 halves).
   const int64_t n = projection == Sm90Projection::kUpSwiGLU ? problem.d_hidden : problem.d_model;
   const int wide_cols = projection == Sm90Projection::kUpSwiGLU ? 128 : 256;
@@ -161,6 +180,11 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   } else {
     config.block_n = 256;
   }
+  // Rasterisation band: as many row blocks as keep their A rows (128 x k bf16 each) within
+  // ~24 MB of the 50 MB L2, at most 16, so weights stream once per band.
+  const int64_t k = projection == Sm90Projection::kUpSwiGLU ? problem.d_model : problem.d_hidden;
+  config.group_m = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(16, (int64_t{24} << 20) / (sm90::kMinBlockM * k * 2))));
   return config;
 }
 

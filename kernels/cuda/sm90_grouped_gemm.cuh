@@ -36,11 +36,9 @@
 
 namespace moe::kernels::sm90 {
 
-constexpr int kBlockM = 128;          // rows of a tile: two warpgroups of 64
+constexpr int kMinBlockM = 128;       // the smallest tile height (two warpgroups of 64 rows)
 constexpr int kBlockK = 64;           // 64 bf16 = 128 bytes = one swizzle atom row
-constexpr int kThreads = 256;         // two consumer warpgroups
 constexpr int kMaxExperts = 1024;     // the tile prefix lives in shared memory
-constexpr int kTileABytes = kBlockM * kBlockK * 2;
 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
@@ -58,6 +56,7 @@ struct GemmParams {
   int32_t k_dim;
   int32_t n_dim;
   int32_t top_k;
+  int32_t group_m;                // row blocks per rasterisation band (>= 1)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -238,20 +237,29 @@ struct TileInfo {
   int n0;
 };
 
-// Tiles are numbered expert-major, then row block, then column block (fastest), so the CTAs
-// running at one time share the same gathered rows and the same expert's weights in L2.
-// `prefix[e]` = row blocks of experts before e (prefix[E] = all); `offs` = dispatch offsets.
-template <int kBlockN>
-__device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, const int* prefix,
-                                               const int* offs, int num_experts) {
+// Tiles are numbered expert-major. Within an expert, row blocks go in bands of `group_m`, and
+// a band's tiles run column block by column block (rows fastest): the CTAs running at one time
+// then share a band's gathered rows AND a few weight column blocks in L2, so an expert whose
+// weights exceed L2 (mixtral, deepseek-v3) is streamed from memory once per band instead of
+// once per row block. `prefix[e]` = row blocks of experts before e; `offs` = dispatch offsets.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_m,
+                                               const int* prefix, const int* offs,
+                                               int num_experts) {
   const int mt = tile / n_tiles;
-  const int nt = tile - mt * n_tiles;
   int lo = 0, hi = num_experts;  // largest e with prefix[e] <= mt; empty experts are skipped
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (prefix[mid] <= mt) lo = mid; else hi = mid;
   }
-  const int m0 = (mt - prefix[lo]) * kBlockM;
+  const int local = tile - prefix[lo] * n_tiles;
+  const int row_blocks = prefix[lo + 1] - prefix[lo];
+  const int band = local / (group_m * n_tiles);
+  const int band_m0 = band * group_m;
+  const int band_rows = min(group_m, row_blocks - band_m0);
+  const int rem = local - band * group_m * n_tiles;
+  const int nt = rem / band_rows;
+  const int m0 = (band_m0 + (rem - nt * band_rows)) * kBlockM;
   const int count = offs[lo + 1] - offs[lo];
   TileInfo ti;
   ti.expert = lo;
@@ -261,18 +269,25 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, const int*
   return ti;
 }
 
-template <int kN, int kStages>
+template <int kWarpgroups, int kN, int kStages>
 constexpr int SmemBytes() {
-  return kStages * (kTileABytes + kN * kBlockK * 2) + 1024 /* alignment slack */ +
+  return kStages * (kWarpgroups * 64 * kBlockK * 2 + kN * kBlockK * 2) + 1024 /* alignment */ +
          kStages * 8 /* mbarriers */ + 2 * (kMaxExperts + 1) * 4 /* prefix, offsets */;
 }
 
 // kN: wgmma N, the rows of the B tile (kSwiGLU: kN/2 of W1 then kN/2 of W3).
 // kStages: shared-memory ring depth; loads run kStages-2 steps ahead of the math (the buffer
 // of step s-1 may still be read by an in-flight wgmma, so only s-2 and older are free).
-template <int kN, int kStages, bool kSwiGLU, bool kTmaB>
-__global__ void __launch_bounds__(kThreads, 1)
+// kWarpgroups: consumer warpgroups, 64 tile rows each (2: 128-row tiles; 3: 192-row tiles,
+// which read 25% fewer bytes per flop through L2 but fit only 3 stages and 168 registers).
+// kMinBlocks: CTAs per SM (1, or 2 to overlap one CTA's epilogue with the other's main loop;
+// the register cap then drops to 128 a thread).
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, int kMinBlocks>
+__global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
     sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
+  constexpr int kThreads = kWarpgroups * 128;
+  constexpr int kBlockM = kWarpgroups * 64;
+  constexpr int kTileABytes = kBlockM * kBlockK * 2;
   constexpr int kTileBBytes = kN * kBlockK * 2;
   constexpr int kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kAhead = kStages - 2;
@@ -325,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int chunk = tid & 7;  // this thread's 16-byte chunk of every 128-byte row it loads
   int ld_tile = blockIdx.x;
   int ld_kt = 0;
-  TileInfo ld = DecodeTile<kBlockN>(ld_tile, n_tiles, prefix, offs, num_experts);
+  TileInfo ld = DecodeTile<kBlockM, kBlockN>(ld_tile, n_tiles, p.group_m, prefix, offs, num_experts);
   const __nv_bfloat16* a_row[kBlockM * 8 / kThreads];
   bool a_ok[kBlockM * 8 / kThreads];
   auto set_rows = [&]() {
@@ -365,8 +380,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kN * 8 / kThreads; ++j) {
+        for (int j = 0; j < (kN * 8 + kThreads - 1) / kThreads; ++j) {
           const int r = (tid >> 3) + j * (kThreads / 8);
+          if (kN % (kThreads / 8) != 0 && r >= kN) break;
           const int half = kSwiGLU ? r / kBlockN : 0;
           const int wr = ld.n0 + (kSwiGLU ? r % kBlockN : r);
           const bool ok = k_ok && wr < p.n_dim;
@@ -380,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ld_kt = 0;
         ld_tile += gridDim.x;
         if (ld_tile < total) {
-          ld = DecodeTile<kBlockN>(ld_tile, n_tiles, prefix, offs, num_experts);
+          ld = DecodeTile<kBlockM, kBlockN>(ld_tile, n_tiles, p.group_m, prefix, offs, num_experts);
           set_rows();
         }
       }
@@ -397,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t it = 0;  // k-steps consumed by this CTA, across tiles: ring stage and mbarrier phase
   float acc[kAcc];
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const TileInfo ti = DecodeTile<kBlockN>(tile, n_tiles, prefix, offs, num_experts);
+    const TileInfo ti = DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
