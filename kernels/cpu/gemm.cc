@@ -5,6 +5,7 @@
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -149,23 +150,43 @@ struct KernelChoice {
   const char* name;
 };
 
+constexpr KernelChoice kAvx512{MacroAvx512, 8, 32, "avx512"};
+constexpr KernelChoice kAvx2{MacroAvx2, 6, 16, "avx2"};
+constexpr KernelChoice kGeneric{MacroGeneric, 6, 16, "generic"};
+
+bool Supported(const KernelChoice& k) {
+  __builtin_cpu_init();
+  if (&k == &kAvx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  if (&k == &kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return true;
+}
+
+// The best kernel this CPU runs; SetSgemmKernelForTesting may override it.
+std::atomic<const KernelChoice*> g_choice{nullptr};
+
 const KernelChoice& Choice() {
-  static const KernelChoice choice = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")) {
-      return KernelChoice{MacroAvx512, 8, 32, "avx512"};
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return KernelChoice{MacroAvx2, 6, 16, "avx2"};
-    }
-    return KernelChoice{MacroGeneric, 6, 16, "generic"};
-  }();
-  return choice;
+  const KernelChoice* c = g_choice.load(std::memory_order_acquire);
+  if (c == nullptr) {
+    c = Supported(kAvx512) ? &kAvx512 : Supported(kAvx2) ? &kAvx2 : &kGeneric;
+    g_choice.store(c, std::memory_order_release);
+  }
+  return *c;
 }
 
 }  // namespace
 
 const char* SgemmKernelName() { return Choice().name; }
+
+bool SetSgemmKernelForTesting(const std::string& name) {
+  for (const KernelChoice* k : {&kAvx512, &kAvx2, &kGeneric}) {
+    if (name == k->name && Supported(*k)) {
+      g_choice.store(k, std::memory_order_release);
+      return true;
+    }
+  }
+  return false;
+}
 
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,

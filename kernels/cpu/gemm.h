@@ -15,6 +15,7 @@
 #define MOE_KERNELS_CPU_GEMM_H_
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/cpu/thread_pool.h"
 
@@ -26,6 +27,10 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 
 // Which micro-kernel Sgemm uses on this machine: "avx512", "avx2" or "generic".
 const char* SgemmKernelName();
+
+// Tests only: forces "avx512", "avx2" or "generic" so every variant is checked on a machine
+// that supports it. False (and no change) when this CPU cannot run the named kernel.
+bool SetSgemmKernelForTesting(const std::string& name);
 
 }  // namespace moe::kernels
 

@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace moe::kernels {
@@ -64,21 +66,30 @@ double RunCase(const Case& c, ThreadPool* pool, std::vector<float>* out = nullpt
 
 TEST(SgemmTest, MatchesFloat64ForAllLayouts) {
   ThreadPool pool(3);
-  const int64_t shapes[][3] = {{1, 1, 1}, {7, 33, 5}, {37, 129, 300}, {130, 17, 513}, {5, 300, 64}};
-  for (bool ta : {false, true}) {
-    for (bool tb : {false, true}) {
-      for (const auto& s : shapes) {
-        for (float beta : {0.0f, 1.0f}) {
-          const Case c{ta, tb, s[0], s[1], s[2], 0.75f, beta};
-          const double err = RunCase(c, &pool);
-          // fp32 accumulation over k <= 513 terms: ~1e-7 * sqrt(k); 1e-5 leaves margin.
-          EXPECT_LT(err, 1e-5) << "ta=" << ta << " tb=" << tb << " m=" << c.m << " n=" << c.n
-                               << " k=" << c.k << " beta=" << beta << " kernel "
-                               << SgemmKernelName();
+  const std::string best = SgemmKernelName();
+  for (const char* kernel : {"generic", "avx2", "avx512"}) {
+    if (!SetSgemmKernelForTesting(kernel)) {
+      std::cout << "kernel " << kernel << " not supported here, skipped\n";
+      continue;
+    }
+    const int64_t shapes[][3] = {
+        {1, 1, 1}, {7, 33, 5}, {37, 129, 300}, {130, 17, 513}, {5, 300, 64}};
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (const auto& s : shapes) {
+          for (float beta : {0.0f, 1.0f}) {
+            const Case c{ta, tb, s[0], s[1], s[2], 0.75f, beta};
+            const double err = RunCase(c, &pool);
+            // fp32 accumulation over k <= 513 terms: ~1e-7 * sqrt(k); 1e-5 leaves margin.
+            EXPECT_LT(err, 1e-5) << "ta=" << ta << " tb=" << tb << " m=" << c.m << " n=" << c.n
+                                 << " k=" << c.k << " beta=" << beta << " kernel "
+                                 << SgemmKernelName();
+          }
         }
       }
     }
   }
+  ASSERT_TRUE(SetSgemmKernelForTesting(best));
 }
 
 TEST(SgemmTest, GeneralBetaScalesC) {
