@@ -1,0 +1,56 @@
+// moe-cli end to end against a loopback server: every command, exit codes and error output.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+
+#include "tests/client/test_util.h"
+
+namespace moe {
+namespace {
+
+using namespace testing_util;
+
+int RunCli(const std::string& args, std::string* out) {
+  out->clear();
+  FILE* p = ::popen((std::string(MOE_CLI_PATH) + " " + args + " 2>&1").c_str(), "r");
+  char buf[512];
+  while (p && std::fgets(buf, sizeof(buf), p)) *out += buf;
+  int rc = p ? ::pclose(p) : -1;
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+TEST(CliTest, EveryCommand) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  const std::string srv = "--server=" + Target(*s) + " ";
+  std::string out;
+  EXPECT_EQ(RunCli(srv + "health", &out), 0) << out;
+  EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "list", &out), 0) << out;
+  EXPECT_NE(out.find("no layers"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "create l1 --experts=4 --top_k=2 --d_model=8 --d_hidden=16 --routing=server",
+                &out), 0) << out;
+  EXPECT_NE(out.find("created l1"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "create l2 --experts=2 --top_k=3", &out), 1) << out;
+  EXPECT_NE(out.find("INVALID_ARGUMENT"), std::string::npos) << out;
+  EXPECT_NE(out.find("top_k"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "list", &out), 0) << out;
+  EXPECT_NE(out.find("l1  E=4 K=2 d=8 h=16"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "save l1 ck/l1.safetensors", &out), 0) << out;
+  EXPECT_NE(out.find("saved l1 step 0"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "load l3 ck/l1.safetensors", &out), 0) << out;
+  EXPECT_NE(out.find("loaded l3"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "stats", &out), 0) << out;
+  EXPECT_NE(out.find("device cpu"), std::string::npos) << out;
+  EXPECT_NE(out.find("l3"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "delete l1", &out), 0) << out;
+  EXPECT_EQ(RunCli(srv + "delete l1", &out), 1) << out;
+  EXPECT_NE(out.find("NOT_FOUND"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "frobnicate", &out), 2) << out;
+  EXPECT_EQ(RunCli("--server=127.0.0.1:1 --timeout_seconds=0.3 health", &out), 1) << out;
+  EXPECT_NE(out.find("UNAVAILABLE"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,130 @@
+// moe::client against a loopback server: errors carry the server's code and message, every
+// call has a deadline, health checks, create/attach semantics, and the chunk planner.
+#include <gtest/gtest.h>
+
+#include "proto/wire.h"
+#include "tests/client/test_util.h"
+
+namespace moe {
+namespace {
+
+using namespace testing_util;
+
+LayerConfig Config() {
+  LayerConfig c;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.d_model = 256;
+  c.d_hidden = 64;
+  c.routing = RoutingMode::kServer;
+  return c;
+}
+
+TEST(ClientTest, ErrorsCarryTheServersCodeAndMessage) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  auto c = client::Connection::Connect(Target(*s));
+  ASSERT_TRUE(c.ok());
+  absl::Status st = (*c)->GetLayer("missing-layer").status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(st.message().find("missing-layer"), std::string::npos) << st;
+  EXPECT_EQ(client::RemoteLayer::Attach(*c, "missing-layer").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(ClientTest, ConnectingToNothingIsUnavailable) {
+  client::ClientOptions o;
+  o.timeout = std::chrono::milliseconds(300);
+  auto c = client::Connection::Connect("127.0.0.1:1", o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+}
+
+TEST(ClientTest, EveryCallHasADeadline) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  auto setup = client::Connection::Connect(Target(*s));
+  ASSERT_TRUE(setup.ok());
+  ASSERT_TRUE((*setup)->CreateLayer("l", Config()).ok());
+  client::ClientOptions o;
+  o.timeout = std::chrono::milliseconds(200);
+  auto c = client::Connection::Connect(Target(*s), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  // 40k tokens x 256 floats (40 MB) cannot travel and compute in 200 ms on this machine.
+  std::mt19937 rng(1);
+  Tensor x = RandomFloat(rng, {40000, 256});
+  auto r = (*c)->Forward("l", 1, false, x.view(), {}, {}).get();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  // The server is fine afterwards.
+  Tensor small = RandomFloat(rng, {4, 256});
+  EXPECT_TRUE((*setup)->Forward("l", 0, false, small.view(), {}, {}).get().ok());
+}
+
+TEST(ClientTest, HealthChecks) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  auto c = client::Connection::Connect(Target(*s));
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)->Health().ok());
+  EXPECT_TRUE((*c)->Health("moe.v1.ExpertService").ok());
+  EXPECT_EQ((*c)->Health("no.such.Service").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ClientTest, CreateAttachesOnlyToAnIdenticalLayer) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  auto c = client::Connection::Connect(Target(*s));
+  ASSERT_TRUE(c.ok());
+  auto a = client::RemoteLayer::Create(*c, "l", Config());
+  ASSERT_TRUE(a.ok());
+  auto b = client::RemoteLayer::Create(*c, "l", Config());
+  EXPECT_TRUE(b.ok()) << b.status();
+  LayerConfig other = Config();
+  other.d_hidden = 32;
+  EXPECT_EQ(client::RemoteLayer::Create(*c, "l", other).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto list = (*c)->ListLayers();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ(list->at(0).config().d_hidden(), 64);
+  EXPECT_TRUE((*c)->DeleteLayer("l").ok());
+  EXPECT_EQ((*c)->DeleteLayer("l").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(WireTest, PlanChunksCoversEveryByteOnceWithinTheLimit) {
+  for (size_t limit : {1u, 7u, 8u, 64u}) {
+    const std::vector<size_t> sizes = {10, 0, 25, 3};
+    auto plan = wire::PlanChunks(sizes, limit);
+    std::vector<size_t> next(sizes.size(), 0);
+    for (const auto& message : plan) {
+      size_t total = 0;
+      for (const auto& p : message) {
+        EXPECT_EQ(p.offset, next[p.tensor]) << "limit " << limit;
+        next[p.tensor] += p.size;
+        total += p.size;
+      }
+      EXPECT_LE(total, limit);
+    }
+    EXPECT_EQ(next, sizes) << "limit " << limit;
+  }
+  EXPECT_EQ(wire::PlanChunks({0, 0}, 16).size(), 1u);  // an empty micro-batch is one message
+}
+
+TEST(WireTest, AssemblerNamesTheFieldOnAByteMismatch) {
+  wire::TensorAssembler a("dout");
+  v1::Tensor chunk;
+  wire::SetTensorHeader(DType::kFloat32, {2, 3}, &chunk);
+  chunk.set_data(std::string(20, 'x'));
+  ASSERT_TRUE(a.Add(chunk).ok());
+  absl::Status st = a.Finish().status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("dout"), std::string::npos) << st;
+  chunk.set_data(std::string(4, 'x'));
+  ASSERT_TRUE(a.Add(chunk).ok());
+  EXPECT_TRUE(a.Finish().ok());
+  v1::Tensor other;
+  wire::SetTensorHeader(DType::kFloat32, {3, 3}, &other);
+  EXPECT_EQ(a.Add(other).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,127 @@
+// An expert-sharded layer over two servers equals one unsharded layer: same weights (imported
+// from the unsharded layer), same forward output, dx, dweights, token counts and, after a step,
+// the same weights. Sums over shards reorder float additions, so outputs are compared by the
+// normalised error with bound 1e-6; token counts exactly.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "tests/client/test_util.h"
+
+namespace moe {
+namespace {
+
+using namespace testing_util;
+
+// Rows [first, first + count) of a [E, ...] tensor.
+Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
+  Tensor out = t;
+  const size_t per = t.bytes.size() / t.shape[0];
+  out.shape[0] = count;
+  out.bytes.assign(t.bytes.begin() + first * per, t.bytes.begin() + (first + count) * per);
+  return out;
+}
+
+TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
+  auto s0 = StartServer();
+  auto s1 = StartServer();
+  ASSERT_TRUE(s0 && s1);
+  auto c0 = client::Connection::Connect(Target(*s0));
+  auto c1 = client::Connection::Connect(Target(*s1));
+  ASSERT_TRUE(c0.ok() && c1.ok());
+
+  LayerConfig config;
+  config.num_experts = 7;  // uneven split: [0, 4) and [4, 7)
+  config.top_k = 2;
+  config.d_model = 16;
+  config.d_hidden = 24;
+  config.seed = 3;
+  config.optimizer.learning_rate = 1e-2;
+  auto full = client::RemoteLayer::Create(*c0, "full", config);
+  ASSERT_TRUE(full.ok()) << full.status();
+  auto sharded = client::ShardedLayer::Create({*c0, *c1}, "sharded", config);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  ASSERT_EQ((*sharded)->num_shards(), 2u);
+  EXPECT_EQ((*sharded)->shard(0).config().expert_first, 0);
+  EXPECT_EQ((*sharded)->shard(0).config().local_experts(), 4);
+  EXPECT_EQ((*sharded)->shard(1).config().expert_first, 4);
+  EXPECT_EQ((*sharded)->shard(1).config().local_experts(), 3);
+
+  auto weights = (*full)->ExportWeights();
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  for (size_t s = 0; s < 2; ++s) {
+    const LayerConfig& c = (*sharded)->shard(s).config();
+    std::map<std::string, Tensor> part;
+    for (const auto& [name, t] : *weights) {
+      part[name] = SliceExperts(t, c.expert_first, c.local_experts());
+    }
+    ASSERT_TRUE((*sharded)->shard(s).ImportWeights(part).ok());
+  }
+
+  std::mt19937 rng(21);
+  for (int round = 0; round < 3; ++round) {
+    const int64_t tokens = 29;
+    Tensor x = RandomFloat(rng, {tokens, config.d_model}), ids, w;
+    // Round 2 routes everything to shard 0, so shard 1 must be skipped and contribute nothing.
+    RandomRouting(rng, tokens, config.top_k, 0, round == 2 ? 4 : 7, &ids, &w);
+    auto a = (*full)->Forward(x.view(), ids.view(), w.view()).get();
+    auto b = (*sharded)->Forward(x.view(), ids.view(), w.view()).get();
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_LT(RelError(b->out, a->out), 1e-6) << "round " << round;
+    Tensor dout = RandomFloat(rng, {tokens, config.d_model});
+    auto da = (*full)->Backward(a->context_id, dout.view()).get();
+    auto db = (*sharded)->Backward(b->context_id, dout.view()).get();
+    ASSERT_TRUE(da.ok()) << da.status();
+    ASSERT_TRUE(db.ok()) << db.status();
+    EXPECT_LT(RelError(db->dx, da->dx), 1e-6) << "round " << round;
+    EXPECT_LT(RelError(db->dweights, da->dweights), 1e-6) << "round " << round;
+    auto sa = (*full)->Step();
+    auto sb = (*sharded)->Step();
+    ASSERT_TRUE(sa.ok() && sb.ok());
+    EXPECT_EQ(sb->tokens_per_expert, sa->tokens_per_expert) << "round " << round;
+    EXPECT_NEAR(sb->grad_norm, sa->grad_norm, 1e-6 * sa->grad_norm);
+  }
+  auto after = (*full)->ExportWeights();
+  ASSERT_TRUE(after.ok());
+  for (size_t s = 0; s < 2; ++s) {
+    const LayerConfig& c = (*sharded)->shard(s).config();
+    auto part = (*sharded)->shard(s).ExportWeights();
+    ASSERT_TRUE(part.ok());
+    for (const auto& [name, t] : *after) {
+      EXPECT_LT(RelError(part->at(name), SliceExperts(t, c.expert_first, c.local_experts())), 1e-5)
+          << "shard " << s << " " << name;
+    }
+  }
+}
+
+TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
+  auto s0 = StartServer();
+  ASSERT_TRUE(s0);
+  auto c0 = client::Connection::Connect(Target(*s0));
+  ASSERT_TRUE(c0.ok());
+  LayerConfig config;
+  config.num_experts = 4;
+  config.top_k = 1;
+  config.d_model = 8;
+  config.d_hidden = 8;
+  config.routing = RoutingMode::kServer;
+  EXPECT_EQ(client::ShardedLayer::Create({*c0}, "x", config).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  config.routing = RoutingMode::kClient;
+  auto layer = client::ShardedLayer::Create({*c0}, "x", config);
+  ASSERT_TRUE(layer.ok());
+  std::mt19937 rng(1);
+  Tensor x = RandomFloat(rng, {3, 8}), ids, w;
+  RandomRouting(rng, 3, 1, 0, 4, &ids, &w);
+  ids.as<int32_t>()[1] = 9;
+  absl::Status st = (*layer)->Forward(x.view(), ids.view(), w.view()).get().status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("expert_ids"), std::string::npos) << st;
+  Tensor dout = RandomFloat(rng, {3, 8});
+  EXPECT_EQ((*layer)->Backward(12345, dout.view()).get().status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace moe
