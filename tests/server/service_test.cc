@@ -41,7 +41,7 @@ server::ServerOptions LoopbackOptions() {
   server::ServerOptions o;
   o.host = "127.0.0.1";
   o.port = 0;
-  o.metrics_port = 0;
+  o.metrics_port = -1;  // the exposer takes ~2 s to stop; only the metrics test needs it
   o.device = "cpu";
   o.checkpoint_dir = TempDir("ckpt");
   return o;
@@ -457,7 +457,9 @@ double Metric(const std::string& page, const std::string& series) {
 }
 
 TEST(ServiceTest, MetricsEndpointShowsCountersMoving) {
-  Loopback lb = Start();
+  server::ServerOptions options = LoopbackOptions();
+  options.metrics_port = 0;
+  Loopback lb = Start(options);
   ASSERT_TRUE(lb.conn);
   Connection& c = *lb.conn;
   const LayerConfig config = SmallConfig(RoutingMode::kServer);
