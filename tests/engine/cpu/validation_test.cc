@@ -146,6 +146,23 @@ TEST_F(ForwardValidationTest, BadWeights) {
   ExpectInvalid(Fwd(r), "weights");
 }
 
+TEST_F(ForwardValidationTest, WeightsMayBeFloat32OrTheLayerDtype) {
+  // fp32 layer: bf16 weights are neither float32 nor the layer dtype.
+  Tensor w16 = MakeTensor({0.5, 0.5, 0.3, 0.7, 1, 0}, DType::kBFloat16, {3, 2});
+  ForwardRequest r = Req();
+  r.weights = w16.view();
+  ExpectInvalid(Fwd(r), "weights");
+  // bf16 layer: both bf16 and fp32 weights are accepted.
+  LayerConfig c = cfg_;
+  c.dtype = DType::kBFloat16;
+  auto layer = MakeLayer(c);
+  Tensor x16 = MakeTensor(RandomVec(3 * 8, 1), DType::kBFloat16, {3, 8});
+  r.x = x16.view();
+  EXPECT_TRUE(layer->Forward(r).ok());
+  r.weights = w_.view();
+  EXPECT_TRUE(layer->Forward(r).ok());
+}
+
 TEST_F(ForwardValidationTest, ServerRoutingRejectsClientRouting) {
   auto layer = MakeLayer(SmallConfig(Activation::kSwiGLU, RoutingMode::kServer));
   ExpectInvalid(layer->Forward(Req()).status(), "expert_ids");
