@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,16 @@ def check_kubernetes():
     if rule["spec"]["groups"] != alerts["groups"]:
         fail("PrometheusRule groups differ from deploy/prometheus/alerts.yaml; "
              "run scripts/sync-prometheusrule")
+    # Where kubectl is installed (not a project dependency), its built-in kustomize must
+    # render both kustomizations: it catches what reading the files one by one cannot.
+    if shutil.which("kubectl"):
+        for d in ("deploy/kubernetes", "deploy/kubernetes/prometheus-operator"):
+            rc, out = run(["kubectl", "kustomize", path(d)])
+            if rc != 0:
+                fail(f"kubectl kustomize {d}:\n{out}")
+            elif d == "deploy/kubernetes" and len([x for x in yaml.safe_load_all(out) if x]) != len(objs):
+                fail(f"kubectl kustomize {d} renders a different number of objects than listed")
+        print("kubectl kustomize renders both kustomizations")
     print(f"kubernetes: {len(objs)} objects in namespace {namespace}; probes ask for "
           f"{ready_service!r}; Prometheus resolves {srv}")
 
