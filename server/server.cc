@@ -51,6 +51,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                            grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(-1);
+  // Keepalive pings find clients whose connection died without a FIN (a pulled cable, a killed
+  // VM): the transport then fails, open OpenSession streams are cancelled and their contexts
+  // freed, instead of waiting for the context TTL.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.RegisterService(server->service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (!server->grpc_server_ || server->port_ == 0) {
