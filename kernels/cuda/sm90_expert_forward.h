@@ -37,18 +37,16 @@ struct Sm90ExpertProblem {
 
 enum class Sm90Projection { kUpSwiGLU = 0, kDown = 1 };
 
-// Tile choice. block_m is the tile height (128: two consumer warpgroups; 192: three, with
-// block_n 256 only). block_n is the wgmma N (128 or 256): for the up-projection half of it
+// Tile choice (tiles are 128 rows: two consumer warpgroups of 64). block_n is the wgmma N (128 or 256): for the up-projection half of it
 // are W1 rows and half the matching W3 rows. ctas_per_sm = 2 (block_n 128 only) runs two CTAs on each
 // SM so one's epilogue overlaps the other's main loop. The ring depth follows: 4 stages for
-// 128x256, 6 for 128x128, 3 for 128x128 with two CTAs and for 192x256. group_m row blocks form one rasterisation band
+// 128x256, 6 for 128x128, 3 for 128x128 with two CTAs. group_m row blocks form one rasterisation band
 // (weights stream from memory once per band). tma_weights = false loads weights by cp.async.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
   int ctas_per_sm = 1;
   int group_m = 16;
-  int block_m = 128;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that

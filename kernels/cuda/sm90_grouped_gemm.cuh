@@ -278,8 +278,9 @@ constexpr int SmemBytes() {
 // kN: wgmma N, the rows of the B tile (kSwiGLU: kN/2 of W1 then kN/2 of W3).
 // kStages: shared-memory ring depth; loads run kStages-2 steps ahead of the math (the buffer
 // of step s-1 may still be read by an in-flight wgmma, so only s-2 and older are free).
-// kWarpgroups: consumer warpgroups, 64 tile rows each (2: 128-row tiles; 3: 192-row tiles,
-// which read 25% fewer bytes per flop through L2 but fit only 3 stages and 168 registers).
+// kWarpgroups: consumer warpgroups, 64 tile rows each. The launcher instantiates 2 (128-row
+// tiles); 3 (192 rows, 25% fewer bytes per flop through L2, but only 3 stages and 168
+// registers) measured slower on every preset and is left out.
 // kMinBlocks: CTAs per SM (1, or 2 to overlap one CTA's epilogue with the other's main loop;
 // the register cap then drops to 128 a thread).
 template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, int kMinBlocks>
@@ -336,24 +337,49 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   const int num_k = (p.k_dim + kBlockK - 1) / kBlockK;
   if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
 
-  // ---- Load cursor: runs kAhead k-steps ahead of the math, across tile boundaries.
+  // ---- Load cursor: runs kAhead k-steps ahead of the math, across tile boundaries. The
+  // gather's source rows for the cursor's NEXT tile are fetched one whole tile ahead (the raw
+  // entries stay in registers until the crossing), so a crossing never waits on global memory.
+  constexpr int kRowsPerThread = kBlockM * 8 / kThreads;
   const int chunk = tid & 7;  // this thread's 16-byte chunk of every 128-byte row it loads
   int ld_tile = blockIdx.x;
   int ld_kt = 0;
-  TileInfo ld = DecodeTile<kBlockM, kBlockN>(ld_tile, n_tiles, p.group_m, prefix, offs, num_experts);
-  const __nv_bfloat16* a_row[kBlockM * 8 / kThreads];
-  bool a_ok[kBlockM * 8 / kThreads];
-  auto set_rows = [&]() {
+  TileInfo ld =
+      DecodeTile<kBlockM, kBlockN>(ld_tile, n_tiles, p.group_m, prefix, offs, num_experts);
+  TileInfo nx = ld;
+  int nx_raw[kRowsPerThread];
+  const __nv_bfloat16* a_row[kRowsPerThread];
+  bool a_ok[kRowsPerThread];
+  auto fetch_rows = [&](const TileInfo& info, int (&raw)[kRowsPerThread]) {
 #pragma unroll
-    for (int j = 0; j < kBlockM * 8 / kThreads; ++j) {
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = (tid >> 3) + j * (kThreads / 8);
+      raw[j] = (kSwiGLU && r < info.rows) ? p.entries[info.slot0 + r] : 0;
+    }
+  };
+  auto set_rows = [&](const int (&raw)[kRowsPerThread]) {
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = (tid >> 3) + j * (kThreads / 8);
       a_ok[j] = r < ld.rows;
       int src = 0;
-      if (a_ok[j]) src = kSwiGLU ? p.entries[ld.slot0 + r] / p.top_k : ld.slot0 + r;
+      if (a_ok[j]) src = kSwiGLU ? raw[j] / p.top_k : ld.slot0 + r;
       a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
     }
   };
-  set_rows();
+  auto fetch_next = [&]() {
+    const int t = ld_tile + static_cast<int>(gridDim.x);
+    if (t < total) {
+      nx = DecodeTile<kBlockM, kBlockN>(t, n_tiles, p.group_m, prefix, offs, num_experts);
+      fetch_rows(nx, nx_raw);
+    }
+  };
+  {
+    int raw[kRowsPerThread];
+    fetch_rows(ld, raw);
+    set_rows(raw);
+  }
+  fetch_next();
 
   auto issue_load = [&](int stage) {
     if (ld_tile < total) {
@@ -396,8 +422,9 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
         ld_kt = 0;
         ld_tile += gridDim.x;
         if (ld_tile < total) {
-          ld = DecodeTile<kBlockM, kBlockN>(ld_tile, n_tiles, p.group_m, prefix, offs, num_experts);
-          set_rows();
+          ld = nx;
+          set_rows(nx_raw);
+          fetch_next();
         }
       }
     }
@@ -407,13 +434,27 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   const int wg = tid >> 7;
   const int warp_in_wg = (tid >> 5) & 3;
   const int lane = tid & 31;
+  // Accumulator ownership: rows r_base and r_base + 8, column pairs 8i + c_base.
+  const int r_base = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+  const int c_base = 2 * (lane & 3);
 
   for (int s = 0; s < kAhead; ++s) issue_load(s);
 
   uint32_t it = 0;  // k-steps consumed by this CTA, across tiles: ring stage and mbarrier phase
   float acc[kAcc];
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const TileInfo ti = DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+    const TileInfo ti =
+        DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+    // kPlain's destination rows, loaded now and first used by the epilogue, so their latency
+    // hides behind the main loop.
+    int y_row[2] = {0, 0};
+    if constexpr (!kSwiGLU) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = r_base + 8 * hr;
+        if (r < ti.rows) y_row[hr] = p.entries[ti.slot0 + r];
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
@@ -443,9 +484,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
     WgmmaWait<0>();
     FenceOperands(acc);
 
-    // ---- Epilogue from registers. Thread owns rows r and r+8, column pairs 8i + 2*(lane%4).
-    const int r_base = wg * 64 + warp_in_wg * 16 + (lane >> 2);
-    const int c_base = 2 * (lane & 3);
+    // ---- Epilogue from registers.
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = r_base + 8 * hr;
@@ -472,12 +511,12 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
             }
           }
         } else {
-          __nv_bfloat16* y_row = p.out0 + static_cast<int64_t>(p.entries[slot]) * p.n_dim;
+          __nv_bfloat16* y_out = p.out0 + static_cast<int64_t>(y_row[hr]) * p.n_dim;
 #pragma unroll
           for (int i = 0; i < kN / 8; ++i) {
             const int col = ti.n0 + 8 * i + c_base;
             if (col < p.n_dim) {
-              *reinterpret_cast<__nv_bfloat162*>(y_row + col) =
+              *reinterpret_cast<__nv_bfloat162*>(y_out + col) =
                   __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
             }
           }

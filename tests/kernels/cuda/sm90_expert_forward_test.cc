@@ -98,10 +98,10 @@ double NormalisedError(const std::vector<double>& got, const std::vector<double>
 bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double err) {
   const bool ok = err < kTolerance;
   std::printf(
-      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d tile=%dx%d tma=%d ctas=%d group_m=%d "
+      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ctas=%d group_m=%d "
       "%-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
-      c.experts_global, c.expert_first, c.d, c.h, cfg.block_m, cfg.block_n, cfg.tma_weights ? 1 : 0,
+      c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
       cfg.ctas_per_sm, cfg.group_m, what, err);
   return ok;
 }
@@ -316,12 +316,11 @@ int Main() {
     prob.num_experts = c.expert_count;
     prob.d_model = c.d;
     prob.d_hidden = c.h;
-    // {block_n, tma_weights, ctas_per_sm, group_m, block_m}: every tile variant, and bands
-    // that do and do not divide the experts' row-block counts.
-    const std::vector<Sm90GemmConfig> configs = {
-        {256, true, 1, 3, 128},  {128, true, 1, 16, 128}, {256, false, 1, 1, 128},
-        {128, false, 1, 2, 128}, {128, true, 2, 5, 128},  {128, false, 2, 16, 128},
-        {256, true, 1, 4, 192},  {256, false, 1, 16, 192}};
+    // {block_n, tma_weights, ctas_per_sm, group_m}: every tile variant, and bands that do and
+    // do not divide the experts' row-block counts.
+    const std::vector<Sm90GemmConfig> configs = {{256, true, 1, 3},  {128, true, 1, 16},
+                                                 {256, false, 1, 1}, {128, false, 1, 2},
+                                                 {128, true, 2, 5},  {128, false, 2, 16}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
