@@ -9,7 +9,8 @@
 namespace moe {
 namespace {
 
-using namespace testing_util;
+using testing_util::StartServer;
+using testing_util::Target;
 
 int RunCli(const std::string& args, std::string* out) {
   out->clear();

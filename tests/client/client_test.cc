@@ -8,7 +8,9 @@
 namespace moe {
 namespace {
 
-using namespace testing_util;
+using testing_util::RandomFloat;
+using testing_util::StartServer;
+using testing_util::Target;
 
 LayerConfig Config() {
   LayerConfig c;

@@ -12,7 +12,8 @@
 namespace moe {
 namespace {
 
-using namespace testing_util;
+using testing_util::StartServer;
+using testing_util::Target;
 
 TEST(DemoTest, TrainsThroughTheServerAndRestoresIdenticalOutputs) {
   auto s = StartServer();

@@ -11,7 +11,11 @@
 namespace moe {
 namespace {
 
-using namespace testing_util;
+using testing_util::RandomFloat;
+using testing_util::RandomRouting;
+using testing_util::RelError;
+using testing_util::StartServer;
+using testing_util::Target;
 
 // Rows [first, first + count) of a [E, ...] tensor.
 Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {

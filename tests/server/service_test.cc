@@ -104,12 +104,23 @@ void RandomRouting(std::mt19937& rng, int64_t tokens, const LayerConfig& c, Tens
 }
 
 // --- Bit-exact against the engine in process ------------------------------------------------
-void CheckTrainStepMatchesInProcess(RoutingMode routing, int64_t chunk_bytes) {
+// float32 -> bf16 (round to nearest even), the dtype a bf16 layer expects for x and dout.
+Tensor ToBFloat16(const Tensor& t) {
+  Tensor out = Tensor::Zeros(DType::kBFloat16, t.shape);
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    out.as<uint16_t>()[i] = FloatToBFloat16(t.as<float>()[i]);
+  }
+  return out;
+}
+
+void CheckTrainStepMatchesInProcess(RoutingMode routing, int64_t chunk_bytes,
+                                    DType dtype = DType::kFloat32) {
   client::ClientOptions copts;
   copts.chunk_bytes = chunk_bytes;
   Loopback lb = Start(LoopbackOptions(), copts);
   ASSERT_TRUE(lb.conn);
-  const LayerConfig config = SmallConfig(routing);
+  LayerConfig config = SmallConfig(routing);
+  config.dtype = dtype;
   auto remote = RemoteLayer::Create(lb.conn, "exact", config);
   ASSERT_TRUE(remote.ok()) << remote.status();
   auto engine = CreateEngine("cpu");
@@ -123,6 +134,10 @@ void CheckTrainStepMatchesInProcess(RoutingMode routing, int64_t chunk_bytes) {
     Tensor x = RandomFloat(rng, {tokens, config.d_model}), ids, w;
     if (routing == RoutingMode::kClient) RandomRouting(rng, tokens, config, &ids, &w);
     Tensor dout = RandomFloat(rng, {tokens, config.d_model});
+    if (dtype == DType::kBFloat16) {
+      x = ToBFloat16(x);
+      dout = ToBFloat16(dout);
+    }
 
     auto rf = (*remote)->Forward(x.view(), ids.view(), w.view()).get();
     ASSERT_TRUE(rf.ok()) << rf.status();
@@ -171,6 +186,11 @@ TEST(ServiceTest, TrainStepMatchesInProcessEngineClientRouting) {
 
 TEST(ServiceTest, TrainStepMatchesInProcessEngineServerRouting) {
   CheckTrainStepMatchesInProcess(RoutingMode::kServer, int64_t{1} << 20);
+}
+
+TEST(ServiceTest, TrainStepMatchesInProcessEngineBFloat16) {
+  CheckTrainStepMatchesInProcess(RoutingMode::kServer, int64_t{1} << 20, DType::kBFloat16);
+  CheckTrainStepMatchesInProcess(RoutingMode::kClient, 500, DType::kBFloat16);
 }
 
 TEST(ServiceTest, ChunkedTensorsGiveTheSameBits) {
