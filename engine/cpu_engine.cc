@@ -137,8 +137,12 @@ class CpuContext : public SavedContext {
 
 class CpuLayer : public Layer {
  public:
-  CpuLayer(const LayerConfig& config, std::shared_ptr<std::atomic<int64_t>> memory)
-      : cfg_(config), memory_(std::move(memory)), pool_(&ThreadPool::Default()) {}
+  CpuLayer(const LayerConfig& config, std::shared_ptr<std::atomic<int64_t>> memory,
+           std::shared_ptr<ThreadPool> own_pool)
+      : cfg_(config),
+        memory_(std::move(memory)),
+        own_pool_(std::move(own_pool)),
+        pool_(own_pool_ ? own_pool_.get() : &ThreadPool::Default()) {}
   ~CpuLayer() override { memory_->fetch_sub(accounted_bytes_); }
 
   absl::Status Init();
@@ -186,6 +190,7 @@ class CpuLayer : public Layer {
 
   LayerConfig cfg_;
   std::shared_ptr<std::atomic<int64_t>> memory_;
+  std::shared_ptr<ThreadPool> own_pool_;  // null: the process-wide pool
   ThreadPool* pool_;
   std::vector<Param> params_;  // w1, [w3], w2, [router]
   Param* w1_ = nullptr;
@@ -725,12 +730,14 @@ absl::Status CpuLayer::ImportState(const std::map<std::string, Tensor>& state) {
 
 class CpuEngine : public Engine {
  public:
-  CpuEngine() : memory_(std::make_shared<std::atomic<int64_t>>(0)) {}
+  explicit CpuEngine(int num_threads)
+      : memory_(std::make_shared<std::atomic<int64_t>>(0)),
+        pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : nullptr) {}
   std::string name() const override { return "cpu"; }
   absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) override {
     if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
     try {
-      auto layer = std::make_unique<CpuLayer>(config, memory_);
+      auto layer = std::make_unique<CpuLayer>(config, memory_, pool_);
       if (absl::Status s = layer->Init(); !s.ok()) return s;
       return std::unique_ptr<Layer>(std::move(layer));
     } catch (const std::bad_alloc&) {
@@ -745,10 +752,13 @@ class CpuEngine : public Engine {
 
  private:
   std::shared_ptr<std::atomic<int64_t>> memory_;
+  std::shared_ptr<ThreadPool> pool_;  // layers share it and keep it alive
 };
 
 }  // namespace
 
-std::unique_ptr<Engine> CreateCpuEngine() { return std::make_unique<CpuEngine>(); }
+std::unique_ptr<Engine> CreateCpuEngine(int num_threads) {
+  return std::make_unique<CpuEngine>(num_threads);
+}
 
 }  // namespace moe

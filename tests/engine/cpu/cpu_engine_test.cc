@@ -486,6 +486,37 @@ TEST(CpuLayerTest, ClippingScalesByTheGlobalNorm) {
   for (const auto& [name, v] : d) EXPECT_LT(RelError(dl.at(name), v), 1e-6) << name;
 }
 
+TEST(CpuLayerTest, ResultsDoNotDependOnTheThreadCount) {
+  // Shapes large enough that the GEMMs split into many tiles and the element-wise passes into
+  // many chunks; outputs, gradients and the stepped weights must be bit-identical.
+  LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
+  c.num_experts = 6;
+  c.d_model = 96;
+  c.d_hidden = 200;
+  c.aux_loss_coef = 0.1;
+  c.z_loss_coef = 0.01;
+  c.dtype = DType::kBFloat16;
+  c.optimizer = OptimizerConfig{};
+  const Batch b = MakeBatch(c, 300, 1250);
+  std::vector<std::vector<std::byte>> results[2];
+  int i = 0;
+  for (int threads : {1, 3}) {
+    auto engine = CreateCpuEngine(threads);
+    auto layer = engine->CreateLayer(c);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    const FwdBwd r = ForwardBackward(**layer, b);
+    ASSERT_TRUE((*layer)->Step().ok());
+    auto state = (*layer)->ExportState(true);
+    ASSERT_TRUE(state.ok());
+    results[i].push_back(r.fwd.out.bytes);
+    results[i].push_back(r.bwd.dx.bytes);
+    for (const auto& [name, t] : *state) results[i].push_back(t.bytes);
+    ++i;
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  for (size_t j = 0; j < results[0].size(); ++j) EXPECT_EQ(results[0][j], results[1][j]) << j;
+}
+
 TEST(CpuLayerTest, InferenceForwardKeepsNoContext) {
   const LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kClient);
   auto layer = MakeLayer(c);
