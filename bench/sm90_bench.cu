@@ -46,12 +46,14 @@ struct Preset {
   int64_t T;
   int d, h, E, K;
 };
-// The same table as torch_moe_reference.py.
+// The same table as torch_moe_reference.py (scale-2m left out: its forward buffers, Y
+// [T*K, d] included, exceed 80 GB without chunking over tokens).
 const Preset kPresets[] = {
     {"sonic-7b", 24576, 1536, 256, 128, 8},   {"olmoe", 16384, 2048, 1024, 64, 8},
     {"qwen3-a3b", 16384, 2048, 768, 128, 8},  {"mixtral", 8192, 4096, 14336, 8, 2},
     {"deepseek-v3", 8192, 7168, 2048, 256, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
     {"scale-32k", 32768, 2048, 1024, 64, 4},  {"scale-128k", 131072, 2048, 1024, 64, 4},
+    {"scale-512k", 524288, 2048, 1024, 64, 4},
 };
 
 // Approximately N(0, scale^2) bf16 from a counter hash (sum of 4 uniforms, variance matched).
