@@ -211,26 +211,37 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   const int64_t tiles_n = (n + nc_max - 1) / nc_max;
   const Operand opa{a, lda, trans_a};
   const Operand opb{b, ldb, trans_b};
+  // A task owns a column block and a run of `group` row blocks: it packs each B block once and
+  // reuses it for the whole run. The group is as long as possible while still leaving about
+  // four tasks per thread for load balance. Each C element's k order is the same whatever the
+  // grouping, so results do not depend on it (or on the thread count).
+  const int64_t threads = pool == nullptr ? 1 : pool->num_threads();
+  const int64_t group = std::max<int64_t>(1, std::min(tiles_m, tiles_m * tiles_n / (4 * threads)));
+  const int64_t runs_m = (tiles_m + group - 1) / group;
   auto task = [&](int64_t t) {
-    const int64_t i0 = (t / tiles_n) * mc_max;
     const int64_t j0 = (t % tiles_n) * nc_max;
-    const int64_t mc = std::min(mc_max, m - i0);
     const int64_t nc = std::min(nc_max, n - j0);
+    const int64_t first_block = (t / tiles_n) * group;
+    const int64_t last_block = std::min(tiles_m, first_block + group);
     thread_local std::vector<float> buf_a, buf_b;
-    const int64_t mc_pad = (mc + mr - 1) / mr * mr;
     const int64_t nc_pad = (nc + nr - 1) / nr * nr;
+    const int64_t mc_pad = (mc_max + mr - 1) / mr * mr;
     if (static_cast<int64_t>(buf_a.size()) < mc_pad * kKc) buf_a.resize(mc_pad * kKc);
     if (static_cast<int64_t>(buf_b.size()) < nc_pad * kKc) buf_b.resize(nc_pad * kKc);
     for (int64_t p0 = 0; p0 < k; p0 += kKc) {
       const int64_t kc = std::min(kKc, k - p0);
-      PackA(opa, i0, mc, p0, kc, alpha, mr, buf_a.data());
       PackB(opb, p0, kc, j0, nc, nr, buf_b.data());
-      BlockArgs args{
-          kc, mc, nc, buf_a.data(), buf_b.data(), c + i0 * ldc + j0, ldc, p0 > 0 || beta == 1.0f};
-      kc_choice.macro(args);
+      for (int64_t blk = first_block; blk < last_block; ++blk) {
+        const int64_t i0 = blk * mc_max;
+        const int64_t mc = std::min(mc_max, m - i0);
+        PackA(opa, i0, mc, p0, kc, alpha, mr, buf_a.data());
+        BlockArgs args{
+            kc, mc, nc, buf_a.data(), buf_b.data(), c + i0 * ldc + j0, ldc, p0 > 0 || beta == 1.0f};
+        kc_choice.macro(args);
+      }
     }
   };
-  const int64_t tasks = tiles_m * tiles_n;
+  const int64_t tasks = runs_m * tiles_n;
   if (pool == nullptr || tasks == 1) {
     for (int64_t t = 0; t < tasks; ++t) task(t);
   } else {
