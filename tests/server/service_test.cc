@@ -17,6 +17,8 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "engine/layer.h"
@@ -605,6 +607,67 @@ TEST(ServiceTest, CheckpointRoundTripIsExactAndPythonReadsIt) {
   if (rc == 77) GTEST_SKIP() << "Python safetensors could not be installed: " << out;
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("ok:"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// --- Reflection ---------------------------------------------------------------------------
+// grpc++ ships no reflection client, so this speaks grpc.reflection.v1alpha by hand through the
+// generic stub: a ServerReflectionRequest with list_services = "" (field 7) and a check that the
+// answer names moe.v1.ExpertService and the health service.
+class RawBidi : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RawBidi(const std::string& request) {
+    grpc::Slice slice(request);
+    request_ = grpc::ByteBuffer(&slice, 1);
+  }
+  void Start() {
+    StartWrite(&request_);
+    StartRead(&response_);
+    StartCall();
+  }
+  void OnWriteDone(bool ok) override {
+    if (ok) StartWritesDone();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    std::vector<grpc::Slice> slices;
+    response_.Dump(&slices);
+    for (const auto& s : slices) text_.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    StartRead(&response_);
+  }
+  void OnDone(const grpc::Status& status) override { done_.set_value(status); }
+  std::future<grpc::Status> done() { return done_.get_future(); }
+  const std::string& text() const { return text_; }
+  grpc::ClientContext ctx;
+
+ private:
+  grpc::ByteBuffer request_, response_;
+  std::string text_;
+  std::promise<grpc::Status> done_;
+};
+
+TEST(ServiceTest, ServesReflectionAndHealth) {
+  Loopback lb = Start();
+  ASSERT_TRUE(lb.conn);
+  EXPECT_TRUE(lb.conn->Health().ok());
+  auto channel = grpc::CreateChannel(lb.target(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  RawBidi call(std::string("\x3a\x00", 2));
+  call.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto done = call.done();
+  stub.PrepareBidiStreamingCall(&call.ctx,
+                                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                {}, &call);
+  call.Start();
+  grpc::Status st = done.get();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_NE(call.text().find("moe.v1.ExpertService"), std::string::npos) << call.text();
+  EXPECT_NE(call.text().find("grpc.health.v1.Health"), std::string::npos) << call.text();
 }
 
 }  // namespace
