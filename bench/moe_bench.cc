@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -50,7 +51,8 @@ constexpr Preset kPresets[] = {
 
 struct Result {
   double fwd_ms = 0, bwd_ms = 0, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
-  bool dispatch_equal = false, grouped = false;
+  bool dispatch_equal = false;
+  int grouped_fallbacks = 0;
   int64_t chunks = 0;
 };
 
@@ -85,13 +87,14 @@ absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn) {
   return Median(times);
 }
 
-absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps) {
+absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode mode) {
   absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
   if (!st.ok()) return st.status();
   std::shared_ptr<cuda::Stream> stream = *st;
   cudaStream_t s = stream->get();
   absl::StatusOr<std::unique_ptr<cuda::GemmRunner>> gemm = cuda::GemmRunner::Create(stream);
   if (!gemm.ok()) return gemm.status();
+  (*gemm)->set_mode(mode);
   cuda::ExpertShape shape;
   shape.d_model = p.d;
   shape.d_hidden = p.h;
@@ -162,7 +165,7 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps) {
   });
   if (!bwd.ok()) return bwd.status();
   r.bwd_ms = *bwd;
-  r.grouped = (*gemm)->grouped_supported();
+  r.grouped_fallbacks = (*gemm)->grouped_fallbacks();
   hb->Reset();
 
   // Dispatch alone: MoEBlaze vs CUB radix sort, whole T in one call each.
@@ -213,10 +216,21 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps) {
 int Main(int argc, char** argv) {
   std::vector<const Preset*> todo;
   int reps = 10, warmup = 3;
-  std::string json;
+  std::string json, mode_name = "auto";
+  cuda::GemmMode mode = cuda::GemmMode::kAuto;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--all") {
+    if (a == "--gemm" && i + 1 < argc) {
+      mode_name = argv[++i];
+      const std::map<std::string, cuda::GemmMode> modes = {
+          {"auto", cuda::GemmMode::kAuto}, {"grouped", cuda::GemmMode::kGrouped},
+          {"looped", cuda::GemmMode::kLooped}, {"streams", cuda::GemmMode::kStreams}};
+      if (!modes.count(mode_name)) {
+        std::fprintf(stderr, "moe_bench: --gemm takes auto, grouped, looped or streams\n");
+        return 2;
+      }
+      mode = modes.at(mode_name);
+    } else if (a == "--all") {
       for (const Preset& p : kPresets) todo.push_back(&p);
     } else if (a == "--reps" && i + 1 < argc) {
       reps = std::max(1, std::atoi(argv[++i]));
@@ -239,7 +253,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: moe_bench (--all | --preset NAME...) [--reps N] [--warmup N] "
-                   "[--json FILE]\n");
+                   "[--json FILE] [--gemm auto|grouped|looped|streams]\n");
       return 2;
     }
   }
@@ -258,14 +272,14 @@ int Main(int argc, char** argv) {
     cudaDeviceGetDefaultMemPool(&pool, 0);
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   }
-  std::printf("# moe_bench on %s, bf16 SwiGLU, medians of %d after %d warm-up\n", prop.name,
-              reps, warmup);
+  std::printf("# moe_bench on %s, bf16 SwiGLU, expert GEMMs %s, medians of %d after %d warm-up\n",
+              prop.name, mode_name.c_str(), reps, warmup);
   std::printf("%-12s %8s %8s %8s %9s %9s %9s %10s %9s %9s %6s\n", "preset", "fwd_ms", "bwd_ms",
               "total", "fwd_TF/s", "bwd_TF/s", "tot_TF/s", "saved_MiB", "disp_ms", "cub_ms",
               "equal");
   int failures = 0;
   for (const Preset* p : todo) {
-    absl::StatusOr<Result> r = Run(*p, warmup, reps);
+    absl::StatusOr<Result> r = Run(*p, warmup, reps, mode);
     cudaDeviceSynchronize();
     // A pool sized for the previous preset would crowd the next one's.
     cudaMemPool_t pool;
@@ -293,8 +307,8 @@ int Main(int argc, char** argv) {
           ", \"fwdbwd_tflops\": ", tot_tf, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
           ", \"dispatch_ms\": ", r->dispatch_ms, ", \"cub_sort_ms\": ", r->cub_ms,
           ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",
-          ", \"chunks\": ", r->chunks, ", \"cublas_grouped\": ", r->grouped ? "true" : "false",
-          "}");
+          ", \"chunks\": ", r->chunks, ", \"gemm\": \"", mode_name,
+          "\", \"grouped_fallbacks\": ", r->grouped_fallbacks, "}");
     }
     std::fflush(stdout);
     if (!json.empty()) {

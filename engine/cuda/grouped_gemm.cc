@@ -1,6 +1,7 @@
 // cuBLAS grouped GEMM runner (see grouped_gemm.h).
 #include "engine/cuda/grouped_gemm.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace moe::cuda {
@@ -13,20 +14,43 @@ cudaDataType_t CudaType(kernels::ElemType t) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(std::shared_ptr<Stream> stream) {
-  MOE_CUDA_RETURN(cudaSetDevice(stream->device()));
-  cublasHandle_t h = nullptr;
-  MOE_CUBLAS_RETURN(cublasCreate(&h));
-  if (cublasStatus_t s = cublasSetStream(h, stream->get()); s != CUBLAS_STATUS_SUCCESS) {
-    cublasDestroy(h);
-    return CublasStatus(s, "cublasSetStream", __FILE__, __LINE__);
-  }
-  // Default math: fp32 GEMMs with CUBLAS_COMPUTE_32F stay true fp32 (no TF32), matching the
-  // CPU engine; bf16 GEMMs use the tensor cores with fp32 accumulation.
-  cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
-  return std::unique_ptr<GemmRunner>(new GemmRunner(std::move(stream), h));
+  std::unique_ptr<GemmRunner> r(new GemmRunner(std::move(stream)));
+  MOE_RETURN_IF_ERROR(r->Init());
+  return r;
 }
 
-GemmRunner::~GemmRunner() { cublasDestroy(handle_); }
+absl::Status GemmRunner::Init() {
+  MOE_CUDA_RETURN(cudaSetDevice(stream_->device()));
+  MOE_CUBLAS_RETURN(cublasCreate(&handle_));
+  MOE_CUBLAS_RETURN(cublasSetStream(handle_, stream_->get()));
+  // Default math: fp32 GEMMs with CUBLAS_COMPUTE_32F stay true fp32 (no TF32), matching the
+  // CPU engine; bf16 GEMMs use the tensor cores with fp32 accumulation.
+  MOE_CUBLAS_RETURN(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
+  MOE_CUDA_RETURN(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  for (int i = 0; i < kSideStreams; ++i) {
+    MOE_CUDA_RETURN(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
+    MOE_CUDA_RETURN(cudaEventCreateWithFlags(&join_[i], cudaEventDisableTiming));
+    MOE_CUBLAS_RETURN(cublasCreate(&side_handle_[i]));
+    MOE_CUBLAS_RETURN(cublasSetStream(side_handle_[i], side_[i]));
+    MOE_CUBLAS_RETURN(cublasSetMathMode(side_handle_[i], CUBLAS_DEFAULT_MATH));
+  }
+  return absl::OkStatus();
+}
+
+GemmRunner::~GemmRunner() {
+  cudaSetDevice(stream_->device());
+  cudaStreamSynchronize(stream_->get());
+  for (int i = 0; i < kSideStreams; ++i) {
+    if (side_handle_[i] != nullptr) cublasDestroy(side_handle_[i]);
+    if (side_[i] != nullptr) {
+      cudaStreamSynchronize(side_[i]);
+      cudaStreamDestroy(side_[i]);
+    }
+    if (join_[i] != nullptr) cudaEventDestroy(join_[i]);
+  }
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+  if (handle_ != nullptr) cublasDestroy(handle_);
+}
 
 absl::Status GemmRunner::Run(const GemmKind& kind, const std::vector<GemmProblem>& problems) {
   std::vector<GemmProblem> live;
@@ -35,13 +59,47 @@ absl::Status GemmRunner::Run(const GemmKind& kind, const std::vector<GemmProblem
     if (p.m > 0 && p.n > 0 && (p.k > 0 || kind.beta != 0.f)) live.push_back(p);
   }
   if (live.empty()) return absl::OkStatus();
-  if (grouped_ok_ && live.size() > 1) {
+  const GemmMode mode = mode_ == GemmMode::kAuto ? GemmMode::kStreams : mode_;
+  const int key = (static_cast<int>(kind.trans_a) * 4 + static_cast<int>(kind.trans_b)) * 4 +
+                  static_cast<int>(kind.ab_type) * 2 + static_cast<int>(kind.c_type);
+  const bool refused =
+      std::find(unsupported_.begin(), unsupported_.end(), key) != unsupported_.end();
+  if (mode == GemmMode::kGrouped && live.size() > 1 && !refused) {
     bool unsupported = false;
     absl::Status s = RunGrouped(kind, live, &unsupported);
     if (!unsupported) return s;
-    grouped_ok_ = false;
+    unsupported_.push_back(key);
   }
-  return RunLooped(kind, live);
+  if (mode == GemmMode::kLooped || live.size() < 2) return RunLooped(kind, live);
+  return RunStreams(kind, live);
+}
+
+absl::Status GemmRunner::Gemm(cublasHandle_t h, const GemmKind& kind, const GemmProblem& q) {
+  const float alpha = 1.f, beta = kind.beta;
+  MOE_CUBLAS_RETURN(cublasGemmEx(h, kind.trans_a, kind.trans_b, q.m, q.n, q.k, &alpha, q.a,
+                                 CudaType(kind.ab_type), q.lda, q.b, CudaType(kind.ab_type), q.ldb,
+                                 &beta, q.c, CudaType(kind.c_type), q.ldc, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+absl::Status GemmRunner::RunStreams(const GemmKind& kind, const std::vector<GemmProblem>& p) {
+  // Fork: the side streams start after everything already on the layer's stream.
+  cudaStream_t main = stream_->get();
+  MOE_CUDA_RETURN(cudaEventRecord(fork_, main));
+  const int lanes = static_cast<int>(std::min<size_t>(p.size(), kSideStreams + 1));
+  for (int i = 0; i + 1 < lanes; ++i) MOE_CUDA_RETURN(cudaStreamWaitEvent(side_[i], fork_, 0));
+  absl::Status status;
+  for (size_t j = 0; j < p.size() && status.ok(); ++j) {
+    const int lane = static_cast<int>(j % lanes);
+    status = Gemm(lane == 0 ? handle_ : side_handle_[lane - 1], kind, p[j]);
+  }
+  // Join, also after an error, so the layer's stream never runs ahead of the side streams.
+  for (int i = 0; i + 1 < lanes; ++i) {
+    MOE_CUDA_RETURN(cudaEventRecord(join_[i], side_[i]));
+    MOE_CUDA_RETURN(cudaStreamWaitEvent(main, join_[i], 0));
+  }
+  return status;
 }
 
 absl::Status GemmRunner::RunGrouped(const GemmKind& kind, const std::vector<GemmProblem>& p,
@@ -83,14 +141,7 @@ absl::Status GemmRunner::RunGrouped(const GemmKind& kind, const std::vector<Gemm
 }
 
 absl::Status GemmRunner::RunLooped(const GemmKind& kind, const std::vector<GemmProblem>& p) {
-  const float alpha = 1.f, beta = kind.beta;
-  for (const GemmProblem& q : p) {
-    MOE_CUBLAS_RETURN(cublasGemmEx(handle_, kind.trans_a, kind.trans_b, q.m, q.n, q.k, &alpha,
-                                   q.a, CudaType(kind.ab_type), q.lda, q.b,
-                                   CudaType(kind.ab_type), q.ldb, &beta, q.c,
-                                   CudaType(kind.c_type), q.ldc, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
-  }
+  for (const GemmProblem& q : p) MOE_RETURN_IF_ERROR(Gemm(handle_, kind, q));
   return absl::OkStatus();
 }
 

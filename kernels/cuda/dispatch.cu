@@ -21,7 +21,8 @@ size_t AlignUp(size_t v) { return (v + 255) & ~size_t{255}; }
 __global__ void __launch_bounds__(kTileTokens)
     dispatch_bitmap_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k,
                            int first, int count, int64_t num_tiles, uint32_t* __restrict__ bits,
-                           int32_t* __restrict__ tile_counts, int32_t* __restrict__ slot_of) {
+                           uint16_t* __restrict__ word_prefix, int32_t* __restrict__ tile_counts,
+                           int32_t* __restrict__ slot_of) {
   __shared__ uint32_t words[kExpertChunk][kWarps + 1];  // +1: lanes of a warp hit distinct banks
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
@@ -52,12 +53,22 @@ __global__ void __launch_bounds__(kTileTokens)
       __syncwarp();
     }
     __syncthreads();
-    // Warp w publishes experts w, w+32, ...: lane = word within the tile (coalesced store).
+    // Warp w publishes experts w, w+32, ...: lane = word within the tile (coalesced stores).
+    // The warp's scan of popcounts gives each word the number of the expert's tokens in the
+    // tile's earlier words; its total is the (expert, tile) count.
     for (int e = warp; e < cn; e += kWarps) {
       const uint32_t b = words[e][lane];
-      bits[static_cast<int64_t>(c0 + e) * num_words + tile * kWarps + lane] = b;
-      const int n = __reduce_add_sync(0xffffffffu, __popc(b));
-      if (lane == 0) tile_counts[static_cast<int64_t>(c0 + e) * num_tiles + tile] = n;
+      const int c = __popc(b);
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int64_t at = static_cast<int64_t>(c0 + e) * num_words + tile * kWarps + lane;
+      bits[at] = b;
+      word_prefix[at] = static_cast<uint16_t>(incl - c);
+      if (lane == 31) tile_counts[static_cast<int64_t>(c0 + e) * num_tiles + tile] = incl;
     }
     __syncthreads();
   }
@@ -124,39 +135,32 @@ __global__ void __launch_bounds__(kScanThreads)
   if (threadIdx.x == 0) offsets[count] = carry;
 }
 
-// Phase 3: every set bit becomes an entry written at its final slot.
+// Phase 3: the warp that owns a token row places each of its (t,k): slot = first slot of
+// (expert, tile) + the expert's tokens in earlier words of the tile + set bits below this
+// lane in its own word. Every load is independent and every slot is written exactly once.
 __global__ void __launch_bounds__(kTileTokens)
-    dispatch_write_kernel(const int32_t* __restrict__ ids, int top_k, int first, int count,
-                          int64_t num_tiles, const uint32_t* __restrict__ bits,
+    dispatch_write_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k,
+                          int first, int count, int64_t num_tiles,
+                          const uint32_t* __restrict__ bits,
+                          const uint16_t* __restrict__ word_prefix,
                           const int32_t* __restrict__ tile_base, int32_t* __restrict__ entries,
                           int32_t* __restrict__ slot_of) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
+  const int64_t word = tile * kWarps + warp;
+  const int64_t t = word * 32 + lane;
+  if (t >= num_tokens) return;
   const int64_t num_words = num_tiles * kWarps;
-  for (int e = warp; e < count; e += kWarps) {
-    uint32_t b = bits[static_cast<int64_t>(e) * num_words + tile * kWarps + lane];
-    const int c = __popc(b);
-    int incl = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (__ballot_sync(0xffffffffu, c != 0) == 0) continue;
-    int32_t pos = tile_base[static_cast<int64_t>(e) * num_tiles + tile] + incl - c;
-    const int64_t t0 = (tile * kWarps + lane) * 32;
-    const int target = first + e;
-    while (b != 0) {
-      const int bit = __ffs(b) - 1;
-      b &= b - 1;
-      const int64_t t = t0 + bit;
-      int k = 0;
-      while (k < top_k - 1 && ids[t * top_k + k] != target) ++k;
-      const int32_t entry = static_cast<int32_t>(t * top_k + k);
-      entries[pos] = entry;
-      slot_of[entry] = pos;
-      ++pos;
-    }
+  const uint32_t below = (1u << lane) - 1u;
+  for (int k = 0; k < top_k; ++k) {
+    const int e = ids[t * top_k + k] - first;
+    if (e < 0 || e >= count) continue;
+    const int64_t at = static_cast<int64_t>(e) * num_words + word;
+    const int32_t pos = tile_base[static_cast<int64_t>(e) * num_tiles + tile] + word_prefix[at] +
+                        __popc(bits[at] & below);
+    const int32_t entry = static_cast<int32_t>(t * top_k + k);
+    entries[pos] = entry;
+    slot_of[entry] = pos;
   }
 }
 
@@ -165,8 +169,9 @@ __global__ void __launch_bounds__(kTileTokens)
 size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
   const int64_t tiles = NumTiles(num_tokens);
   const size_t bits = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
+  const size_t prefix = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint16_t);
   const size_t per_tile = static_cast<size_t>(expert_count) * tiles * sizeof(int32_t);
-  return AlignUp(bits) + 2 * AlignUp(per_tile);
+  return AlignUp(bits) + AlignUp(prefix) + 2 * AlignUp(per_tile);
 }
 
 cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
@@ -182,15 +187,19 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
   }
   const int64_t tiles = NumTiles(num_tokens);
   const size_t bits_bytes = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
+  const size_t prefix_bytes = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint16_t);
   const size_t per_tile = static_cast<size_t>(expert_count) * tiles * sizeof(int32_t);
   char* ws = static_cast<char*>(workspace);
   auto* bits = reinterpret_cast<uint32_t*>(ws);
-  auto* tile_counts = reinterpret_cast<int32_t*>(ws + AlignUp(bits_bytes));
-  auto* tile_base = reinterpret_cast<int32_t*>(ws + AlignUp(bits_bytes) + AlignUp(per_tile));
+  ws += AlignUp(bits_bytes);
+  auto* word_prefix = reinterpret_cast<uint16_t*>(ws);
+  ws += AlignUp(prefix_bytes);
+  auto* tile_counts = reinterpret_cast<int32_t*>(ws);
+  auto* tile_base = reinterpret_cast<int32_t*>(ws + AlignUp(per_tile));
   if (tiles > 0) {
     dispatch_bitmap_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
-        expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, tile_counts,
-        slot_of);
+        expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+        tile_counts, slot_of);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(tile_counts, tiles, expert_count,
@@ -198,8 +207,8 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (tiles > 0) {
     dispatch_write_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
-        expert_ids, top_k, expert_first, expert_count, tiles, bits, tile_base, entries,
-        slot_of);
+        expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+        tile_base, entries, slot_of);
     return cudaGetLastError();
   }
   return cudaSuccess;

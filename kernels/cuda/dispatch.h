@@ -5,14 +5,15 @@
 //   1. bitmap  one block per tile of 1024 tokens, one warp per 32 consecutive token rows (the
 //              warp owns those rows, so no two warps write the same word). Lanes group their
 //              (t,k) ids with __match_any_sync, giving for every local expert a 32-bit word of
-//              the expert x token bitmap; per-(expert, tile) counts are a popcount summed by a
-//              warp reduction. (t,k) outside the shard get slot_of = -1 here.
+//              the expert x token bitmap; per-(expert, tile) counts are popcounts summed by a
+//              warp scan, which also gives each word the expert's tokens in the tile's earlier
+//              words. (t,k) outside the shard get slot_of = -1 here.
 //   2. scan    one block: exclusive prefix sum over the counts laid out expert-major, which
 //              gives each (expert, tile) the first slot it writes, plus counts and offsets.
-//   3. write   one block per tile again: each warp takes an expert, scans the popcounts of the
-//              tile's 32 words and walks the set bits in token order, writing entry = t*K+k at
-//              its final slot and slot_of[t*K+k]. Ascending tokens within an expert is exactly
-//              the CPU order, so the result is deterministic and bitwise equal.
+//   3. write   one block per tile again, a lane per token: slot of (t,k) = tile base + word
+//              prefix + set bits below the token in its word; entry = t*K+k goes straight to
+//              that slot and slot_of[t*K+k] to the entry. Ascending tokens within an expert is
+//              exactly the CPU order, so the result is deterministic and bitwise equal.
 // Inputs must be valid (ids in range, no duplicate expert within a token): the engine checks.
 #ifndef MOE_KERNELS_CUDA_DISPATCH_H_
 #define MOE_KERNELS_CUDA_DISPATCH_H_

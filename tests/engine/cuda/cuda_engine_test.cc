@@ -265,7 +265,27 @@ TEST_P(CudaEngineTest, MatchesCpuEngine) {
   ASSERT_TRUE(cf.ok()) << cf.status() << " " << what;
   ASSERT_TRUE(gf.ok()) << gf.status() << " " << what;
   EXPECT_EQ(gf->context, nullptr);
-  report("inference out after step", NormErr(gf->out, cf->out));
+  // With server routing after a step, the two engines' router weights differ by rounding
+  // (bf16: one-ulp flips of the stored copy), which may legitimately flip a near-tie in top-K.
+  // Compare the tokens routed alike, and allow at most 5% of tokens to differ.
+  Tensor go = gf->out, co = cf->out;
+  int64_t differ = 0, kept = 0;
+  const size_t row = static_cast<size_t>(d) * DTypeSize(c.dtype);
+  for (int64_t t = 0; t < T; ++t) {
+    if (std::memcmp(gf->expert_ids.as<int32_t>() + t * K, cf->expert_ids.as<int32_t>() + t * K,
+                    K * 4) != 0) {
+      ++differ;
+      continue;
+    }
+    std::memmove(go.bytes.data() + kept * row, go.bytes.data() + t * row, row);
+    std::memmove(co.bytes.data() + kept * row, co.bytes.data() + t * row, row);
+    ++kept;
+  }
+  EXPECT_LE(differ, c.routing == RoutingMode::kServer ? T / 20 : 0) << what;
+  go.shape = co.shape = {kept, d};
+  go.bytes.resize(kept * row);
+  co.bytes.resize(kept * row);
+  if (kept > 0) report("inference out after step", NormErr(go, co));
 }
 
 INSTANTIATE_TEST_SUITE_P(
