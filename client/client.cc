@@ -579,6 +579,9 @@ absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Ten
   if (auto st = CheckTensor(ids.view(), "expert_ids", DType::kInt32, {tokens, k}); !st.ok()) {
     return st;
   }
+  if (auto st = CheckTensor(weights.view(), "weights", DType::kFloat32, {tokens, k}); !st.ok()) {
+    return st;
+  }
   Pending pending;
   pending.tokens = tokens;
   pending.shard_context.assign(shards_.size(), 0);

@@ -123,9 +123,11 @@ int main(int argc, char** argv) {
   if (!teacher.ok()) return Die("create teacher", teacher.status());
   auto student = moe::client::RemoteLayer::Create(*conn, "demo-student", config);
   if (!student.ok()) return Die("create student", student.status());
+  auto student_info = (*conn)->GetLayer("demo-student");
+  if (!student_info.ok()) return Die("get student", student_info.status());
   std::printf("moe-demo: server %s (%s), student and teacher E=%lld K=%lld d=%lld h=%lld, "
               "%d micro-batches x %lld tokens per step\n",
-              (*conn)->target().c_str(), (*conn)->GetLayer("demo-student")->device().c_str(),
+              (*conn)->target().c_str(), student_info->device().c_str(),
               static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(d),
               static_cast<long long>(h), M, static_cast<long long>(T));
 

@@ -118,6 +118,9 @@ TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
   std::mt19937 rng(1);
   Tensor x = RandomFloat(rng, {3, 8}), ids, w;
   RandomRouting(rng, 3, 1, 0, 4, &ids, &w);
+  absl::Status no_weights = (*layer)->Forward(x.view(), ids.view(), {}).get().status();
+  EXPECT_EQ(no_weights.code(), absl::StatusCode::kInvalidArgument) << no_weights;
+  EXPECT_NE(no_weights.message().find("weights"), std::string::npos) << no_weights;
   ids.as<int32_t>()[1] = 9;
   absl::Status st = (*layer)->Forward(x.view(), ids.view(), w.view()).get().status();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
