@@ -346,6 +346,44 @@ TEST(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   }
 }
 
+TEST(ServiceTest, OneStreamCarriesSeveralMicroBatchesInOrder) {
+  Loopback lb = Start();
+  ASSERT_TRUE(lb.conn);
+  Connection& c = *lb.conn;
+  const LayerConfig config = SmallConfig(RoutingMode::kClient);
+  ASSERT_TRUE(c.CreateLayer("bad", config).ok());
+  std::mt19937 rng(13);
+  v1::ForwardRequest a = GoodRequest(config, 5, rng), b = GoodRequest(config, 9, rng);
+  a.set_context_id(100);
+  b.set_context_id(200);
+  grpc::ClientContext ctx;
+  c.Prepare(&ctx);
+  auto stream = c.stub()->Forward(&ctx);
+  ASSERT_TRUE(stream->Write(a));
+  ASSERT_TRUE(stream->Write(b));
+  stream->WritesDone();
+  std::vector<v1::ForwardResponse> got;
+  v1::ForwardResponse r;
+  while (stream->Read(&r)) got.push_back(r);
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].context_id(), 100u);
+  EXPECT_EQ(got[0].out().shape(0), 5);
+  EXPECT_EQ(got[1].context_id(), 200u);
+  EXPECT_EQ(got[1].out().shape(0), 9);
+  // A stream that ends inside a micro-batch is an error naming last_chunk.
+  grpc::ClientContext ctx2;
+  c.Prepare(&ctx2);
+  auto half = c.stub()->Forward(&ctx2);
+  v1::ForwardRequest partial = a;
+  partial.set_last_chunk(false);
+  ASSERT_TRUE(half->Write(partial));
+  half->WritesDone();
+  while (half->Read(&r)) {
+  }
+  ExpectStatus(half->Finish(), grpc::StatusCode::INVALID_ARGUMENT, "last_chunk");
+}
+
 // --- Saved contexts -----------------------------------------------------------------------
 TEST(ServiceTest, ContextBudgetRefusesTheNewForwardAndLosesNothingElse) {
   Loopback probe = Start();
