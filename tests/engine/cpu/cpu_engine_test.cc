@@ -569,6 +569,31 @@ TEST(CpuLayerTest, Bf16StorageStaysWithinToleranceOfFp32) {
   }
 }
 
+TEST(CpuLayerTest, Bf16RoundsAtTheContractsRoundingPoints) {
+  // Against a float64 reference that rounds to bf16 at H1, H3, A, Y and out, the bf16 engine
+  // differs only where fp32 accumulation order flips a rounding (rare, one bf16 ulp); against
+  // the unrounded reference it differs by every rounding. Bound 1e-3 separates the two.
+  for (Activation act : {Activation::kSwiGLU, Activation::kGeLUTanh}) {
+    LayerConfig c = SmallConfig(act, RoutingMode::kClient);
+    c.d_model = 64;
+    c.d_hidden = 96;
+    c.dtype = DType::kBFloat16;
+    auto layer = MakeLayer(c);
+    const Batch b = MakeBatch(c, 24, 1450);
+    const RefParams params = ParamsOf(*layer);  // the bf16 weights, exactly
+    Tensor x, ids, w;
+    auto fwd = layer->Forward(Request(c, b, &x, &ids, &w, /*training=*/false));
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    const std::vector<double> out = ToDouble(fwd->out);
+    const double rounded = RelError(out, RefForward(c, params, b.x, b.t, b.idx, b.p, true).out);
+    const double plain = RelError(out, RefForward(c, params, b.x, b.t, b.idx, b.p, false).out);
+    std::cout << Name(act) << " bf16 out vs rounded reference " << rounded
+              << ", vs unrounded reference " << plain << "\n";
+    EXPECT_LT(rounded, 1e-3) << Name(act);
+    EXPECT_LT(rounded, 0.25 * plain) << Name(act);
+  }
+}
+
 TEST(CpuLayerTest, ExportImportRoundTrip) {
   LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
   c.dtype = DType::kBFloat16;

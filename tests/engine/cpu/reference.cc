@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/tensor.h"
+
 namespace moe::testing {
 namespace {
 
@@ -24,7 +26,12 @@ double Act(Activation a, double x) {
 }  // namespace
 
 RefResult RefForward(const LayerConfig& c, const RefParams& params, const std::vector<double>& x,
-                     int64_t t, const std::vector<int32_t>& idx, const std::vector<double>& p) {
+                     int64_t t, const std::vector<int32_t>& idx, const std::vector<double>& p,
+                     bool round_bf16) {
+  auto rnd = [&](double v) {
+    return round_bf16 ? static_cast<double>(BFloat16ToFloat(FloatToBFloat16(static_cast<float>(v))))
+                      : v;
+  };
   const int64_t d = c.d_model, h = c.d_hidden, k = c.top_k, ne = c.num_experts;
   RefResult r;
   if (c.routing == RoutingMode::kClient) {
@@ -80,15 +87,18 @@ RefResult RefForward(const LayerConfig& c, const RefParams& params, const std::v
           h1 += w1[(l * h + j) * d + q] * x[i * d + q];
           if (w3) h3 += (*w3)[(l * h + j) * d + q] * x[i * d + q];
         }
-        a[j] = Act(c.activation, h1) * (w3 ? h3 : 1.0);
+        h1 = rnd(h1);
+        h3 = rnd(h3);
+        a[j] = rnd(Act(c.activation, h1) * (w3 ? h3 : 1.0));
       }
       for (int64_t q = 0; q < d; ++q) {
         double y = 0.0;
         for (int64_t j = 0; j < h; ++j) y += w2[(l * d + q) * h + j] * a[j];
-        r.out[i * d + q] += r.p[i * k + kk] * y;
+        r.out[i * d + q] += r.p[i * k + kk] * rnd(y);
       }
     }
   }
+  for (double& v : r.out) v = rnd(v);
   return r;
 }
 

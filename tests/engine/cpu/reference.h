@@ -26,9 +26,11 @@ struct RefResult {
 };
 
 // Forward of `config` on x [T, d]; client routing reads idx/p, server routing ignores them.
+// round_bf16: round to bf16 at the contract's rounding points (H1, H3, A, Y, out), to check
+// that an engine's bf16 path rounds where docs/CONTRACT.md says.
 RefResult RefForward(const LayerConfig& config, const RefParams& params,
                      const std::vector<double>& x, int64_t t, const std::vector<int32_t>& idx,
-                     const std::vector<double>& p);
+                     const std::vector<double>& p, bool round_bf16 = false);
 
 // The scalar whose gradient Backward returns: <dout, out> (+ aux + z on the shard that owns
 // expert 0, server routing).
