@@ -78,7 +78,8 @@ class StreamCall final : public grpc::ClientBidiReactor<Req, Resp> {
     if (!status.ok()) {
       promise_.set_value(FromGrpcStatus(status));
     } else if (responses_.empty() || !responses_.back().last_chunk()) {
-      promise_.set_value(absl::DataLossError("the server ended the stream without a complete response"));
+      promise_.set_value(
+          absl::DataLossError("the server ended the stream without a complete response"));
     } else {
       promise_.set_value(assemble_(responses_));
     }
@@ -162,12 +163,13 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
   c->target_ = target;
   c->options_ = options;
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_receive_bytes, INT32_MAX)));
+  args.SetMaxReceiveMessageSize(
+      static_cast<int>(std::min<int64_t>(options.max_receive_bytes, INT32_MAX)));
   args.SetMaxSendMessageSize(-1);
   c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.timeout)) {
-    return absl::UnavailableError(absl::StrCat("could not connect to ", target, " within ",
-                                               options.timeout.count(), " ms"));
+    return absl::UnavailableError(
+        absl::StrCat("could not connect to ", target, " within ", options.timeout.count(), " ms"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
   std::random_device rd;
@@ -178,7 +180,8 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
     s->ctx_.set_wait_for_ready(true);
     auto id = s->first_event();
     s->Start(c->stub_.get());
-    if (id.wait_for(options.timeout) != std::future_status::ready || (c->session_id_ = id.get()).empty()) {
+    if (id.wait_for(options.timeout) != std::future_status::ready ||
+        (c->session_id_ = id.get()).empty()) {
       return absl::UnavailableError(absl::StrCat("OpenSession on ", target, " failed"));
     }
   }
@@ -194,7 +197,9 @@ Connection::~Connection() {
   }
 }
 
-uint64_t Connection::NextContextId() { return context_prefix_ | (++context_counter_ & 0xFFFFFFFFull); }
+uint64_t Connection::NextContextId() {
+  return context_prefix_ | (++context_counter_ & 0xFFFFFFFFull);
+}
 
 void Connection::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
@@ -211,7 +216,8 @@ absl::Status Connection::Health(const std::string& service) {
   absl::Status st = FromGrpcStatus(health->Check(&ctx, req, &resp));
   if (!st.ok()) return st;
   if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-    return absl::UnavailableError(absl::StrCat(target_, " is not serving (",
+    return absl::UnavailableError(absl::StrCat(
+        target_, " is not serving (",
         grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()), ")"));
   }
   return absl::OkStatus();
@@ -270,12 +276,14 @@ absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
   return resp;
 }
 
-std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(
-    const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
-    const TensorView& ids, const TensorView& weights) {
+std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
+                                                               uint64_t context_id, bool training,
+                                                               const TensorView& x,
+                                                               const TensorView& ids,
+                                                               const TensorView& weights) {
   const int64_t chunk = options_.chunk_bytes;
-  auto requests = ChunkRequest<v1::ForwardRequest>(
-      {&x, &ids, &weights}, chunk, [&](v1::ForwardRequest* r) {
+  auto requests =
+      ChunkRequest<v1::ForwardRequest>({&x, &ids, &weights}, chunk, [&](v1::ForwardRequest* r) {
         r->set_layer(layer);
         r->set_context_id(context_id);
         r->set_training(training);
@@ -290,9 +298,15 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(
       [](std::vector<v1::ForwardResponse>& rs) -> absl::StatusOr<ForwardOutput> {
         wire::TensorAssembler out("out"), ids("expert_ids"), w("weights");
         for (const auto& r : rs) {
-          if (r.has_out()) { if (auto s = out.Add(r.out()); !s.ok()) return s; }
-          if (r.has_expert_ids()) { if (auto s = ids.Add(r.expert_ids()); !s.ok()) return s; }
-          if (r.has_weights()) { if (auto s = w.Add(r.weights()); !s.ok()) return s; }
+          if (r.has_out()) {
+            if (auto s = out.Add(r.out()); !s.ok()) return s;
+          }
+          if (r.has_expert_ids()) {
+            if (auto s = ids.Add(r.expert_ids()); !s.ok()) return s;
+          }
+          if (r.has_weights()) {
+            if (auto s = w.Add(r.weights()); !s.ok()) return s;
+          }
         }
         ForwardOutput o;
         o.context_id = rs.front().context_id();
@@ -335,8 +349,12 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
       [](std::vector<v1::BackwardResponse>& rs) -> absl::StatusOr<BackwardOutput> {
         wire::TensorAssembler dx("dx"), dw("dweights");
         for (const auto& r : rs) {
-          if (r.has_dx()) { if (auto s = dx.Add(r.dx()); !s.ok()) return s; }
-          if (r.has_dweights()) { if (auto s = dw.Add(r.dweights()); !s.ok()) return s; }
+          if (r.has_dx()) {
+            if (auto s = dx.Add(r.dx()); !s.ok()) return s;
+          }
+          if (r.has_dweights()) {
+            if (auto s = dw.Add(r.dweights()); !s.ok()) return s;
+          }
         }
         BackwardOutput o;
         auto t = dx.Finish();
@@ -513,7 +531,8 @@ absl::StatusOr<std::unique_ptr<ShardedLayer>> ShardedLayer::Create(
   const int64_t n = static_cast<int64_t>(conns.size());
   if (config.num_experts < n) {
     return absl::InvalidArgumentError(absl::StrCat("config.num_experts: ", config.num_experts,
-                                                   " experts cannot be split over ", n, " servers"));
+                                                   " experts cannot be split over ", n,
+                                                   " servers"));
   }
   std::unique_ptr<ShardedLayer> s(new ShardedLayer());
   s->config_ = config;
@@ -536,8 +555,8 @@ std::future<absl::StatusOr<ForwardOutput>> ShardedLayer::Forward(const TensorVie
                                                                  const TensorView& ids,
                                                                  const TensorView& weights,
                                                                  bool training) {
-  return std::async(std::launch::async, &ShardedLayer::RunForward, this, ToTensor(x),
-                    ToTensor(ids), ToTensor(weights), training);
+  return std::async(std::launch::async, &ShardedLayer::RunForward, this, ToTensor(x), ToTensor(ids),
+                    ToTensor(weights), training);
 }
 
 std::future<absl::StatusOr<BackwardOutput>> ShardedLayer::Backward(uint64_t context_id,
@@ -594,7 +613,8 @@ absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Ten
         const int32_t e = id[t * k + j];
         if (e < 0 || e >= config_.num_experts) {
           return absl::InvalidArgumentError(absl::StrCat("expert_ids: id ", e, " at [", t, ",", j,
-                                                         "] is outside [0, ", config_.num_experts, ")"));
+                                                         "] is outside [0, ", config_.num_experts,
+                                                         ")"));
         }
         if (e >= c.expert_first && e < c.expert_first + c.local_experts()) {
           pending.rows[s].push_back(t);
@@ -642,7 +662,8 @@ absl::StatusOr<BackwardOutput> ShardedLayer::RunBackward(uint64_t context_id, Te
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(context_id);
     if (it == pending_.end()) {
-      return absl::NotFoundError(absl::StrCat("context_id: no pending sharded context ", context_id));
+      return absl::NotFoundError(
+          absl::StrCat("context_id: no pending sharded context ", context_id));
     }
     pending = std::move(it->second);
     pending_.erase(it);

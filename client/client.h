@@ -16,6 +16,8 @@
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -25,8 +27,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -40,7 +40,7 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of every call
   int64_t chunk_bytes = int64_t{1} << 20;    // tensor payload per request message
   int64_t max_receive_bytes = int64_t{256} << 20;
-  bool open_session = true;                  // tie saved contexts to this connection
+  bool open_session = true;  // tie saved contexts to this connection
 };
 
 // grpc::Status -> absl::Status, code and message unchanged.
@@ -90,13 +90,12 @@ class Connection {
   absl::StatusOr<v1::StatsResponse> GetStats();
 
   // `ids`, `weights` empty for server routing. `training` keeps a context under `context_id`.
-  std::future<absl::StatusOr<ForwardOutput>> Forward(const std::string& layer,
-                                                     uint64_t context_id, bool training,
-                                                     const TensorView& x, const TensorView& ids,
+  std::future<absl::StatusOr<ForwardOutput>> Forward(const std::string& layer, uint64_t context_id,
+                                                     bool training, const TensorView& x,
+                                                     const TensorView& ids,
                                                      const TensorView& weights);
   std::future<absl::StatusOr<BackwardOutput>> Backward(const std::string& layer,
-                                                       uint64_t context_id,
-                                                       const TensorView& dout);
+                                                       uint64_t context_id, const TensorView& dout);
   absl::StatusOr<StepOutput> Step(const std::string& layer);
   absl::Status ZeroGrad(const std::string& layer);
 
@@ -146,8 +145,7 @@ class RemoteLayer {
                                                      const TensorView& ids = {},
                                                      const TensorView& weights = {},
                                                      bool training = true);
-  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id,
-                                                       const TensorView& dout);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, const TensorView& dout);
   absl::StatusOr<StepOutput> Step() { return conn_->Step(name_); }
   absl::Status ZeroGrad() { return conn_->ZeroGrad(name_); }
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& path) {
@@ -192,8 +190,7 @@ class ShardedLayer {
   std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x, const TensorView& ids,
                                                      const TensorView& weights,
                                                      bool training = true);
-  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id,
-                                                       const TensorView& dout);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, const TensorView& dout);
   // Steps every shard; tokens_per_expert covers all E experts, grad_norm is the global norm.
   absl::StatusOr<StepOutput> Step();
 

@@ -11,23 +11,30 @@ namespace moe::wire {
 
 absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
   switch (dtype) {
-    case v1::DTYPE_FLOAT32: return DType::kFloat32;
-    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
-    case v1::DTYPE_INT32: return DType::kInt32;
-    case v1::DTYPE_INT64: return DType::kInt64;
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    case v1::DTYPE_INT32:
+      return DType::kInt32;
+    case v1::DTYPE_INT64:
+      return DType::kInt64;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": unknown dtype ", dtype,
-                       " (expected FLOAT32, BFLOAT16, INT32 or INT64)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": unknown dtype ", dtype, " (expected FLOAT32, BFLOAT16, INT32 or INT64)"));
   }
 }
 
 v1::DType DTypeToProto(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return v1::DTYPE_FLOAT32;
-    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
-    case DType::kInt32: return v1::DTYPE_INT32;
-    case DType::kInt64: return v1::DTYPE_INT64;
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case DType::kInt32:
+      return v1::DTYPE_INT32;
+    case DType::kInt64:
+      return v1::DTYPE_INT64;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -40,10 +47,18 @@ absl::StatusOr<LayerConfig> LayerConfigFromProto(const v1::LayerConfig& p) {
   c.d_hidden = p.d_hidden();
   switch (p.activation()) {
     case v1::ACTIVATION_UNSPECIFIED:
-    case v1::ACTIVATION_SWIGLU: c.activation = Activation::kSwiGLU; break;
-    case v1::ACTIVATION_SILU: c.activation = Activation::kSiLU; break;
-    case v1::ACTIVATION_GELU_TANH: c.activation = Activation::kGeLUTanh; break;
-    case v1::ACTIVATION_RELU: c.activation = Activation::kReLU; break;
+    case v1::ACTIVATION_SWIGLU:
+      c.activation = Activation::kSwiGLU;
+      break;
+    case v1::ACTIVATION_SILU:
+      c.activation = Activation::kSiLU;
+      break;
+    case v1::ACTIVATION_GELU_TANH:
+      c.activation = Activation::kGeLUTanh;
+      break;
+    case v1::ACTIVATION_RELU:
+      c.activation = Activation::kReLU;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("config.activation: unknown activation ", p.activation()));
@@ -54,16 +69,19 @@ absl::StatusOr<LayerConfig> LayerConfigFromProto(const v1::LayerConfig& p) {
     auto dtype = DTypeFromProto(p.dtype(), "config.dtype");
     if (!dtype.ok()) return dtype.status();
     if (*dtype != DType::kFloat32 && *dtype != DType::kBFloat16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config.dtype: ", DTypeName(*dtype),
-                       " is not a storage dtype (FLOAT32 or BFLOAT16)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.dtype: ", DTypeName(*dtype), " is not a storage dtype (FLOAT32 or BFLOAT16)"));
     }
     c.dtype = *dtype;
   }
   switch (p.routing()) {
     case v1::ROUTING_UNSPECIFIED:
-    case v1::ROUTING_CLIENT: c.routing = RoutingMode::kClient; break;
-    case v1::ROUTING_SERVER: c.routing = RoutingMode::kServer; break;
+    case v1::ROUTING_CLIENT:
+      c.routing = RoutingMode::kClient;
+      break;
+    case v1::ROUTING_SERVER:
+      c.routing = RoutingMode::kServer;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("config.routing: unknown routing mode ", p.routing()));
@@ -82,8 +100,12 @@ absl::StatusOr<LayerConfig> LayerConfigFromProto(const v1::LayerConfig& p) {
   const v1::OptimizerConfig& o = p.optimizer();
   switch (o.kind()) {
     case v1::OPTIMIZER_UNSPECIFIED:
-    case v1::OPTIMIZER_ADAMW: c.optimizer.kind = OptimizerKind::kAdamW; break;
-    case v1::OPTIMIZER_SGD: c.optimizer.kind = OptimizerKind::kSgd; break;
+    case v1::OPTIMIZER_ADAMW:
+      c.optimizer.kind = OptimizerKind::kAdamW;
+      break;
+    case v1::OPTIMIZER_SGD:
+      c.optimizer.kind = OptimizerKind::kSgd;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("config.optimizer.kind: unknown optimizer ", o.kind()));
@@ -107,10 +129,18 @@ v1::LayerConfig LayerConfigToProto(const LayerConfig& c) {
   p.set_d_model(c.d_model);
   p.set_d_hidden(c.d_hidden);
   switch (c.activation) {
-    case Activation::kSwiGLU: p.set_activation(v1::ACTIVATION_SWIGLU); break;
-    case Activation::kSiLU: p.set_activation(v1::ACTIVATION_SILU); break;
-    case Activation::kGeLUTanh: p.set_activation(v1::ACTIVATION_GELU_TANH); break;
-    case Activation::kReLU: p.set_activation(v1::ACTIVATION_RELU); break;
+    case Activation::kSwiGLU:
+      p.set_activation(v1::ACTIVATION_SWIGLU);
+      break;
+    case Activation::kSiLU:
+      p.set_activation(v1::ACTIVATION_SILU);
+      break;
+    case Activation::kGeLUTanh:
+      p.set_activation(v1::ACTIVATION_GELU_TANH);
+      break;
+    case Activation::kReLU:
+      p.set_activation(v1::ACTIVATION_RELU);
+      break;
   }
   p.set_dtype(DTypeToProto(c.dtype));
   p.set_routing(c.routing == RoutingMode::kServer ? v1::ROUTING_SERVER : v1::ROUTING_CLIENT);
@@ -146,8 +176,8 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
     dtype_ = chunk.dtype();
     shape_ = std::move(shape);
   } else if (chunk.dtype() != dtype_ || shape != shape_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field_, ": dtype or shape changed between chunks of one micro-batch"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
   }
   bytes_.append(chunk.data());
   return absl::OkStatus();
@@ -170,9 +200,9 @@ absl::Status TensorAssembler::CheckComplete(DType* dtype) {
     std::string shape = "[";
     for (size_t i = 0; i < shape_.size(); ++i) absl::StrAppend(&shape, i ? "," : "", shape_[i]);
     shape += "]";
-    return absl::InvalidArgumentError(
-        absl::StrCat(field_, ": ", bytes_.size(), " bytes do not match shape ", shape, " of ",
-                     DTypeName(*dtype), " (", want, " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(field_, ": ", bytes_.size(),
+                                                   " bytes do not match shape ", shape, " of ",
+                                                   DTypeName(*dtype), " (", want, " bytes)"));
   }
   return absl::OkStatus();
 }

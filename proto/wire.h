@@ -59,7 +59,7 @@ class TensorAssembler {
 
 // A piece of a tensor to put into one message.
 struct Piece {
-  int tensor = 0;       // index into the tensors passed to PlanChunks
+  int tensor = 0;  // index into the tensors passed to PlanChunks
   size_t offset = 0;
   size_t size = 0;
 };

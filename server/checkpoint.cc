@@ -3,6 +3,7 @@
 #include "server/checkpoint.h"
 
 #include <fcntl.h>
+#include <google/protobuf/util/json_util.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,8 +11,6 @@
 #include <cstring>
 #include <random>
 #include <vector>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -163,10 +162,12 @@ absl::StatusOr<DecodedCheckpoint> DecodeCheckpoint(const std::string& bytes) {
   }
   v1::LayerConfig proto;
   auto st = google::protobuf::util::JsonStringToMessage(config_it->second, &proto);
-  if (!st.ok()) return absl::DataLossError(absl::StrCat("checkpoint: bad layer config: ", st.ToString()));
+  if (!st.ok())
+    return absl::DataLossError(absl::StrCat("checkpoint: bad layer config: ", st.ToString()));
   auto config = wire::LayerConfigFromProto(proto);
   if (!config.ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint: bad layer config: ", config.status().message()));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint: bad layer config: ", config.status().message()));
   }
   DecodedCheckpoint out;
   out.config = *config;

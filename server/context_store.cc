@@ -56,10 +56,11 @@ absl::Status ContextStore::Put(const std::string& layer, uint64_t id, const std:
   }
   if (bytes_ + size > budget_) {
     if (metrics_) metrics_->ContextRejected();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "saved-context budget: this context needs ", size, " bytes, ", budget_ - bytes_,
-        " of ", budget_, " are free; run Backward for outstanding contexts or send smaller "
-        "micro-batches"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("saved-context budget: this context needs ", size, " bytes, ",
+                     budget_ - bytes_, " of ", budget_,
+                     " are free; run Backward for outstanding contexts or send smaller "
+                     "micro-batches"));
   }
   Entry& e = entries_[key];
   e.context = std::move(context);
@@ -76,7 +77,8 @@ absl::StatusOr<int64_t> ContextStore::NumTokens(const std::string& layer, uint64
   auto it = entries_.find(Key(layer, id));
   if (it == entries_.end() || Clock::now() - it->second.created > ttl_) {
     return absl::NotFoundError(absl::StrCat("context_id: no live context ", id, " for layer ",
-                                            layer, " (never created, already consumed, expired "
+                                            layer,
+                                            " (never created, already consumed, expired "
                                             "or freed with its session)"));
   }
   return it->second.context->num_tokens();

@@ -58,9 +58,8 @@ int main(int argc, char** argv) {
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d\n",
-              (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
-              (*server)->metrics_port());
+  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d\n", (*server)->device().c_str(),
+              options.host.c_str(), (*server)->port(), (*server)->metrics_port());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("moe-server: shutting down\n");

@@ -11,7 +11,7 @@ namespace {
 const prometheus::Histogram::BucketBoundaries& StageBuckets() {
   static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
       0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-      0.05,   0.1,     0.25,   0.5,   1,     2.5,   5,     10};
+      0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10};
   return *buckets;
 }
 
@@ -20,10 +20,11 @@ const prometheus::Histogram::BucketBoundaries& StageBuckets() {
 Metrics::Metrics(std::string device)
     : device_(std::move(device)), registry_(std::make_shared<prometheus::Registry>()) {
   auto& r = *registry_;
-  requests_ = &prometheus::BuildCounter()
-                   .Name("moe_requests_total")
-                   .Help("Finished requests (Forward/Backward: micro-batches) by method and gRPC code")
-                   .Register(r);
+  requests_ =
+      &prometheus::BuildCounter()
+           .Name("moe_requests_total")
+           .Help("Finished requests (Forward/Backward: micro-batches) by method and gRPC code")
+           .Register(r);
   tokens_ = &prometheus::BuildCounter()
                  .Name("moe_tokens_total")
                  .Help("Tokens processed by layer and direction (forward|backward)")
@@ -76,7 +77,8 @@ Metrics::Metrics(std::string device)
                     .Name("moe_grad_norm")
                     .Help("Global gradient L2 norm of the last Step, by layer")
                     .Register(r);
-  layers_ = &prometheus::BuildGauge().Name("moe_layers").Help("Layers on the server").Register(r).Add({});
+  layers_ =
+      &prometheus::BuildGauge().Name("moe_layers").Help("Layers on the server").Register(r).Add({});
   resident_ = &prometheus::BuildGauge()
                    .Name("moe_layer_resident_bytes")
                    .Help("Bytes of weights, gradients and optimizer state per layer")
@@ -128,7 +130,9 @@ void Metrics::SavedContexts(int64_t count, int64_t bytes) {
   contexts_->Set(static_cast<double>(count));
   context_bytes_->Set(static_cast<double>(bytes));
 }
-void Metrics::SavedContextBudget(int64_t bytes) { context_budget_->Set(static_cast<double>(bytes)); }
+void Metrics::SavedContextBudget(int64_t bytes) {
+  context_budget_->Set(static_cast<double>(bytes));
+}
 void Metrics::ContextsDropped(const char* reason, int64_t n) {
   contexts_dropped_->Add({{"reason", reason}}).Increment(static_cast<double>(n));
 }
@@ -145,8 +149,12 @@ void Metrics::DeviceMemory(int64_t used, int64_t total) {
   memory_used_->Set(static_cast<double>(used));
   memory_total_->Set(static_cast<double>(total));
 }
-void Metrics::StreamOpened(const std::string& method) { streams_->Add({{"method", method}}).Increment(); }
-void Metrics::StreamClosed(const std::string& method) { streams_->Add({{"method", method}}).Decrement(); }
+void Metrics::StreamOpened(const std::string& method) {
+  streams_->Add({{"method", method}}).Increment();
+}
+void Metrics::StreamClosed(const std::string& method) {
+  streams_->Add({{"method", method}}).Decrement();
+}
 void Metrics::Sessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }
 
 void Metrics::RemoveLayer(const std::string& layer, int64_t num_experts) {
@@ -154,7 +162,8 @@ void Metrics::RemoveLayer(const std::string& layer, int64_t num_experts) {
     tokens_->Remove(&tokens_->Add({{"layer", layer}, {"direction", dir}}));
   }
   for (int64_t e = 0; e < num_experts; ++e) {
-    auto labels = std::map<std::string, std::string>{{"layer", layer}, {"expert", std::to_string(e)}};
+    auto labels =
+        std::map<std::string, std::string>{{"layer", layer}, {"expert", std::to_string(e)}};
     if (expert_tokens_->Has(labels)) expert_tokens_->Remove(&expert_tokens_->Add(labels));
   }
   steps_->Remove(&steps_->Add({{"layer", layer}}));

@@ -6,16 +6,16 @@
 #ifndef MOE_SERVER_METRICS_H_
 #define MOE_SERVER_METRICS_H_
 
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 
 namespace moe::server {
 

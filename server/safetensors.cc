@@ -16,20 +16,29 @@ namespace {
 
 const char* SafeDType(DType d) {
   switch (d) {
-    case DType::kFloat32: return "F32";
-    case DType::kBFloat16: return "BF16";
-    case DType::kInt32: return "I32";
-    case DType::kInt64: return "I64";
+    case DType::kFloat32:
+      return "F32";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kInt32:
+      return "I32";
+    case DType::kInt64:
+      return "I64";
   }
   return "?";
 }
 
 bool DTypeFromSafe(const std::string& s, DType* d) {
-  if (s == "F32") *d = DType::kFloat32;
-  else if (s == "BF16") *d = DType::kBFloat16;
-  else if (s == "I32") *d = DType::kInt32;
-  else if (s == "I64") *d = DType::kInt64;
-  else return false;
+  if (s == "F32")
+    *d = DType::kFloat32;
+  else if (s == "BF16")
+    *d = DType::kBFloat16;
+  else if (s == "I32")
+    *d = DType::kInt32;
+  else if (s == "I64")
+    *d = DType::kInt64;
+  else
+    return false;
   return true;
 }
 
@@ -37,11 +46,21 @@ void AppendJsonString(const std::string& s, std::string* out) {
   out->push_back('"');
   for (unsigned char c : s) {
     switch (c) {
-      case '"': *out += "\\\""; break;
-      case '\\': *out += "\\\\"; break;
-      case '\n': *out += "\\n"; break;
-      case '\r': *out += "\\r"; break;
-      case '\t': *out += "\\t"; break;
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -83,8 +102,8 @@ class JsonParser {
     return absl::DataLossError(absl::StrCat("safetensors header: ", what, " at byte ", pos_));
   }
   void SkipSpace() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\t' ||
-                                s_[pos_] == '\r')) {
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\t' || s_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -97,7 +116,10 @@ class JsonParser {
       v->kind = Json::kObject;
       ++pos_;
       SkipSpace();
-      if (pos_ < s_.size() && s_[pos_] == '}') { ++pos_; return absl::OkStatus(); }
+      if (pos_ < s_.size() && s_[pos_] == '}') {
+        ++pos_;
+        return absl::OkStatus();
+      }
       for (;;) {
         SkipSpace();
         std::string key;
@@ -111,8 +133,14 @@ class JsonParser {
         if (!st.ok()) return st;
         v->object.emplace_back(std::move(key), std::move(child));
         SkipSpace();
-        if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
-        if (pos_ < s_.size() && s_[pos_] == '}') { ++pos_; return absl::OkStatus(); }
+        if (pos_ < s_.size() && s_[pos_] == ',') {
+          ++pos_;
+          continue;
+        }
+        if (pos_ < s_.size() && s_[pos_] == '}') {
+          ++pos_;
+          return absl::OkStatus();
+        }
         return Error("expected ',' or '}'");
       }
     }
@@ -120,15 +148,24 @@ class JsonParser {
       v->kind = Json::kArray;
       ++pos_;
       SkipSpace();
-      if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return absl::OkStatus(); }
+      if (pos_ < s_.size() && s_[pos_] == ']') {
+        ++pos_;
+        return absl::OkStatus();
+      }
       for (;;) {
         Json child;
         absl::Status st = Parse(&child, depth + 1);
         if (!st.ok()) return st;
         v->array.push_back(std::move(child));
         SkipSpace();
-        if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
-        if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return absl::OkStatus(); }
+        if (pos_ < s_.size() && s_[pos_] == ',') {
+          ++pos_;
+          continue;
+        }
+        if (pos_ < s_.size() && s_[pos_] == ']') {
+          ++pos_;
+          return absl::OkStatus();
+        }
         return Error("expected ',' or ']'");
       }
     }
@@ -136,9 +173,21 @@ class JsonParser {
       v->kind = Json::kString;
       return ParseString(&v->str);
     }
-    if (s_.compare(pos_, 4, "true") == 0) { v->kind = Json::kBool; pos_ += 4; return absl::OkStatus(); }
-    if (s_.compare(pos_, 5, "false") == 0) { v->kind = Json::kBool; pos_ += 5; return absl::OkStatus(); }
-    if (s_.compare(pos_, 4, "null") == 0) { v->kind = Json::kNull; pos_ += 4; return absl::OkStatus(); }
+    if (s_.compare(pos_, 4, "true") == 0) {
+      v->kind = Json::kBool;
+      pos_ += 4;
+      return absl::OkStatus();
+    }
+    if (s_.compare(pos_, 5, "false") == 0) {
+      v->kind = Json::kBool;
+      pos_ += 5;
+      return absl::OkStatus();
+    }
+    if (s_.compare(pos_, 4, "null") == 0) {
+      v->kind = Json::kNull;
+      pos_ += 4;
+      return absl::OkStatus();
+    }
     // Number.
     size_t start = pos_;
     bool integral = true;
@@ -162,18 +211,37 @@ class JsonParser {
     ++pos_;
     while (pos_ < s_.size() && s_[pos_] != '"') {
       char c = s_[pos_++];
-      if (c != '\\') { out->push_back(c); continue; }
+      if (c != '\\') {
+        out->push_back(c);
+        continue;
+      }
       if (pos_ >= s_.size()) return Error("bad escape");
       char e = s_[pos_++];
       switch (e) {
-        case '"': out->push_back('"'); break;
-        case '\\': out->push_back('\\'); break;
-        case '/': out->push_back('/'); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
+        case '"':
+          out->push_back('"');
+          break;
+        case '\\':
+          out->push_back('\\');
+          break;
+        case '/':
+          out->push_back('/');
+          break;
+        case 'b':
+          out->push_back('\b');
+          break;
+        case 'f':
+          out->push_back('\f');
+          break;
+        case 'n':
+          out->push_back('\n');
+          break;
+        case 'r':
+          out->push_back('\r');
+          break;
+        case 't':
+          out->push_back('\t');
+          break;
         case 'u': {
           if (pos_ + 4 > s_.size()) return Error("bad \\u escape");
           unsigned cp = std::stoul(s_.substr(pos_, 4), nullptr, 16);
@@ -191,7 +259,8 @@ class JsonParser {
           }
           break;
         }
-        default: return Error("bad escape");
+        default:
+          return Error("bad escape");
       }
     }
     if (pos_ >= s_.size()) return Error("unterminated string");
@@ -228,8 +297,8 @@ absl::StatusOr<std::string> SerializeSafetensors(const SafetensorsFile& file) {
     }
     const uint64_t want = static_cast<uint64_t>(t.num_elements()) * DTypeSize(t.dtype);
     if (t.bytes.size() != want) {
-      return absl::InternalError(absl::StrCat("safetensors: tensor ", name, " has ",
-                                              t.bytes.size(), " bytes, shape needs ", want));
+      return absl::InternalError(absl::StrCat("safetensors: tensor ", name, " has ", t.bytes.size(),
+                                              " bytes, shape needs ", want));
     }
     if (!first) header += ",";
     first = false;
@@ -255,22 +324,25 @@ absl::StatusOr<std::string> SerializeSafetensors(const SafetensorsFile& file) {
 absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
   if (bytes.size() < 8) return absl::DataLossError("safetensors: file shorter than 8 bytes");
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
   if (n > bytes.size() - 8) {
-    return absl::DataLossError(absl::StrCat("safetensors: header length ", n,
-                                            " exceeds the file (", bytes.size(), " bytes)"));
+    return absl::DataLossError(absl::StrCat("safetensors: header length ", n, " exceeds the file (",
+                                            bytes.size(), " bytes)"));
   }
   std::string header = bytes.substr(8, n);
   auto json = JsonParser(header).ParseDocument();
   if (!json.ok()) return json.status();
-  if (json->kind != Json::kObject) return absl::DataLossError("safetensors: header is not an object");
+  if (json->kind != Json::kObject)
+    return absl::DataLossError("safetensors: header is not an object");
   const uint64_t data_size = bytes.size() - 8 - n;
   const char* data = bytes.data() + 8 + n;
   SafetensorsFile file;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const auto& [name, v] : json->object) {
     if (name == "__metadata__") {
-      if (v.kind != Json::kObject) return absl::DataLossError("safetensors: __metadata__ is not an object");
+      if (v.kind != Json::kObject)
+        return absl::DataLossError("safetensors: __metadata__ is not an object");
       for (const auto& [k, mv] : v.object) {
         if (mv.kind != Json::kString) {
           return absl::DataLossError(absl::StrCat("safetensors: metadata ", k, " is not a string"));
@@ -287,9 +359,12 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
     const Json* shape = nullptr;
     const Json* offsets = nullptr;
     for (const auto& [k, f] : v.object) {
-      if (k == "dtype") dtype = &f;
-      else if (k == "shape") shape = &f;
-      else if (k == "data_offsets") offsets = &f;
+      if (k == "dtype")
+        dtype = &f;
+      else if (k == "shape")
+        shape = &f;
+      else if (k == "data_offsets")
+        offsets = &f;
     }
     if (!dtype || dtype->kind != Json::kString) return bad("missing dtype");
     if (!shape || shape->kind != Json::kArray) return bad("missing shape");
@@ -297,7 +372,8 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
       return bad("missing data_offsets");
     }
     Tensor t;
-    if (!DTypeFromSafe(dtype->str, &t.dtype)) return bad(absl::StrCat("unsupported dtype ", dtype->str));
+    if (!DTypeFromSafe(dtype->str, &t.dtype))
+      return bad(absl::StrCat("unsupported dtype ", dtype->str));
     for (const Json& s : shape->array) {
       if (!s.is_integer || s.integer < 0) return bad("bad shape");
       t.shape.push_back(s.integer);
@@ -319,7 +395,8 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) return absl::DataLossError("safetensors: overlapping tensors");
+    if (ranges[i].first < ranges[i - 1].second)
+      return absl::DataLossError("safetensors: overlapping tensors");
   }
   return file;
 }

@@ -1,7 +1,8 @@
-// A small reader and writer for the safetensors format (https://github.com/huggingface/safetensors):
-// an 8-byte little-endian header length N, N bytes of JSON header, then the raw tensor bytes.
-// The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets
-// relative to the byte after the header) and may hold "__metadata__", a string -> string map.
+// A small reader and writer for the safetensors format
+// (https://github.com/huggingface/safetensors): an 8-byte little-endian header length N, N bytes of
+// JSON header, then the raw tensor bytes. The header maps each tensor name to {"dtype", "shape",
+// "data_offsets": [begin, end]} (offsets relative to the byte after the header) and may hold
+// "__metadata__", a string -> string map.
 //
 // Our own code rather than a dependency: the format is tiny and the server needs only the four
 // dtypes the engine has (F32, BF16, I32, I64). Tensors are laid out in name order, contiguous,

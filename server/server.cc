@@ -74,8 +74,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
           absl::StrCat(options.host, ":", options.metrics_port));
     } catch (const std::exception& e) {
       server->Shutdown();
-      return absl::UnavailableError(absl::StrCat("metrics_port: could not listen on ",
-                                                 options.metrics_port, ": ", e.what()));
+      return absl::UnavailableError(
+          absl::StrCat("metrics_port: could not listen on ", options.metrics_port, ": ", e.what()));
     }
     server->exposer_->RegisterCollectable(server->metrics_->registry());
     auto ports = server->exposer_->GetListeningPorts();

@@ -71,7 +71,8 @@ std::vector<Resp> ChunkResponse(const std::vector<const Tensor*>& tensors, int64
   for (size_t m = 0; m < plan.size(); ++m) {
     std::vector<v1::Tensor*> protos = header(&out[m]);
     for (size_t i = 0; i < present.size(); ++i) {
-      if (present[i] && protos[i]) wire::SetTensorHeader(present[i]->dtype, present[i]->shape, protos[i]);
+      if (present[i] && protos[i])
+        wire::SetTensorHeader(present[i]->dtype, present[i]->shape, protos[i]);
     }
     for (const wire::Piece& p : plan[m]) {
       protos[p.tensor]->mutable_data()->append(
@@ -208,8 +209,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
       context_id_ = c.context_id();
       training_ = c.training();
       chunk_ = ChunkSize(c.max_response_chunk_bytes());
-    } else if (c.layer() != layer_ || c.context_id() != context_id_ ||
-               c.training() != training_) {
+    } else if (c.layer() != layer_ || c.context_id() != context_id_ || c.training() != training_) {
       return absl::InvalidArgumentError(
           "layer, context_id and training must be the same in every chunk of a micro-batch");
     }
@@ -254,8 +254,8 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     if (training_) {
       if (!result->context) return absl::InternalError("engine returned no training context");
       if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
-      absl::Status put = service_->contexts().Put(layer_, context_id_, session_,
-                                                  std::move(result->context));
+      absl::Status put =
+          service_->contexts().Put(layer_, context_id_, session_, std::move(result->context));
       if (!put.ok()) return put;
     }
     service_->metrics().Tokens(layer_, "forward", tokens);
@@ -265,8 +265,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     const double aux = result_.aux_loss, z = result_.z_loss;
     const uint64_t id = context_id_;
     *out = ChunkResponse<v1::ForwardResponse>(
-        {&result_.out, &result_.expert_ids, &result_.weights}, chunk_,
-        [&](v1::ForwardResponse* r) {
+        {&result_.out, &result_.expert_ids, &result_.weights}, chunk_, [&](v1::ForwardResponse* r) {
           r->set_context_id(id);
           r->set_aux_loss(aux);
           r->set_z_loss(z);
@@ -296,8 +295,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
   ForwardResult result_;
 };
 
-class BackwardReactor final
-    : public MicroBatchReactor<v1::BackwardRequest, v1::BackwardResponse> {
+class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::BackwardResponse> {
  public:
   BackwardReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx)
       : MicroBatchReactor(s, ctx, "Backward") {
@@ -337,8 +335,7 @@ class BackwardReactor final
     BackwardResult r = std::move(*result);
     const uint64_t id = context_id_;
     *out = ChunkResponse<v1::BackwardResponse>(
-        {&r.dx, r.dweights.empty() ? nullptr : &r.dweights}, chunk_,
-        [&](v1::BackwardResponse* m) {
+        {&r.dx, r.dweights.empty() ? nullptr : &r.dweights}, chunk_, [&](v1::BackwardResponse* m) {
           m->set_context_id(id);
           return std::vector<v1::Tensor*>{m->mutable_dx(),
                                           r.dweights.empty() ? nullptr : m->mutable_dweights()};
@@ -388,7 +385,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
       Done(absl::CancelledError("the client went away during the export"));
       return;
     }
-    service_->metrics().BytesOut("ExportWeights", static_cast<int64_t>(chunks_[next_].ByteSizeLong()));
+    service_->metrics().BytesOut("ExportWeights",
+                                 static_cast<int64_t>(chunks_[next_].ByteSizeLong()));
     if (++next_ < chunks_.size()) {
       StartWrite(&chunks_[next_]);
       return;
@@ -478,8 +476,10 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
     }
     auto it = parts_.find(chunk_.name());
     if (it == parts_.end()) {
-      it = parts_.emplace(chunk_.name(), std::make_unique<wire::TensorAssembler>(
-                                             absl::StrCat("tensor ", chunk_.name()))).first;
+      it = parts_
+               .emplace(chunk_.name(), std::make_unique<wire::TensorAssembler>(
+                                           absl::StrCat("tensor ", chunk_.name())))
+               .first;
     }
     if (absl::Status st = it->second->Add(chunk_.tensor()); !st.ok()) {
       Done(st);
@@ -507,7 +507,8 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
   }
   void Done(const absl::Status& st) {
     service_->metrics().Request("ImportWeights", GrpcCodeName(ToGrpcStatus(st).error_code()));
-    if (st.ok()) service_->metrics().BytesOut("ImportWeights", static_cast<int64_t>(resp_->ByteSizeLong()));
+    if (st.ok())
+      service_->metrics().BytesOut("ImportWeights", static_cast<int64_t>(resp_->ByteSizeLong()));
     Finish(ToGrpcStatus(st));
   }
 
@@ -579,8 +580,8 @@ ExpertServiceImpl::~ExpertServiceImpl() {
 
 void ExpertServiceImpl::SweepLoop() {
   // Sweep often enough that a context outlives its TTL by at most a quarter of it (or 1 s).
-  const auto period = std::chrono::milliseconds(std::clamp<int64_t>(
-      static_cast<int64_t>(options_.context_ttl_seconds * 250), 10, 1000));
+  const auto period = std::chrono::milliseconds(
+      std::clamp<int64_t>(static_cast<int64_t>(options_.context_ttl_seconds * 250), 10, 1000));
   std::unique_lock<std::mutex> lock(sweep_mu_);
   while (!sweep_cv_.wait_for(lock, period, [this] { return sweep_stop_; })) {
     contexts_.Expire();
@@ -683,15 +684,15 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerCon
         FillInfo(**existing, resp);
         return absl::OkStatus();
       }
-      return absl::AlreadyExistsError(absl::StrCat(
-          "name: layer \"", req->name(), "\" already exists",
-          req->attach_if_exists() ? " with a different config" : ""));
+      return absl::AlreadyExistsError(
+          absl::StrCat("name: layer \"", req->name(), "\" already exists",
+                       req->attach_if_exists() ? " with a different config" : ""));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (static_cast<int>(layers_.size()) >= options_.max_layers) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "the server already holds --max_layers=", options_.max_layers, " layers"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
     auto layer = engine_->CreateLayer(*config);
@@ -840,8 +841,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (static_cast<int>(layers_.size()) >= options_.max_layers) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "the server already holds --max_layers=", options_.max_layers, " layers"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
     auto layer = engine_->CreateLayer(decoded->config);

@@ -7,6 +7,8 @@
 #ifndef MOE_SERVER_SERVICE_H_
 #define MOE_SERVER_SERVICE_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,8 +17,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "engine/layer.h"
@@ -68,8 +68,8 @@ class ExpertServiceImpl final : public v1::ExpertService::CallbackService {
                                      v1::ZeroGradResponse* resp) override;
   grpc::ServerWriteReactor<v1::WeightChunk>* ExportWeights(
       grpc::CallbackServerContext* ctx, const v1::ExportWeightsRequest* req) override;
-  grpc::ServerReadReactor<v1::WeightChunk>* ImportWeights(
-      grpc::CallbackServerContext* ctx, v1::ImportWeightsResponse* resp) override;
+  grpc::ServerReadReactor<v1::WeightChunk>* ImportWeights(grpc::CallbackServerContext* ctx,
+                                                          v1::ImportWeightsResponse* resp) override;
   grpc::ServerUnaryReactor* SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                            const v1::SaveCheckpointRequest* req,
                                            v1::SaveCheckpointResponse* resp) override;

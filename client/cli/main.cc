@@ -53,13 +53,13 @@ int Usage(const std::string& why) {
 
 std::string Describe(const moe::v1::LayerInfo& l) {
   const auto& c = l.config();
-  return absl::StrCat(
-      l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(), " h=", c.d_hidden(),
-      " ", moe::v1::Activation_Name(c.activation()), " ", moe::v1::DType_Name(c.dtype()), " ",
-      moe::v1::RoutingMode_Name(c.routing()), " experts [", c.expert_first(), ", ",
-      c.expert_first() + c.expert_count(), ")  step=", l.step(), " resident_bytes=",
-      l.resident_bytes(), " contexts=", l.saved_contexts(), " (", l.saved_context_bytes(),
-      " bytes) device=", l.device());
+  return absl::StrCat(l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(),
+                      " h=", c.d_hidden(), " ", moe::v1::Activation_Name(c.activation()), " ",
+                      moe::v1::DType_Name(c.dtype()), " ", moe::v1::RoutingMode_Name(c.routing()),
+                      " experts [", c.expert_first(), ", ", c.expert_first() + c.expert_count(),
+                      ")  step=", l.step(), " resident_bytes=", l.resident_bytes(),
+                      " contexts=", l.saved_contexts(), " (", l.saved_context_bytes(),
+                      " bytes) device=", l.device());
 }
 
 absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
@@ -69,28 +69,42 @@ absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
   c.set_d_model(absl::GetFlag(FLAGS_d_model));
   c.set_d_hidden(absl::GetFlag(FLAGS_d_hidden));
   const std::string act = absl::GetFlag(FLAGS_activation);
-  if (act == "swiglu") c.set_activation(moe::v1::ACTIVATION_SWIGLU);
-  else if (act == "silu") c.set_activation(moe::v1::ACTIVATION_SILU);
-  else if (act == "gelu") c.set_activation(moe::v1::ACTIVATION_GELU_TANH);
-  else if (act == "relu") c.set_activation(moe::v1::ACTIVATION_RELU);
-  else return absl::InvalidArgumentError(absl::StrCat("--activation: unknown value ", act));
+  if (act == "swiglu")
+    c.set_activation(moe::v1::ACTIVATION_SWIGLU);
+  else if (act == "silu")
+    c.set_activation(moe::v1::ACTIVATION_SILU);
+  else if (act == "gelu")
+    c.set_activation(moe::v1::ACTIVATION_GELU_TANH);
+  else if (act == "relu")
+    c.set_activation(moe::v1::ACTIVATION_RELU);
+  else
+    return absl::InvalidArgumentError(absl::StrCat("--activation: unknown value ", act));
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype == "float32") c.set_dtype(moe::v1::DTYPE_FLOAT32);
-  else if (dtype == "bfloat16") c.set_dtype(moe::v1::DTYPE_BFLOAT16);
-  else return absl::InvalidArgumentError(absl::StrCat("--dtype: unknown value ", dtype));
+  if (dtype == "float32")
+    c.set_dtype(moe::v1::DTYPE_FLOAT32);
+  else if (dtype == "bfloat16")
+    c.set_dtype(moe::v1::DTYPE_BFLOAT16);
+  else
+    return absl::InvalidArgumentError(absl::StrCat("--dtype: unknown value ", dtype));
   const std::string routing = absl::GetFlag(FLAGS_routing);
-  if (routing == "client") c.set_routing(moe::v1::ROUTING_CLIENT);
-  else if (routing == "server") c.set_routing(moe::v1::ROUTING_SERVER);
-  else return absl::InvalidArgumentError(absl::StrCat("--routing: unknown value ", routing));
+  if (routing == "client")
+    c.set_routing(moe::v1::ROUTING_CLIENT);
+  else if (routing == "server")
+    c.set_routing(moe::v1::ROUTING_SERVER);
+  else
+    return absl::InvalidArgumentError(absl::StrCat("--routing: unknown value ", routing));
   c.set_expert_first(absl::GetFlag(FLAGS_expert_first));
   c.set_expert_count(absl::GetFlag(FLAGS_expert_count));
   c.set_seed(absl::GetFlag(FLAGS_seed));
   c.set_init_scale(absl::GetFlag(FLAGS_init_scale));
   const std::string opt = absl::GetFlag(FLAGS_optimizer);
   auto* o = c.mutable_optimizer();
-  if (opt == "adamw") o->set_kind(moe::v1::OPTIMIZER_ADAMW);
-  else if (opt == "sgd") o->set_kind(moe::v1::OPTIMIZER_SGD);
-  else return absl::InvalidArgumentError(absl::StrCat("--optimizer: unknown value ", opt));
+  if (opt == "adamw")
+    o->set_kind(moe::v1::OPTIMIZER_ADAMW);
+  else if (opt == "sgd")
+    o->set_kind(moe::v1::OPTIMIZER_SGD);
+  else
+    return absl::InvalidArgumentError(absl::StrCat("--optimizer: unknown value ", opt));
   o->set_learning_rate(absl::GetFlag(FLAGS_lr));
   o->set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
   o->set_momentum(absl::GetFlag(FLAGS_momentum));
@@ -117,8 +131,8 @@ int main(int argc, char** argv) {
   auto need = [&](size_t n) { return args.size() == n + 2; };
 
   moe::client::ClientOptions options;
-  options.timeout = std::chrono::milliseconds(
-      static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
+  options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
   options.open_session = false;  // the CLI keeps no training contexts
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Fail(conn.status());

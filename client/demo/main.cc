@@ -63,12 +63,14 @@ void Route(const Tensor& x, const Tensor& wr, int64_t k, Tensor* ids, Tensor* we
     float mx = -1e30f;
     for (int64_t e = 0; e < e_count; ++e) {
       float s = 0;
-      for (int64_t j = 0; j < d; ++j) s += x.as<float>()[t * d + j] * wr.as<float>()[j * e_count + e];
+      for (int64_t j = 0; j < d; ++j)
+        s += x.as<float>()[t * d + j] * wr.as<float>()[j * e_count + e];
       logits[e] = s;
       mx = std::max(mx, s);
     }
     for (int64_t e = 0; e < e_count; ++e) order[e] = static_cast<int>(e);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return logits[a] > logits[b]; });
     float sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += std::exp(logits[order[j]] - mx);
     for (int64_t j = 0; j < k; ++j) {
@@ -88,7 +90,8 @@ struct MicroBatch {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("moe-demo --server=HOST:PORT: train a student MoE layer on moe-server");
+  absl::SetProgramUsageMessage(
+      "moe-demo --server=HOST:PORT: train a student MoE layer on moe-server");
   absl::ParseCommandLine(argc, argv);
   const int64_t E = absl::GetFlag(FLAGS_experts), K = absl::GetFlag(FLAGS_top_k);
   const int64_t d = absl::GetFlag(FLAGS_d_model), h = absl::GetFlag(FLAGS_d_hidden);
@@ -96,8 +99,8 @@ int main(int argc, char** argv) {
   const int M = absl::GetFlag(FLAGS_micro_batches), steps = absl::GetFlag(FLAGS_steps);
 
   moe::client::ClientOptions options;
-  options.timeout = std::chrono::milliseconds(
-      static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
+  options.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Die("connect", conn.status());
   if (auto st = (*conn)->Health(); !st.ok()) return Die("health", st);
@@ -125,11 +128,12 @@ int main(int argc, char** argv) {
   if (!student.ok()) return Die("create student", student.status());
   auto student_info = (*conn)->GetLayer("demo-student");
   if (!student_info.ok()) return Die("get student", student_info.status());
-  std::printf("moe-demo: server %s (%s), student and teacher E=%lld K=%lld d=%lld h=%lld, "
-              "%d micro-batches x %lld tokens per step\n",
-              (*conn)->target().c_str(), student_info->device().c_str(),
-              static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(d),
-              static_cast<long long>(h), M, static_cast<long long>(T));
+  std::printf(
+      "moe-demo: server %s (%s), student and teacher E=%lld K=%lld d=%lld h=%lld, "
+      "%d micro-batches x %lld tokens per step\n",
+      (*conn)->target().c_str(), student_info->device().c_str(), static_cast<long long>(E),
+      static_cast<long long>(K), static_cast<long long>(d), static_cast<long long>(h), M,
+      static_cast<long long>(T));
 
   std::mt19937 rng(42);
   const Tensor router = RandomNormal(rng, {d, E}, 1.0f / std::sqrt(static_cast<float>(d)));

@@ -30,8 +30,11 @@ TEST(CliTest, EveryCommand) {
   EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
   EXPECT_EQ(RunCli(srv + "list", &out), 0) << out;
   EXPECT_NE(out.find("no layers"), std::string::npos) << out;
-  EXPECT_EQ(RunCli(srv + "create l1 --experts=4 --top_k=2 --d_model=8 --d_hidden=16 --routing=server",
-                &out), 0) << out;
+  EXPECT_EQ(
+      RunCli(srv + "create l1 --experts=4 --top_k=2 --d_model=8 --d_hidden=16 --routing=server",
+             &out),
+      0)
+      << out;
   EXPECT_NE(out.find("created l1"), std::string::npos) << out;
   EXPECT_EQ(RunCli(srv + "create l2 --experts=2 --top_k=3", &out), 1) << out;
   EXPECT_NE(out.find("INVALID_ARGUMENT"), std::string::npos) << out;

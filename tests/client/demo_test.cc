@@ -2,13 +2,13 @@
 // falls, the progress lines are there, and the checkpoint restores identical outputs. moe-demo
 // itself exits non-zero when the loss does not halve or the outputs differ.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <regex>
-#include <signal.h>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include "tests/client/test_util.h"
@@ -22,8 +22,8 @@ using testing_util::Target;
 TEST(DemoTest, TrainsThroughTheServerAndRestoresIdenticalOutputs) {
   auto s = StartServer();
   ASSERT_TRUE(s);
-  const std::string cmd = std::string(MOE_DEMO_PATH) + " --server=" + Target(*s) +
-                          " --steps=30 --micro_batches=2 2>&1";
+  const std::string cmd =
+      std::string(MOE_DEMO_PATH) + " --server=" + Target(*s) + " --steps=30 --micro_batches=2 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   ASSERT_NE(p, nullptr);
   std::string out;

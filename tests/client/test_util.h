@@ -24,8 +24,7 @@ inline server::ServerOptions LoopbackOptions() {
   o.port = 0;
   o.metrics_port = -1;
   o.device = "cpu";
-  o.checkpoint_dir =
-      absl::StrCat(::testing::TempDir(), "/moe_client_", ::getpid(), "_", counter++);
+  o.checkpoint_dir = absl::StrCat(::testing::TempDir(), "/moe_client_", ::getpid(), "_", counter++);
   ::mkdir(o.checkpoint_dir.c_str(), 0755);
   return o;
 }

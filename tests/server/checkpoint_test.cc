@@ -2,9 +2,9 @@
 // prescribes, malformed files rejected with DataLoss, atomic writes and safe path resolution.
 #include "server/checkpoint.h"
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <dirent.h>
 
 #include <cstring>
 #include <random>

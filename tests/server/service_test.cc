@@ -3,6 +3,7 @@
 // input gets its own status and the server keeps serving; context budget, TTL and session end;
 // chunked tensors; metrics scraped over HTTP; checkpoints exact and readable by Python.
 #include <arpa/inet.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -16,8 +17,6 @@
 #include <regex>
 #include <string>
 #include <thread>
-
-#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
@@ -33,8 +32,8 @@ using client::RemoteLayer;
 
 std::string TempDir(const std::string& name) {
   static int counter = 0;
-  std::string dir = absl::StrCat(::testing::TempDir(), "/moe_service_", name, "_", ::getpid(), "_",
-                                 counter++);
+  std::string dir =
+      absl::StrCat(::testing::TempDir(), "/moe_service_", name, "_", ::getpid(), "_", counter++);
   ::mkdir(dir.c_str(), 0755);
   return dir;
 }
@@ -549,10 +548,11 @@ TEST(ServiceTest, MetricsEndpointShowsCountersMoving) {
   double expert_sum = 0;
   for (int e = 0; e < config.num_experts; ++e) {
     expert_sum += std::max(0.0, Metric(after, absl::StrCat("moe_expert_tokens_total{expert=\"", e,
-                                                            "\",layer=\"m\"}")));
+                                                           "\",layer=\"m\"}")));
   }
   EXPECT_EQ(expert_sum, 20 * config.top_k);
-  EXPECT_GT(Metric(after, "moe_stage_duration_seconds_count{method=\"Forward\",stage=\"compute\"}"), 1);
+  EXPECT_GT(Metric(after, "moe_stage_duration_seconds_count{method=\"Forward\",stage=\"compute\"}"),
+            1);
   EXPECT_GT(Metric(after, "moe_received_bytes_total{method=\"Forward\"}"),
             Metric(before, "moe_received_bytes_total{method=\"Forward\"}"));
   EXPECT_GT(Metric(after, "moe_device_memory_used_bytes{device=\"cpu\"}"), 0);
@@ -625,8 +625,8 @@ TEST(ServiceTest, CheckpointRoundTripIsExactAndPythonReadsIt) {
   }
   manifest << "}";
   manifest.close();
-  const std::string cmd = absl::StrCat("python3 ", MOE_READ_SAFETENSORS_PY, " ", saved->path(),
-                                       " ", expected, " 2>&1");
+  const std::string cmd =
+      absl::StrCat("python3 ", MOE_READ_SAFETENSORS_PY, " ", saved->path(), " ", expected, " 2>&1");
   auto run = [&](std::string* out) {
     FILE* p = ::popen(cmd.c_str(), "r");
     char buf[512];
@@ -637,8 +637,9 @@ TEST(ServiceTest, CheckpointRoundTripIsExactAndPythonReadsIt) {
   std::string out;
   int rc = run(&out);
   if (rc == 77) {  // not installed: try PyPI once, as scripts/install-deps would
-    std::system("python3 -m pip install -q safetensors numpy >/dev/null 2>&1 || "
-                "python3 -m pip install -q --break-system-packages safetensors numpy >/dev/null 2>&1");
+    std::system(
+        "python3 -m pip install -q safetensors numpy >/dev/null 2>&1 || "
+        "python3 -m pip install -q --break-system-packages safetensors numpy >/dev/null 2>&1");
     out.clear();
     rc = run(&out);
   }
@@ -698,9 +699,8 @@ TEST(ServiceTest, ServesReflectionAndHealth) {
   RawBidi call(std::string("\x3a\x00", 2));
   call.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   auto done = call.done();
-  stub.PrepareBidiStreamingCall(&call.ctx,
-                                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                {}, &call);
+  stub.PrepareBidiStreamingCall(
+      &call.ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", {}, &call);
   call.Start();
   grpc::Status st = done.get();
   ASSERT_TRUE(st.ok()) << st.error_message();
