@@ -37,16 +37,17 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return encode;
 }
 
-// A 3-D map over weights [experts][rows][k] (bf16), boxes of 64 k x box_rows rows, in the
-// 128-byte swizzle the kernel's descriptors expect; reads past rows or k fill zeros.
+// A 3-D map over weights [experts][rows][k] (bf16, experts `expert_stride` elements apart),
+// boxes of 64 k x box_rows rows, in the 128-byte swizzle the kernel's descriptors expect;
+// reads past rows or k fill zeros (so W1's map never reads into a stacked W3 block).
 cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_t experts,
-                            int64_t rows, int64_t k, int box_rows) {
+                            int64_t rows, int64_t k, int64_t expert_stride, int box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(experts)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2,
-                                 static_cast<cuuint64_t>(rows * k) * 2};
+                                 static_cast<cuuint64_t>(expert_stride) * 2};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(sm90::kBlockK),
                              static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
@@ -111,10 +112,10 @@ cudaError_t DispatchGemm(const Sm90GemmConfig& config, GemmParams& params, const
   if (!config.tma_weights) return LaunchTile<kSwiGLU, false>(config, params, stream);
   const int box_rows = kSwiGLU ? config.block_n / 2 : config.block_n;
   cudaError_t err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.n_dim,
-                                    params.k_dim, box_rows);
+                                    params.k_dim, params.b_expert_stride, box_rows);
   if (err == cudaSuccess && kSwiGLU) {
     err = EncodeWeightMap(&params.tmap_b1, b1, params.num_experts, params.n_dim, params.k_dim,
-                          box_rows);
+                          params.b_expert_stride, box_rows);
   }
   if (err != cudaSuccess) return err;
   return LaunchTile<kSwiGLU, true>(config, params, stream);
@@ -146,6 +147,11 @@ const char* Sm90CanImplement(const Sm90ExpertProblem& problem) {
   const int64_t col_blocks = CeilDiv(2 * static_cast<int64_t>(problem.d_hidden) +
                                          problem.d_model, 64);
   if (row_blocks * col_blocks > kInt32Max) return "num_tokens too large for int32 tile ids";
+  const int64_t block = static_cast<int64_t>(problem.d_hidden) * problem.d_model;
+  if (problem.w13_expert_stride >= 0 &&
+      (problem.w13_expert_stride < block || problem.w13_expert_stride % 8 != 0)) {
+    return "w13_expert_stride must be -1 or a multiple of 8 no less than d_hidden * d_model";
+  }
   return nullptr;
 }
 
@@ -208,6 +214,9 @@ cudaError_t LaunchSm90ExpertUp(const Sm90ExpertProblem& problem, const Sm90GemmC
   params.k_dim = problem.d_model;
   params.n_dim = problem.d_hidden;
   params.top_k = problem.top_k;
+  params.b_expert_stride = problem.w13_expert_stride >= 0
+                               ? problem.w13_expert_stride
+                               : static_cast<int64_t>(problem.d_hidden) * problem.d_model;
   return DispatchGemm<true>(config, params, w1, w3, stream);
 }
 
@@ -231,6 +240,7 @@ cudaError_t LaunchSm90ExpertDown(const Sm90ExpertProblem& problem, const Sm90Gem
   params.k_dim = problem.d_hidden;
   params.n_dim = problem.d_model;
   params.top_k = problem.top_k;
+  params.b_expert_stride = static_cast<int64_t>(problem.d_model) * problem.d_hidden;
   return DispatchGemm<false>(config, params, w2, w2, stream);
 }
 

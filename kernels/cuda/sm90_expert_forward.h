@@ -9,7 +9,8 @@
 //   2. LaunchSm90ExpertDown: Y[t*K+k] = A[slot] W2_e^T, each (token, k) row written contiguously.
 //   3. LaunchSm90Combine:    out[t] = sum_k p[t,k] Y[t*K+k] over the k routed to this shard.
 // Layouts (row-major, bf16 given as its 16 raw bits; N = offsets[num_experts] routed entries):
-//   x [T, d]   w1, w3 [experts, h, d]   w2 [experts, d, h]   H [N, 2h]   A [N, h]
+//   x [T, d]   w1, w3 [experts, h, d] (or stacked, see w13_expert_stride)   w2 [experts, d, h]
+//   H [N, 2h]   A [N, h]
 //   Y [T*K, d] (rows of entries outside the shard are not written)   p [T*K] fp32   out [T, d]
 // Every launcher takes raw device pointers and sizes, the stream last, returns cudaError_t, and
 // never synchronises. Call Sm90CanImplement first; where it refuses (or the device is not
@@ -33,6 +34,10 @@ struct Sm90ExpertProblem {
   int32_t d_model = 0;       // d
   int32_t d_hidden = 0;      // h
   int64_t num_routed = -1;   // N hint
+  // Elements from expert e's W1 (and W3) block to expert e+1's. -1: d_hidden * d_model, i.e.
+  // separate [experts, h, d] tensors. For weights stacked per expert as [experts, 2h, d]
+  // ([W1_e; W3_e], the CUDA engine's layout) pass w1 = w13, w3 = w13 + h*d and 2*h*d here.
+  int64_t w13_expert_stride = -1;
 };
 
 enum class Sm90Projection { kUpSwiGLU = 0, kDown = 1 };
@@ -51,7 +56,8 @@ struct Sm90GemmConfig {
 
 // nullptr when the fused kernels take the problem, else a message naming the field that
 // stops them (sizes must be positive, d_model and d_hidden multiples of 8 for 16-byte rows,
-// 1 <= num_experts <= 1024, T*K and T*d within the int32 / int64 index ranges used).
+// 1 <= num_experts <= 1024, T*K within int32, w13_expert_stride -1 or >= h*d and a multiple
+// of 8).
 const char* Sm90CanImplement(const Sm90ExpertProblem& problem);
 
 // True when `device` is compute capability 9.0 (the kernels are built for sm_90a only).

@@ -43,8 +43,8 @@ constexpr int kMaxExperts = 1024;     // the tile prefix lives in shared memory
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
 struct GemmParams {
-  CUtensorMap tmap_b0;            // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim]
-  CUtensorMap tmap_b1;            // W3 (kSwiGLU only)
+  CUtensorMap tmap_b0;            // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim],
+  CUtensorMap tmap_b1;            // W3 (kSwiGLU only); experts b_expert_stride elements apart
   const __nv_bfloat16* a;         // kSwiGLU: x [T, k_dim]; kPlain: act [N, k_dim] in slot order
   const __nv_bfloat16* b0;        // same tensors as the maps, for the cp.async fallback
   const __nv_bfloat16* b1;
@@ -57,6 +57,7 @@ struct GemmParams {
   int32_t n_dim;
   int32_t top_k;
   int32_t group_m;                // row blocks per rasterisation band (>= 1)
+  int64_t b_expert_stride;        // elements between experts in b0/b1 (>= n_dim * k_dim)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
           const bool ok = k_ok && wr < p.n_dim;
           const __nv_bfloat16* w = half ? p.b1 : p.b0;
           const __nv_bfloat16* src =
-              w + (static_cast<int64_t>(ld.expert) * p.n_dim + wr) * p.k_dim + kk;
+              w + ld.expert * p.b_expert_stride + static_cast<int64_t>(wr) * p.k_dim + kk;
           CpAsync16(s_b + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src : p.b0, ok);
         }
       }

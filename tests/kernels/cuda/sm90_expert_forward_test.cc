@@ -95,18 +95,21 @@ double NormalisedError(const std::vector<double>& got, const std::vector<double>
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double err) {
+bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what,
+            double err) {
   const bool ok = err < kTolerance;
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ctas=%d group_m=%d "
-      "%-4s err=%.3g\n",
+      "stacked=%d %-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
-      cfg.ctas_per_sm, cfg.group_m, what, err);
+      cfg.ctas_per_sm, cfg.group_m, stacked ? 1 : 0, what, err);
   return ok;
 }
 
-bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed) {
+// stacked: W1 and W3 live in one [E, 2h, d] tensor ([W1_e; W3_e], the CUDA engine's layout),
+// passed through w13_expert_stride.
+bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stacked) {
   std::mt19937_64 rng(seed);
   const int64_t T = c.tokens, TK = c.tokens * c.top_k;
   const int32_t K = c.top_k, d = c.d, h = c.h, E = c.expert_count;
@@ -140,7 +143,8 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed) {
   std::vector<uint16_t> w3 = RandomBf16(static_cast<size_t>(E) * h * d, 1.0f / std::sqrt(d), rng);
   std::vector<uint16_t> w2 = RandomBf16(static_cast<size_t>(E) * d * h, 1.0f / std::sqrt(h), rng);
 
-  DeviceBuffer<uint16_t> dx(x.size()), dw1(w1.size()), dw3(w3.size()), dw2(w2.size());
+  DeviceBuffer<uint16_t> dx(x.size()), dw1(w1.size() * (stacked ? 2 : 1)), dw3(w3.size()),
+      dw2(w2.size());
   DeviceBuffer<uint16_t> dh(N * 2 * h), da(N * h), dy(TK * d), dout(T * d);
   DeviceBuffer<int32_t> doff(E + 1), dent(TK), dslot(TK);
   DeviceBuffer<float> dp(TK);
@@ -156,8 +160,21 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed) {
     }
   }
   CHECK_CUDA(cudaMemcpy(dx.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dw1.ptr, w1.data(), w1.size() * 2, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dw3.ptr, w3.data(), w3.size() * 2, cudaMemcpyHostToDevice));
+  const uint16_t* w1_ptr = dw1.ptr;
+  const uint16_t* w3_ptr = dw3.ptr;
+  if (stacked) {
+    const size_t block = static_cast<size_t>(h) * d;
+    for (int32_t e = 0; e < E; ++e) {
+      CHECK_CUDA(cudaMemcpy(dw1.ptr + 2 * e * block, w1.data() + e * block, block * 2,
+                            cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(dw1.ptr + (2 * e + 1) * block, w3.data() + e * block, block * 2,
+                            cudaMemcpyHostToDevice));
+    }
+    w3_ptr = dw1.ptr + block;
+  } else {
+    CHECK_CUDA(cudaMemcpy(dw1.ptr, w1.data(), w1.size() * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dw3.ptr, w3.data(), w3.size() * 2, cudaMemcpyHostToDevice));
+  }
   CHECK_CUDA(cudaMemcpy(dw2.ptr, w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(doff.ptr, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dent.ptr, entries.data(), TK * 4, cudaMemcpyHostToDevice));
@@ -177,7 +194,8 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed) {
   prob.d_model = d;
   prob.d_hidden = h;
   prob.num_routed = N;
-  CHECK_CUDA(LaunchSm90ExpertUp(prob, cfg, dx.ptr, dw1.ptr, dw3.ptr, doff.ptr, dent.ptr, dh.ptr,
+  if (stacked) prob.w13_expert_stride = 2 * static_cast<int64_t>(h) * d;
+  CHECK_CUDA(LaunchSm90ExpertUp(prob, cfg, dx.ptr, w1_ptr, w3_ptr, doff.ptr, dent.ptr, dh.ptr,
                                 da.ptr, nullptr));
   CHECK_CUDA(LaunchSm90ExpertDown(prob, cfg, da.ptr, dw2.ptr, doff.ptr, dent.ptr, dy.ptr,
                                   nullptr));
@@ -236,10 +254,10 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed) {
     }
   }
   bool ok = true;
-  ok &= Report(c, cfg, "H", NormalisedError(got_h, ref_h));
-  ok &= Report(c, cfg, "A", NormalisedError(got_a, ref_a));
-  ok &= Report(c, cfg, "Y", NormalisedError(got_y, ref_y));
-  ok &= Report(c, cfg, "out", NormalisedError(got_o, ref_o));
+  ok &= Report(c, cfg, stacked, "H", NormalisedError(got_h, ref_h));
+  ok &= Report(c, cfg, stacked, "A", NormalisedError(got_a, ref_a));
+  ok &= Report(c, cfg, stacked, "Y", NormalisedError(got_y, ref_y));
+  ok &= Report(c, cfg, stacked, "out", NormalisedError(got_o, ref_o));
   if (stray != 0) {
     std::printf("FAIL %s: %lld elements of Y written for entries outside the shard\n", c.name,
                 static_cast<long long>(stray));
@@ -280,6 +298,13 @@ bool GuardChecks() {
   bad = good;
   bad.num_tokens = -5;
   ok &= ExpectRefused(bad, "num_tokens");
+  bad = good;
+  bad.w13_expert_stride = 64 * 128 - 8;  // overlaps the next expert's block
+  ok &= ExpectRefused(bad, "w13_expert_stride");
+  bad.w13_expert_stride = 2 * 64 * 128;  // the stacked [W1; W3] layout
+  const bool stacked_ok = Sm90CanImplement(bad) == nullptr;
+  std::printf("%s CanImplement accepts stacked weights\n", stacked_ok ? "PASS" : "FAIL");
+  ok &= stacked_ok;
   // A misaligned pointer is refused before any launch.
   uint16_t* buf = nullptr;
   if (cudaMalloc(reinterpret_cast<void**>(&buf), 1 << 20) != cudaSuccess) return false;
@@ -327,8 +352,11 @@ int Main() {
       std::printf("FAIL heuristics chose block_n=%d\n", up.block_n);
       ok = false;
     }
-    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed);
-    ok &= RunCase(c, up, ++seed);  // the heuristic's own choice
+    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false);
+    ok &= RunCase(c, up, ++seed, false);  // the heuristic's own choice
+    // Stacked [W1; W3] weights, through TMA and through cp.async.
+    ok &= RunCase(c, up, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{128, false, 1, 4}, ++seed, true);
   }
   std::printf(ok ? "ALL PASSED\n" : "SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
