@@ -106,6 +106,7 @@ class CudaLayer : public Layer {
   int64_t n_w13_ = 0, n_w2_ = 0, n_router_ = 0, n_params_ = 0;
   DeviceBuffer master_, storage_, grad_, m_, v_;
   int64_t step_ = 0;
+  bool grads_zero_ = true;  // gradients known to be zero (after init, Step, ZeroGrad)
   std::vector<int64_t> tokens_seen_;
   void* pinned_ = nullptr;  // host staging for router results and the gradient norm
   int64_t pinned_bytes_ = 0;
@@ -383,7 +384,8 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
   ExpertGrads grads{grad_.as<float>(), grad_.as<float>() + n_w13_};
   MOE_RETURN_IF_ERROR(pipeline_->Backward(ctx->plan, ctx->x.get(), ctx->h.get(),
                                           ctx->p.as<float>(), dout_d.get(), w, grads, dx->get(),
-                                          dx_type, dp->as<float>()));
+                                          dx_type, dp->as<float>(), grads_zero_));
+  grads_zero_ = false;
   BackwardResult res;
   res.dx = Tensor::Zeros(cfg_.dtype, {t, d});
   if (server()) {
@@ -456,6 +458,7 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
     MOE_CUDA_RETURN(kernels::LaunchSgd(master_.as<float>(), m_.as<float>(), grad_.as<float>(),
                                        lowp, n_params_, p, s));
   }
+  grads_zero_ = true;  // the optimizer kernel zeroes every gradient it consumes
   StepResult res;
   res.step = step_;
   res.grad_norm = norm;
@@ -467,6 +470,7 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
 absl::Status CudaLayer::ZeroGrad() {
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   MOE_CUDA_RETURN(cudaMemsetAsync(grad_.get(), 0, grad_.bytes(), stream_->get()));
+  grads_zero_ = true;
   std::fill(tokens_seen_.begin(), tokens_seen_.end(), 0);
   return absl::OkStatus();
 }

@@ -196,7 +196,8 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
 absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
                                       const void* h_saved, const float* p, const void* dout,
                                       const ExpertWeights& w, const ExpertGrads& grads, void* dx,
-                                      kernels::ElemType dx_type, float* dp) {
+                                      kernels::ElemType dx_type, float* dp,
+                                      bool grads_are_zero) {
   const ElemType type = shape_.type;
   const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
   const int64_t dxe = static_cast<int64_t>(kernels::ElemSize(dx_type));
@@ -209,6 +210,9 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
     const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
     const int32_t* slots = plan.slot_of.as<int32_t>() + ch.t0 * K;
     const size_t nl = ch.counts.size();
+    // Overwrite only in the first chunk; an expert with no rows there keeps its zeros, since
+    // the runner skips k = 0 problems.
+    const float beta = grads_are_zero && &ch == &plan.chunks.front() ? 0.f : 1.f;
     DeviceBuffer dxg;
     if (n > 0) {
       const void* hb = Offset(h_saved, ch.row_base * g * e);
@@ -246,7 +250,7 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
                          grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
       }
       MOE_RETURN_IF_ERROR(
-          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, 1.f}, probs));
+          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
       gbuf->Reset();
       ap->Reset();
       absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
@@ -263,7 +267,7 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
                          grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
       }
       MOE_RETURN_IF_ERROR(
-          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, 1.f}, probs));
+          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
       xg->Reset();
       absl::StatusOr<DeviceBuffer> dxb = Alloc(n * d * e, "dXg");
       if (!dxb.ok()) return dxb.status();

@@ -109,10 +109,13 @@ class ExpertPipeline {
 
   // dout [T, d] storage type; dx [T, d] of dx_type (storage type, or fp32 when the router
   // path is added afterwards); dp [T, K] fp32, fully written (0 for (t,k) outside the shard).
+  // grads_are_zero: the caller knows the gradient buffers hold zeros (first backward after a
+  // step), so the first chunk's weight-gradient GEMMs write instead of read-add-write: the
+  // fp32 gradients are the largest tensors this touches.
   absl::Status Backward(const DispatchPlan& plan, const void* x, const void* h_saved,
                         const float* p, const void* dout, const ExpertWeights& w,
                         const ExpertGrads& grads, void* dx, kernels::ElemType dx_type,
-                        float* dp);
+                        float* dp, bool grads_are_zero = false);
 
   // Seam for architecture-specific expert kernels (engineer E's sm90_* grouped GEMM): computes
   // H [rows, g] = Xg W13^T for every local expert of one chunk. Replace the body (behind a

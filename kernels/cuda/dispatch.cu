@@ -11,6 +11,7 @@ constexpr int kTileTokens = kWarps * 32;       // 1024 tokens per tile
 constexpr int kExpertChunk = 256;              // experts held in shared memory at a time
 constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 4;
+constexpr int kExpertScanThreads = 256;
 
 int64_t NumTiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / kTileTokens; }
 
@@ -74,23 +75,21 @@ __global__ void __launch_bounds__(kTileTokens)
   }
 }
 
-// Phase 2: one block, exclusive scan of tile_counts (expert-major), so tile_base[e][tile] is
-// the first slot of expert e's tokens in that tile; offsets[e] = tile_base[e][0].
-__global__ void __launch_bounds__(kScanThreads)
-    dispatch_scan_kernel(const int32_t* __restrict__ tile_counts, int64_t num_tiles, int count,
-                         int32_t* __restrict__ tile_base, int32_t* __restrict__ counts,
-                         int32_t* __restrict__ offsets) {
+// Exclusive scan of in[0, n) into out by one block (blockDim.x = kScanThreads), in chunks of
+// kScanThreads * kScanItems with a running carry; returns the total to every thread.
+__device__ int32_t BlockExclusiveScan(const int32_t* __restrict__ in, int64_t n,
+                                      int32_t* __restrict__ out) {
   __shared__ int32_t warp_sums[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t n = num_tiles * count;
+  const int warps = blockDim.x >> 5;
   int32_t carry = 0;
-  for (int64_t base = 0; base < n; base += kScanThreads * kScanItems) {
+  for (int64_t base = 0; base < n; base += static_cast<int64_t>(blockDim.x) * kScanItems) {
     const int64_t i0 = base + static_cast<int64_t>(threadIdx.x) * kScanItems;
     int32_t v[kScanItems];
     int32_t local = 0;
 #pragma unroll
     for (int j = 0; j < kScanItems; ++j) {
-      v[j] = i0 + j < n ? tile_counts[i0 + j] : 0;
+      v[j] = i0 + j < n ? in[i0 + j] : 0;
       local += v[j];
     }
     int32_t incl = local;
@@ -102,7 +101,7 @@ __global__ void __launch_bounds__(kScanThreads)
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-      int32_t w = warp_sums[lane];
+      int32_t w = lane < warps ? warp_sums[lane] : 0;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
@@ -114,25 +113,32 @@ __global__ void __launch_bounds__(kScanThreads)
     int32_t excl = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - local;
 #pragma unroll
     for (int j = 0; j < kScanItems; ++j) {
-      if (i0 + j < n) tile_base[i0 + j] = excl;
+      if (i0 + j < n) out[i0 + j] = excl;
       excl += v[j];
     }
     carry += warp_sums[31];
     __syncthreads();  // warp_sums is rewritten by the next chunk
   }
-  __syncthreads();  // tile_base written above is read below by other threads of the block
-  for (int e = threadIdx.x; e < count; e += blockDim.x) {
-    if (num_tiles == 0) {  // no tokens: every expert is empty
-      offsets[e] = 0;
-      counts[e] = 0;
-      continue;
-    }
-    const int32_t begin = tile_base[static_cast<int64_t>(e) * num_tiles];
-    const int32_t end = e + 1 < count ? tile_base[static_cast<int64_t>(e + 1) * num_tiles] : carry;
-    offsets[e] = begin;
-    counts[e] = end - begin;
-  }
-  if (threadIdx.x == 0) offsets[count] = carry;
+  return carry;
+}
+
+// Phase 2a: one block per expert scans that expert's tile counts, so tile_base[e][tile] is
+// the expert's tokens in earlier tiles, and counts[e] its total. Experts run in parallel.
+__global__ void __launch_bounds__(kExpertScanThreads)
+    dispatch_expert_scan_kernel(const int32_t* __restrict__ tile_counts, int64_t num_tiles,
+                                int32_t* __restrict__ tile_base, int32_t* __restrict__ counts) {
+  const int64_t e = blockIdx.x;
+  const int32_t total = BlockExclusiveScan(tile_counts + e * num_tiles, num_tiles,
+                                           tile_base + e * num_tiles);
+  if (threadIdx.x == 0) counts[e] = total;
+}
+
+// Phase 2b: one block, offsets = exclusive scan of the per-expert counts.
+__global__ void __launch_bounds__(kScanThreads)
+    dispatch_offsets_kernel(const int32_t* __restrict__ counts, int count,
+                            int32_t* __restrict__ offsets) {
+  const int32_t total = BlockExclusiveScan(counts, count, offsets);
+  if (threadIdx.x == 0) offsets[count] = total;
 }
 
 // Phase 3: the warp that owns a token row places each of its (t,k): slot = first slot of
@@ -143,7 +149,8 @@ __global__ void __launch_bounds__(kTileTokens)
                           int first, int count, int64_t num_tiles,
                           const uint32_t* __restrict__ bits,
                           const uint16_t* __restrict__ word_prefix,
-                          const int32_t* __restrict__ tile_base, int32_t* __restrict__ entries,
+                          const int32_t* __restrict__ tile_base,
+                          const int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
                           int32_t* __restrict__ slot_of) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
@@ -156,8 +163,8 @@ __global__ void __launch_bounds__(kTileTokens)
     const int e = ids[t * top_k + k] - first;
     if (e < 0 || e >= count) continue;
     const int64_t at = static_cast<int64_t>(e) * num_words + word;
-    const int32_t pos = tile_base[static_cast<int64_t>(e) * num_tiles + tile] + word_prefix[at] +
-                        __popc(bits[at] & below);
+    const int32_t pos = offsets[e] + tile_base[static_cast<int64_t>(e) * num_tiles + tile] +
+                        word_prefix[at] + __popc(bits[at] & below);
     const int32_t entry = static_cast<int32_t>(t * top_k + k);
     entries[pos] = entry;
     slot_of[entry] = pos;
@@ -202,13 +209,22 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
         tile_counts, slot_of);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(tile_counts, tiles, expert_count,
-                                                       tile_base, counts, offsets);
+  if (tiles > 0) {
+    dispatch_expert_scan_kernel<<<expert_count, kExpertScanThreads, 0, stream>>>(
+        tile_counts, tiles, tile_base, counts);
+  } else {
+    if (cudaError_t err = cudaMemsetAsync(counts, 0, expert_count * sizeof(int32_t), stream);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  dispatch_offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, expert_count, offsets);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (tiles > 0) {
     dispatch_write_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
         expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
-        tile_base, entries, slot_of);
+        tile_base, offsets, entries, slot_of);
     return cudaGetLastError();
   }
   return cudaSuccess;

@@ -1,16 +1,17 @@
 // MoEBlaze dispatch on the GPU: the structures of kernels/cpu/dispatch.h, bitwise equal to
 // DispatchCpu, built without atomics and without sorting.
 //
-// Three launches:
+// Four launches:
 //   1. bitmap  one block per tile of 1024 tokens, one warp per 32 consecutive token rows (the
 //              warp owns those rows, so no two warps write the same word). Lanes group their
 //              (t,k) ids with __match_any_sync, giving for every local expert a 32-bit word of
 //              the expert x token bitmap; per-(expert, tile) counts are popcounts summed by a
 //              warp scan, which also gives each word the expert's tokens in the tile's earlier
 //              words. (t,k) outside the shard get slot_of = -1 here.
-//   2. scan    one block: exclusive prefix sum over the counts laid out expert-major, which
-//              gives each (expert, tile) the first slot it writes, plus counts and offsets.
-//   3. write   one block per tile again, a lane per token: slot of (t,k) = tile base + word
+//   2. scan    a block per expert scans its tile counts (the expert's tokens in earlier tiles,
+//              and its count); then one small block scans the counts into offsets.
+//   3. write   one block per tile again, a lane per token: slot of (t,k) = offsets[e] +
+//              tile base + word
 //              prefix + set bits below the token in its word; entry = t*K+k goes straight to
 //              that slot and slot_of[t*K+k] to the entry. Ascending tokens within an expert is
 //              exactly the CPU order, so the result is deterministic and bitwise equal.
