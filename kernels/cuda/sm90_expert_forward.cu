@@ -69,44 +69,39 @@ int SmCount() {
   return sms;
 }
 
-template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, int kMinBlocks>
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB>
 cudaError_t LaunchGemm(const GemmParams& params, cudaStream_t stream) {
-  auto* kernel =
-      sm90::sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kMinBlocks>;
-  constexpr int kSmem = sm90::SmemBytes<kWarpgroups, kN, kStages>();
+  auto* kernel = sm90::sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB>;
+  constexpr int kSmem = sm90::SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int sms = SmCount();
   if (sms <= 0) return cudaErrorNoDevice;
-  kernel<<<sms * kMinBlocks, kWarpgroups * 128, kSmem, stream>>>(params);
+  kernel<<<sms, kWarpgroups * 128, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 
-// The one place runtime config becomes template constants. The ring depth follows the tile:
-// ~192 KB of shared memory for one CTA per SM, ~96 KB each for two.
+// The one place runtime config becomes template constants. The ring fills ~192 KB of shared
+// memory: 4 stages of 128x256 tiles or 6 of 128x128.
 template <bool kSwiGLU, bool kTmaB>
 cudaError_t LaunchTile(const Sm90GemmConfig& config, const GemmParams& params,
                        cudaStream_t stream) {
-  if (config.block_n == 256 && config.ctas_per_sm == 1) {
-    return LaunchGemm<2, 256, 4, kSwiGLU, kTmaB, 1>(params, stream);
+  switch (config.block_n) {
+    case 256:
+      return LaunchGemm<2, 256, 4, kSwiGLU, kTmaB>(params, stream);
+    case 128:
+      return LaunchGemm<2, 128, 6, kSwiGLU, kTmaB>(params, stream);
+    default:
+      return cudaErrorInvalidValue;  // unsupported block_n
   }
-  if (config.block_n == 128 && config.ctas_per_sm == 1) {
-    return LaunchGemm<2, 128, 6, kSwiGLU, kTmaB, 1>(params, stream);
-  }
-  if (config.block_n == 128 && config.ctas_per_sm == 2) {
-    return LaunchGemm<2, 128, 3, kSwiGLU, kTmaB, 2>(params, stream);
-  }
-  // Three warpgroups (192-row tiles, 3 stages) were measured 10-25% slower on every preset
-  // (docs/FUSED.md), so they are not instantiated.
-  return cudaErrorInvalidValue;  // unsupported (block_n, ctas_per_sm)
 }
 
 template <bool kSwiGLU>
 cudaError_t DispatchGemm(const Sm90GemmConfig& config, GemmParams& params, const void* b0,
                          const void* b1, cudaStream_t stream) {
   if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
-  if (config.ctas_per_sm != 1 && config.ctas_per_sm != 2) return cudaErrorInvalidValue;
   if (config.group_m < 1) return cudaErrorInvalidValue;
   params.group_m = config.group_m;
   if (!config.tma_weights) return LaunchTile<kSwiGLU, false>(config, params, stream);
@@ -130,7 +125,7 @@ const char* Sm90CanImplement(const Sm90ExpertProblem& problem) {
   if (problem.num_tokens <= 0) return "num_tokens must be positive";
   if (problem.top_k <= 0) return "top_k must be positive";
   if (problem.num_experts <= 0 || problem.num_experts > sm90::kMaxExperts) {
-    return "num_experts must be in [1, 1024]";
+    return "num_experts must be in [1, 512]";
   }
   if (problem.d_model <= 0 || problem.d_model % 8 != 0) {
     return "d_model must be a positive multiple of 8 (16-byte rows)";

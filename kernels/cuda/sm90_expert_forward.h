@@ -42,21 +42,20 @@ struct Sm90ExpertProblem {
 
 enum class Sm90Projection { kUpSwiGLU = 0, kDown = 1 };
 
-// Tile choice (tiles are 128 rows: two consumer warpgroups of 64). block_n is the wgmma N (128 or 256): for the up-projection half of it
-// are W1 rows and half the matching W3 rows. ctas_per_sm = 2 (block_n 128 only) runs two CTAs on each
-// SM so one's epilogue overlaps the other's main loop. The ring depth follows: 4 stages for
-// 128x256, 6 for 128x128, 3 for 128x128 with two CTAs. group_m row blocks form one rasterisation band
-// (weights stream from memory once per band). tma_weights = false loads weights by cp.async.
+// Tile choice. Tiles are 128 rows (two consumer warpgroups of 64); block_n is the wgmma N
+// (128 or 256): for the up-projection half of it are W1 rows and half the matching W3 rows.
+// The ring depth follows (4 stages for 128x256, 6 for 128x128, ~192 KB either way). group_m
+// row blocks form one rasterisation band (weights stream from memory once per band).
+// tma_weights = false loads weights by cp.async instead of TMA.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
-  int ctas_per_sm = 1;
   int group_m = 16;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that
 // stops them (sizes must be positive, d_model and d_hidden multiples of 8 for 16-byte rows,
-// 1 <= num_experts <= 1024, T*K within int32, w13_expert_stride -1 or >= h*d and a multiple
+// 1 <= num_experts <= 512, T*K within int32, w13_expert_stride -1 or >= h*d and a multiple
 // of 8).
 const char* Sm90CanImplement(const Sm90ExpertProblem& problem);
 

@@ -38,7 +38,7 @@ namespace moe::kernels::sm90 {
 
 constexpr int kMinBlockM = 128;       // the smallest tile height (two warpgroups of 64 rows)
 constexpr int kBlockK = 64;           // 64 bf16 = 128 bytes = one swizzle atom row
-constexpr int kMaxExperts = 1024;     // the tile prefix lives in shared memory
+constexpr int kMaxExperts = 512;      // the tile prefix and offsets live in shared memory
 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
@@ -270,9 +270,19 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_
   return ti;
 }
 
-template <int kWarpgroups, int kN, int kStages>
-constexpr int SmemBytes() {
+// Epilogue staging: each warpgroup stages 64 rows x one column chunk of its tile, rows padded
+// by 16 bytes so that the fragment writes (8 rows x 4 column pairs per warp) and the 16-byte
+// row reads are both free of bank conflicts. kSwiGLU chunks hold 32 columns each of H1, H3
+// and A; kPlain chunks 64 columns of Y.
+template <bool kSwiGLU>
+__host__ __device__ constexpr int EpiChunkCols() { return kSwiGLU ? 32 : 64; }
+template <bool kSwiGLU>
+__host__ __device__ constexpr int EpiRowBytes() { return (kSwiGLU ? 3 : 1) * EpiChunkCols<kSwiGLU>() * 2 + 16; }
+
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU>
+__host__ __device__ constexpr int SmemBytes() {
   return kStages * (kWarpgroups * 64 * kBlockK * 2 + kN * kBlockK * 2) + 1024 /* alignment */ +
+         kWarpgroups * 64 * EpiRowBytes<kSwiGLU>() /* epilogue staging */ +
          kStages * 8 /* mbarriers */ + 2 * (kMaxExperts + 1) * 4 /* prefix, offsets */;
 }
 
@@ -282,10 +292,8 @@ constexpr int SmemBytes() {
 // kWarpgroups: consumer warpgroups, 64 tile rows each. The launcher instantiates 2 (128-row
 // tiles); 3 (192 rows, 25% fewer bytes per flop through L2, but only 3 stages and 168
 // registers) measured slower on every preset and is left out.
-// kMinBlocks: CTAs per SM (1, or 2 to overlap one CTA's epilogue with the other's main loop;
-// the register cap then drops to 128 a thread).
-template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, int kMinBlocks>
-__global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB>
+__global__ void __launch_bounds__(kWarpgroups * 128, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kThreads = kWarpgroups * 128;
   constexpr int kBlockM = kWarpgroups * 64;
@@ -302,7 +310,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   const uint32_t raw_addr = SmemAddr(smem_raw);
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_addr);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint8_t* epi = smem + kStages * kStageBytes;  // staging, EpiRowBytes x 64 rows per warpgroup
+  uint64_t* bars = reinterpret_cast<uint64_t*>(epi + kWarpgroups * 64 * EpiRowBytes<kSwiGLU>());
   int* prefix = reinterpret_cast<int*>(bars + kStages);
   int* offs = prefix + (kMaxExperts + 1);
 
@@ -435,8 +444,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   const int wg = tid >> 7;
   const int warp_in_wg = (tid >> 5) & 3;
   const int lane = tid & 31;
-  // Accumulator ownership: rows r_base and r_base + 8, column pairs 8i + c_base.
-  const int r_base = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+  // Accumulator ownership: rows warp_in_wg*16 + lane/4 (+8) of the warpgroup's 64, column
+  // pairs 8i + c_base.
   const int c_base = 2 * (lane & 3);
 
   for (int s = 0; s < kAhead; ++s) issue_load(s);
@@ -446,14 +455,15 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const TileInfo ti =
         DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-    // kPlain's destination rows, loaded now and first used by the epilogue, so their latency
-    // hides behind the main loop.
-    int y_row[2] = {0, 0};
+    // kPlain's destination rows (the rows this thread stores in the epilogue: 64/16 of its
+    // warpgroup's), loaded now and first used by the epilogue, so their latency hides behind
+    // the main loop.
+    int y_row[4] = {0, 0, 0, 0};
     if constexpr (!kSwiGLU) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = r_base + 8 * hr;
-        if (r < ti.rows) y_row[hr] = p.entries[ti.slot0 + r];
+      for (int j = 0; j < 4; ++j) {
+        const int r = wg * 64 + ((tid & 127) >> 3) + 16 * j;
+        if (r < ti.rows) y_row[j] = p.entries[ti.slot0 + r];
       }
     }
 #pragma unroll
@@ -485,43 +495,72 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
     WgmmaWait<0>();
     FenceOperands(acc);
 
-    // ---- Epilogue from registers.
+    // ---- Epilogue: registers -> padded staging (per warpgroup, one column chunk at a time)
+    // -> 16-byte row-contiguous global stores. Direct 4-byte stores from the fragments left
+    // the down-projection throttled on the load/store queue with L2 at 83% of its peak (ncu).
+    {
+      constexpr int kCols = EpiChunkCols<kSwiGLU>();
+      constexpr int kRowBytes = EpiRowBytes<kSwiGLU>();
+      uint8_t* stage = epi + wg * 64 * kRowBytes;
+      const int t_wg = tid & 127;
+      const int rw = warp_in_wg * 16 + (lane >> 2);  // fragment row within the warpgroup
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r_base + 8 * hr;
-      if (r < ti.rows) {
-        const int64_t slot = ti.slot0 + r;
-        if constexpr (kSwiGLU) {
-          __nv_bfloat16* h_row = p.out0 + slot * 2 * p.n_dim;
-          __nv_bfloat16* a_out = p.out1 + slot * p.n_dim;
+      for (int cc = 0; cc < kBlockN / kCols; ++cc) {
 #pragma unroll
-          for (int i = 0; i < kN / 16; ++i) {
-            const int col = ti.n0 + 8 * i + c_base;
-            if (col < p.n_dim) {
-              const __nv_bfloat162 g = __floats2bfloat162_rn(acc[4 * i + 2 * hr],
-                                                            acc[4 * i + 2 * hr + 1]);
-              const int iu = i + kN / 16;
-              const __nv_bfloat162 u = __floats2bfloat162_rn(acc[4 * iu + 2 * hr],
-                                                            acc[4 * iu + 2 * hr + 1]);
-              *reinterpret_cast<__nv_bfloat162*>(h_row + col) = g;
-              *reinterpret_cast<__nv_bfloat162*>(h_row + p.n_dim + col) = u;
+        for (int ii = 0; ii < kCols / 8; ++ii) {
+          const int i = cc * (kCols / 8) + ii;  // n8 block of the accumulator
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            uint8_t* row = stage + (rw + 8 * hr) * kRowBytes + (8 * ii + c_base) * 2;
+            const __nv_bfloat162 g =
+                __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(row) = g;
+            if constexpr (kSwiGLU) {
+              const int iu = i + kN / 16;  // the matching W3 column block
+              const __nv_bfloat162 u =
+                  __floats2bfloat162_rn(acc[4 * iu + 2 * hr], acc[4 * iu + 2 * hr + 1]);
               const float2 gf = __bfloat1622float2(g);
               const float2 uf = __bfloat1622float2(u);
-              *reinterpret_cast<__nv_bfloat162*>(a_out + col) =
+              *reinterpret_cast<__nv_bfloat162*>(row + kCols * 2) = u;
+              *reinterpret_cast<__nv_bfloat162*>(row + kCols * 4) =
                   __floats2bfloat162_rn(Silu(gf.x) * uf.x, Silu(gf.y) * uf.y);
             }
           }
-        } else {
-          __nv_bfloat16* y_out = p.out0 + static_cast<int64_t>(y_row[hr]) * p.n_dim;
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+        if constexpr (kSwiGLU) {
+          // 64 rows x 12 16-byte pieces (4 of H1, 4 of H3, 4 of A), 6 per thread.
 #pragma unroll
-          for (int i = 0; i < kN / 8; ++i) {
-            const int col = ti.n0 + 8 * i + c_base;
-            if (col < p.n_dim) {
-              *reinterpret_cast<__nv_bfloat162*>(y_out + col) =
-                  __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+          for (int j = 0; j < 6; ++j) {
+            const int q = t_wg + 128 * j;
+            const int row = q / 12;
+            const int piece = q - row * 12;
+            const int r = wg * 64 + row;
+            const int col = ti.n0 + cc * kCols + (piece & 3) * 8;
+            if (r < ti.rows && col < p.n_dim) {
+              const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
+              const int64_t slot = ti.slot0 + r;
+              __nv_bfloat16* dst = piece < 8 ? p.out0 + slot * 2 * p.n_dim + (piece >> 2) * p.n_dim
+                                             : p.out1 + slot * p.n_dim;
+              *reinterpret_cast<uint4*>(dst + col) = v;
+            }
+          }
+        } else {
+          // 64 rows x 8 16-byte pieces, 4 per thread; rows go to Y[entries[slot]].
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int row = (t_wg >> 3) + 16 * j;
+            const int piece = t_wg & 7;
+            const int r = wg * 64 + row;
+            const int col = ti.n0 + cc * kCols + piece * 8;
+            if (r < ti.rows && col < p.n_dim) {
+              const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
+              *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(y_row[j]) * p.n_dim + col) =
+                  v;
             }
           }
         }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
       }
     }
   }
