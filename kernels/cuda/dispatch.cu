@@ -12,6 +12,7 @@ constexpr int kExpertChunk = 256;              // experts held in shared memory 
 constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 4;
 constexpr int kExpertScanThreads = 256;
+constexpr int kSharedOffsetExperts = 8192;  // 32 KiB of shared memory in the write kernel
 
 int64_t NumTiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / kTileTokens; }
 
@@ -141,33 +142,53 @@ __global__ void __launch_bounds__(kScanThreads)
   if (threadIdx.x == 0) offsets[count] = total;
 }
 
-// Phase 3: the warp that owns a token row places each of its (t,k): slot = first slot of
-// (expert, tile) + the expert's tokens in earlier words of the tile + set bits below this
-// lane in its own word. Every load is independent and every slot is written exactly once.
+// Phase 3: the warp that owns a token row places each of its (t,k): slot = offsets[e] + the
+// expert's tokens in earlier tiles + in earlier words of this tile + set bits below this lane
+// in its own word. Every slot is written exactly once. With kSharedOffsets each block first
+// scans the per-expert counts into shared memory (block 0 also publishes them), which saves
+// a launch and a dependent global load per (t,k); larger shards read a separate scan's output.
+template <bool kSharedOffsets>
 __global__ void __launch_bounds__(kTileTokens)
     dispatch_write_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k,
                           int first, int count, int64_t num_tiles,
                           const uint32_t* __restrict__ bits,
                           const uint16_t* __restrict__ word_prefix,
                           const int32_t* __restrict__ tile_base,
-                          const int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
-                          int32_t* __restrict__ slot_of) {
+                          const int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
+                          int32_t* __restrict__ entries, int32_t* __restrict__ slot_of) {
+  extern __shared__ int32_t shared_offsets[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
+  const int32_t* off = offsets;
+  if constexpr (kSharedOffsets) {
+    const int32_t total = BlockExclusiveScan(counts, count, shared_offsets);
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < count; e += blockDim.x) offsets[e] = shared_offsets[e];
+      if (threadIdx.x == 0) offsets[count] = total;
+    }
+    __syncthreads();
+    off = shared_offsets;
+  }
   const int64_t word = tile * kWarps + warp;
   const int64_t t = word * 32 + lane;
   if (t >= num_tokens) return;
   const int64_t num_words = num_tiles * kWarps;
   const uint32_t below = (1u << lane) - 1u;
-  for (int k = 0; k < top_k; ++k) {
-    const int e = ids[t * top_k + k] - first;
-    if (e < 0 || e >= count) continue;
-    const int64_t at = static_cast<int64_t>(e) * num_words + word;
-    const int32_t pos = offsets[e] + tile_base[static_cast<int64_t>(e) * num_tiles + tile] +
-                        word_prefix[at] + __popc(bits[at] & below);
-    const int32_t entry = static_cast<int32_t>(t * top_k + k);
-    entries[pos] = entry;
-    slot_of[entry] = pos;
+  constexpr int kIdsAtOnce = 8;  // independent loads in flight per lane
+  for (int k0 = 0; k0 < top_k; k0 += kIdsAtOnce) {
+    int e[kIdsAtOnce];
+#pragma unroll
+    for (int j = 0; j < kIdsAtOnce; ++j) e[j] = k0 + j < top_k ? ids[t * top_k + k0 + j] - first : -1;
+#pragma unroll
+    for (int j = 0; j < kIdsAtOnce; ++j) {
+      if (e[j] < 0 || e[j] >= count) continue;
+      const int64_t at = static_cast<int64_t>(e[j]) * num_words + word;
+      const int32_t pos = off[e[j]] + tile_base[static_cast<int64_t>(e[j]) * num_tiles + tile] +
+                          word_prefix[at] + __popc(bits[at] & below);
+      const int32_t entry = static_cast<int32_t>(t * top_k + k0 + j);
+      entries[pos] = entry;
+      slot_of[entry] = pos;
+    }
   }
 }
 
@@ -219,12 +240,22 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
     }
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  dispatch_offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, expert_count, offsets);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const bool shared_offsets = tiles > 0 && expert_count <= kSharedOffsetExperts;
+  if (!shared_offsets) {
+    dispatch_offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, expert_count, offsets);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
   if (tiles > 0) {
-    dispatch_write_kernel<<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
-        expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
-        tile_base, offsets, entries, slot_of);
+    if (shared_offsets) {
+      dispatch_write_kernel<true>
+          <<<static_cast<unsigned>(tiles), kTileTokens, expert_count * sizeof(int32_t), stream>>>(
+              expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits,
+              word_prefix, tile_base, counts, offsets, entries, slot_of);
+    } else {
+      dispatch_write_kernel<false><<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
+          expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+          tile_base, counts, offsets, entries, slot_of);
+    }
     return cudaGetLastError();
   }
   return cudaSuccess;

@@ -129,7 +129,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3000, 300, 4, 0, 300, false},  // E over the 256-expert chunk
                       Case{2049, 257, 8, 200, 57, true},  // shard at the end, skewed
                       Case{131072, 64, 4, 0, 64, false},  // the bench shape
-                      Case{65537, 128, 8, 16, 64, false}));
+                      Case{65537, 128, 8, 16, 64, false},
+                      Case{100, 9000, 2, 0, 9000, false}));  // offsets beyond shared memory
 
 }  // namespace
 }  // namespace moe::kernels
