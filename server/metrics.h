@@ -1,8 +1,8 @@
 // moe-server's Prometheus metrics (docs/METRICS.md is the exact list; keep the two in step).
 //
-// One Registry; the Exposer that serves it over HTTP lives in the server, so tests can read the
-// same numbers without HTTP. Per-layer series are removed when a layer is deleted, which keeps
-// every label bounded by what exists on the server.
+// One Registry; the HTTP endpoint that serves it (metrics_http.h) lives in the server, so tests can
+// read the same numbers without HTTP. Per-layer series are removed when a layer is deleted, which
+// keeps every label bounded by what exists on the server.
 #ifndef MOE_SERVER_METRICS_H_
 #define MOE_SERVER_METRICS_H_
 

@@ -1,17 +1,17 @@
-// Server::Start: engine, service, health, reflection and the metrics exposer, in that order, so
+// Server::Start: engine, service, health, reflection and the metrics endpoint, in that order, so
 // that a failure (unknown device, port taken) is reported before anything listens.
 #include "server/server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <prometheus/exposer.h>
 
 #include <exception>
 
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
 #include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/service.h"
 
 namespace moe::server {
@@ -69,17 +69,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
 
   if (options.metrics_port >= 0) {
-    try {
-      server->exposer_ = std::make_unique<prometheus::Exposer>(
-          absl::StrCat(options.host, ":", options.metrics_port));
-    } catch (const std::exception& e) {
+    auto http =
+        MetricsHttpServer::Start(options.host, options.metrics_port, server->metrics_->registry());
+    if (!http.ok()) {
       server->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("metrics_port: could not listen on ", options.metrics_port, ": ", e.what()));
+      return http.status();
     }
-    server->exposer_->RegisterCollectable(server->metrics_->registry());
-    auto ports = server->exposer_->GetListeningPorts();
-    server->metrics_port_ = ports.empty() ? options.metrics_port : ports[0];
+    server->metrics_http_ = std::move(*http);
+    server->metrics_port_ = server->metrics_http_->port();
   }
   return server;
 }
@@ -97,7 +94,7 @@ void Server::Shutdown() {
     // Open sessions and streams are cancelled; bounded so a stuck client cannot hold shutdown.
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   }
-  exposer_.reset();
+  metrics_http_.reset();
 }
 
 }  // namespace moe::server

@@ -1,5 +1,6 @@
 // moe-server assembled: the ExpertService on a gRPC server with health checking and reflection,
-// plus the Prometheus exposer. main.cc and the loopback tests both start it through Server::Start.
+// plus the Prometheus /metrics endpoint. main.cc and the loopback tests both start it through
+// Server::Start.
 #ifndef MOE_SERVER_SERVER_H_
 #define MOE_SERVER_SERVER_H_
 
@@ -11,14 +12,12 @@
 namespace grpc {
 class Server;
 }
-namespace prometheus {
-class Exposer;
-}
 
 namespace moe::server {
 
 class Metrics;
 class ExpertServiceImpl;
+class MetricsHttpServer;
 
 class Server {
  public:
@@ -41,7 +40,7 @@ class Server {
   int metrics_port_ = -1;
   std::string device_;
   std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   bool shut_down_ = false;

@@ -42,7 +42,7 @@ server::ServerOptions LoopbackOptions() {
   server::ServerOptions o;
   o.host = "127.0.0.1";
   o.port = 0;
-  o.metrics_port = -1;  // the exposer takes ~2 s to stop; only the metrics test needs it
+  o.metrics_port = -1;  // only the metrics test needs the HTTP endpoint
   o.device = "cpu";
   o.checkpoint_dir = TempDir("ckpt");
   return o;
