@@ -1,11 +1,11 @@
 // Benchmark input generation and the CUB radix-sort dispatch baseline (see bench_kernels.h).
-#include "bench/bench_kernels.h"
-
-#include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/device/device_radix_sort.cuh>
+
+#include "bench/bench_kernels.h"
 
 namespace moe::bench {
 namespace {
@@ -45,15 +45,18 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
 }
 
 // offsets[e] = first position of a key >= e in the sorted keys (binary search), counts[e].
-__global__ void offsets_kernel(const int32_t* sorted, int64_t n, int num_experts,
-                               int32_t* offsets, int32_t* counts) {
+__global__ void offsets_kernel(const int32_t* sorted, int64_t n, int num_experts, int32_t* offsets,
+                               int32_t* counts) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e > num_experts) return;
   auto lower = [&](int key) {
     int64_t lo = 0, hi = n;
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (sorted[mid] < key) lo = mid + 1; else hi = mid;
+      if (sorted[mid] < key)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     return static_cast<int32_t>(lo);
   };
@@ -96,11 +99,10 @@ cudaError_t FillNormalF32(float* dst, int64_t n, float scale, uint64_t seed, cud
 size_t CubSortDispatchWorkspaceBytes(int64_t num_tokens, int32_t top_k, int32_t num_experts) {
   const int64_t n = num_tokens * top_k;
   size_t temp = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr),
-                                  static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr), static_cast<int>(n), 0,
-                                  EndBit(num_experts));
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(n), 0,
+      EndBit(num_experts));
   return Align(temp) + 2 * Align(static_cast<size_t>(n) * 4);
 }
 
@@ -110,11 +112,10 @@ cudaError_t CubSortDispatch(const int32_t* expert_ids, int64_t num_tokens, int32
                             size_t workspace_bytes, cudaStream_t stream) {
   const int64_t n = num_tokens * top_k;
   size_t temp = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr),
-                                  static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr), static_cast<int>(n), 0,
-                                  EndBit(num_experts));
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(n), 0,
+      EndBit(num_experts));
   if (workspace_bytes < Align(temp) + 2 * Align(static_cast<size_t>(n) * 4)) {
     return cudaErrorInvalidValue;
   }
@@ -123,14 +124,14 @@ cudaError_t CubSortDispatch(const int32_t* expert_ids, int64_t num_tokens, int32
   auto* keys_out = reinterpret_cast<int32_t*>(ws + Align(temp) + Align(static_cast<size_t>(n) * 4));
   iota_kernel<<<Grid(n), 256, 0, stream>>>(values_in, n);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (cudaError_t e = cub::DeviceRadixSort::SortPairs(ws, temp, expert_ids, keys_out, values_in,
-                                                      entries, static_cast<int>(n), 0,
-                                                      EndBit(num_experts), stream);
+  if (cudaError_t e =
+          cub::DeviceRadixSort::SortPairs(ws, temp, expert_ids, keys_out, values_in, entries,
+                                          static_cast<int>(n), 0, EndBit(num_experts), stream);
       e != cudaSuccess) {
     return e;
   }
   offsets_kernel<<<(num_experts + 1 + 255) / 256, 256, 0, stream>>>(keys_out, n, num_experts,
-                                                                     offsets, counts);
+                                                                    offsets, counts);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   scatter_slots_kernel<<<Grid(n), 256, 0, stream>>>(entries, n, slot_of);
   return cudaGetLastError();

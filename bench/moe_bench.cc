@@ -8,9 +8,9 @@
 // backward (x, H and the index arrays), and the MoEBlaze dispatch against the CUB radix-sort
 // baseline (checked equal bit for bit; timed as 20 back-to-back calls per sample so that
 // device time, not host launch latency, is compared). Times are medians of CUDA-event
-// intervals after warm-up. Inputs come from a GPU-side generator; routing is top-K of softmax(random logits),
-// like the PyTorch reference. With --json FILE each preset is also appended as one JSON line,
-// which scripts/bench joins with the PyTorch numbers.
+// intervals after warm-up. Inputs come from a GPU-side generator; routing is top-K of
+// softmax(random logits), like the PyTorch reference. With --json FILE each preset is also appended
+// as one JSON line, which scripts/bench joins with the PyTorch numbers.
 //
 //   moe_bench --preset olmoe sonic-7b      moe_bench --all [--reps 10] [--json out.jsonl]
 #include <cuda_runtime_api.h>
@@ -44,10 +44,10 @@ struct Preset {
 };
 
 constexpr Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},   {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8},  {"mixtral", 8192, 4096, 14336, 8, 2},
+    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
+    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"mixtral", 8192, 4096, 14336, 8, 2},
     {"deepseek-v3", 8192, 7168, 2048, 256, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
-    {"scale-32k", 32768, 2048, 1024, 64, 4},  {"scale-128k", 131072, 2048, 1024, 64, 4},
+    {"scale-32k", 32768, 2048, 1024, 64, 4},   {"scale-128k", 131072, 2048, 1024, 64, 4},
     {"scale-512k", 524288, 2048, 1024, 64, 4}, {"scale-2m", 2097152, 2048, 1024, 64, 4},
 };
 
@@ -63,9 +63,9 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-#define CHECK_OK(expr)                                                               \
-  do {                                                                               \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_;                               \
+#define CHECK_OK(expr)                                 \
+  do {                                                 \
+    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (0)
 
 // Times `fn` (which enqueues on `s`, possibly synchronising inside) with CUDA events.
@@ -204,9 +204,9 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   absl::StatusOr<double> cm = TimeMs(s, 3, dreps, [&]() -> absl::Status {
     for (int i = 0; i < kBatch; ++i) {
       MOE_CUDA_RETURN(CubSortDispatch(ids->as<int32_t>(), T, static_cast<int32_t>(K),
-                                      static_cast<int32_t>(E), c2->as<int32_t>(),
-                                      o2->as<int32_t>(), e2->as<int32_t>(), s2->as<int32_t>(),
-                                      ws2->get(), ws2_bytes, s));
+                                      static_cast<int32_t>(E), c2->as<int32_t>(), o2->as<int32_t>(),
+                                      e2->as<int32_t>(), s2->as<int32_t>(), ws2->get(), ws2_bytes,
+                                      s));
     }
     return absl::OkStatus();
   });
@@ -233,9 +233,10 @@ int Main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--gemm" && i + 1 < argc) {
       mode_name = argv[++i];
-      const std::map<std::string, cuda::GemmMode> modes = {
-          {"auto", cuda::GemmMode::kAuto}, {"grouped", cuda::GemmMode::kGrouped},
-          {"looped", cuda::GemmMode::kLooped}, {"streams", cuda::GemmMode::kStreams}};
+      const std::map<std::string, cuda::GemmMode> modes = {{"auto", cuda::GemmMode::kAuto},
+                                                           {"grouped", cuda::GemmMode::kGrouped},
+                                                           {"looped", cuda::GemmMode::kLooped},
+                                                           {"streams", cuda::GemmMode::kStreams}};
       if (!modes.count(mode_name)) {
         std::fprintf(stderr, "moe_bench: --gemm takes auto, grouped, looped or streams\n");
         return 2;
@@ -300,8 +301,9 @@ int Main(int argc, char** argv) {
     if (!r.ok()) {
       ++failures;
       std::printf("%-12s error: %s\n", p->name, std::string(r.status().message()).c_str());
-      line = absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"error\": \"",
-                          std::string(r.status().message()), "\"}");
+      line =
+          absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"error\": \"",
+                       std::string(r.status().message()), "\"}");
     } else {
       const double flop = 6.0 * p->T * p->K * p->d * p->h;
       const double fwd_tf = flop / r->fwd_ms / 1e9, bwd_tf = 2 * flop / r->bwd_ms / 1e9;

@@ -61,8 +61,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal) {
   const int count = CudaDeviceCount();
   if (count == 0) return absl::UnavailableError("cuda: no usable CUDA device");
   if (device_ordinal < 0 || device_ordinal >= count) {
-    return absl::InvalidArgumentError(absl::StrCat("device: cuda:", device_ordinal,
-                                                   " out of range, ", count, " device(s)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: cuda:", device_ordinal, " out of range, ", count, " device(s)"));
   }
   MOE_CUDA_RETURN(cudaSetDevice(device_ordinal));
   cudaMemPool_t pool = nullptr;

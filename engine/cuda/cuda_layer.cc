@@ -33,8 +33,8 @@ class CudaContext : public SavedContext {
  public:
   int64_t num_tokens() const override { return t; }
   int64_t bytes() const override {
-    return static_cast<int64_t>(x.bytes() + h.bytes() + ids.bytes() + p.bytes() +
-                                logits.bytes() + lse.bytes()) +
+    return static_cast<int64_t>(x.bytes() + h.bytes() + ids.bytes() + p.bytes() + logits.bytes() +
+                                lse.bytes()) +
            plan.device_bytes();
   }
 
@@ -69,12 +69,11 @@ class CudaLayer : public Layer {
   absl::StatusOr<StepResult> Step() override;
   absl::Status ZeroGrad() override;
   int64_t step() const override { return step_; }
-  absl::StatusOr<std::map<std::string, Tensor>> ExportState(
-      bool include_optimizer) const override;
+  absl::StatusOr<std::map<std::string, Tensor>> ExportState(bool include_optimizer) const override;
   absl::Status ImportState(const std::map<std::string, Tensor>& state) override;
   int64_t resident_bytes() const override {
-    return static_cast<int64_t>(master_.bytes() + storage_.bytes() + grad_.bytes() +
-                                m_.bytes() + v_.bytes());
+    return static_cast<int64_t>(master_.bytes() + storage_.bytes() + grad_.bytes() + m_.bytes() +
+                                v_.bytes());
   }
 
  private:
@@ -93,8 +92,8 @@ class CudaLayer : public Layer {
   absl::Status Upload(const void* src, int64_t bytes, DeviceBuffer* dst, const char* what);
   absl::Status EnsurePinned(int64_t bytes);
   const Segment* FindSegment(const std::string& name) const;
-  absl::Status RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx,
-                             DeviceBuffer* ids, DeviceBuffer* p);
+  absl::Status RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
+                             DeviceBuffer* p);
   absl::Status RouterBackward(const CudaContext& ctx, const float* dp, float* dx);
 
   LayerConfig cfg_;
@@ -153,7 +152,8 @@ absl::Status CudaLayer::Init() {
   segments_["w1"] = {{count, h, d}, 0, count, h * d, gw * d};
   if (cfg_.gated()) segments_["w3"] = {{count, h, d}, h * d, count, h * d, gw * d};
   segments_["w2"] = {{count, d, h}, n_w13_, 1, n_w2_, n_w2_};
-  if (server()) segments_["router"] = {{d, cfg_.num_experts}, n_w13_ + n_w2_, 1, n_router_, n_router_};
+  if (server())
+    segments_["router"] = {{d, cfg_.num_experts}, n_w13_ + n_w2_, 1, n_router_, n_router_};
 
   ExpertShape shape;
   shape.d_model = d;
@@ -180,8 +180,8 @@ absl::Status CudaLayer::Init() {
     absl::StatusOr<DeviceBuffer> b = Alloc(n_params_ * 2, "bf16 weights");
     if (!b.ok()) return b.status();
     storage_ = std::move(*b);
-    MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_,
-                                                   storage_.get(), stream_->get()));
+    MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_, storage_.get(),
+                                                   stream_->get()));
   }
   for (DeviceBuffer* buf : {&grad_, &m_, &v_}) {
     if (buf == &v_ && cfg_.optimizer.kind != OptimizerKind::kAdamW) continue;
@@ -214,10 +214,9 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
   b = Alloc(t * k * 4, "routing weights");
   if (!b.ok()) return b.status();
   *p = std::move(*b);
-  MOE_CUDA_RETURN(kernels::LaunchRouterTopK(logits->as<float>(), t, static_cast<int32_t>(ne),
-                                            static_cast<int32_t>(k), cfg_.renormalize,
-                                            ids->as<int32_t>(), p->as<float>(), lse->as<float>(),
-                                            s));
+  MOE_CUDA_RETURN(kernels::LaunchRouterTopK(
+      logits->as<float>(), t, static_cast<int32_t>(ne), static_cast<int32_t>(k), cfg_.renormalize,
+      ids->as<int32_t>(), p->as<float>(), lse->as<float>(), s));
   const size_t ws_bytes = kernels::RouterStatsWorkspaceBytes(t, static_cast<int32_t>(ne));
   absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "router statistics");
   if (!ws.ok()) return ws.status();
@@ -230,8 +229,8 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
   MOE_RETURN_IF_ERROR(EnsurePinned((ne + 1) * 8 + t * k * 8));
   char* pin = static_cast<char*>(pinned_);
   MOE_CUDA_RETURN(cudaMemcpyAsync(pin, stats->get(), (ne + 1) * 8, cudaMemcpyDeviceToHost, s));
-  MOE_CUDA_RETURN(cudaMemcpyAsync(pin + (ne + 1) * 8, ids->get(), t * k * 4,
-                                  cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(
+      cudaMemcpyAsync(pin + (ne + 1) * 8, ids->get(), t * k * 4, cudaMemcpyDeviceToHost, s));
   MOE_CUDA_RETURN(cudaMemcpyAsync(pin + (ne + 1) * 8 + t * k * 4, p->get(), t * k * 4,
                                   cudaMemcpyDeviceToHost, s));
   if (ctx != nullptr) {
@@ -343,16 +342,16 @@ absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, 
     b = Alloc(n_router_ * 4, "router weights fp32");
     if (!b.ok()) return b.status();
     wr_buf = std::move(*b);
-    MOE_CUDA_RETURN(kernels::LaunchBFloat16ToFloat(Weights(n_w13_ + n_w2_), n_router_,
-                                                   wr_buf.as<float>(), s));
+    MOE_CUDA_RETURN(
+        kernels::LaunchBFloat16ToFloat(Weights(n_w13_ + n_w2_), n_router_, wr_buf.as<float>(), s));
     wr = wr_buf.as<float>();
   }
   float* dwr = grad_.as<float>() + n_w13_ + n_w2_;
   // dWr (col-major [E, d]) += dl^T [E, T] x x [T, d].
-  MOE_RETURN_IF_ERROR(gemm_->Run(
-      {CUBLAS_OP_N, CUBLAS_OP_T, ElemType::kFloat32, ElemType::kFloat32, 1.f},
-      {{static_cast<int>(ne), static_cast<int>(d), static_cast<int>(t), dl->get(),
-        static_cast<int>(ne), xf, static_cast<int>(d), dwr, static_cast<int>(ne)}}));
+  MOE_RETURN_IF_ERROR(
+      gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, ElemType::kFloat32, ElemType::kFloat32, 1.f},
+                 {{static_cast<int>(ne), static_cast<int>(d), static_cast<int>(t), dl->get(),
+                   static_cast<int>(ne), xf, static_cast<int>(d), dwr, static_cast<int>(ne)}}));
   // dx^T [d, T] += Wr [d, E] (col-major [E, d] transposed) x dl^T [E, T].
   MOE_RETURN_IF_ERROR(gemm_->Run(
       {CUBLAS_OP_T, CUBLAS_OP_N, ElemType::kFloat32, ElemType::kFloat32, 1.f},
@@ -376,15 +375,16 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
   MOE_RETURN_IF_ERROR(Upload(dout.data, t * d * elem(), &dout_d, "dout"));
   // With server routing dx accumulates the router path in fp32 before one rounding.
   const ElemType dx_type = server() ? ElemType::kFloat32 : type();
-  absl::StatusOr<DeviceBuffer> dx = Alloc(t * d * static_cast<int64_t>(kernels::ElemSize(dx_type)), "dx");
+  absl::StatusOr<DeviceBuffer> dx =
+      Alloc(t * d * static_cast<int64_t>(kernels::ElemSize(dx_type)), "dx");
   if (!dx.ok()) return dx.status();
   absl::StatusOr<DeviceBuffer> dp = Alloc(t * k * 4, "dweights");
   if (!dp.ok()) return dp.status();
   ExpertWeights w{Weights(0), Weights(n_w13_)};
   ExpertGrads grads{grad_.as<float>(), grad_.as<float>() + n_w13_};
-  MOE_RETURN_IF_ERROR(pipeline_->Backward(ctx->plan, ctx->x.get(), ctx->h.get(),
-                                          ctx->p.as<float>(), dout_d.get(), w, grads, dx->get(),
-                                          dx_type, dp->as<float>(), grads_zero_));
+  MOE_RETURN_IF_ERROR(pipeline_->Backward(ctx->plan, ctx->x.get(), ctx->h.get(), ctx->p.as<float>(),
+                                          dout_d.get(), w, grads, dx->get(), dx_type,
+                                          dp->as<float>(), grads_zero_));
   grads_zero_ = false;
   BackwardResult res;
   res.dx = Tensor::Zeros(cfg_.dtype, {t, d});
@@ -404,7 +404,8 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
   MOE_CUDA_RETURN(cudaMemcpyAsync(res.dx.bytes.data(), dx->get(), res.dx.bytes.size(),
                                   cudaMemcpyDeviceToHost, s));
   MOE_CUDA_RETURN(cudaStreamSynchronize(s));
-  for (size_t l = 0; l < tokens_seen_.size(); ++l) tokens_seen_[l] += ctx->plan.tokens_per_expert[l];
+  for (size_t l = 0; l < tokens_seen_.size(); ++l)
+    tokens_seen_[l] += ctx->plan.tokens_per_expert[l];
   return res;
 }
 
@@ -416,8 +417,8 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
   absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes) + 8, "gradient norm");
   if (!ws.ok()) return ws.status();
   auto* sq_d = reinterpret_cast<double*>(static_cast<char*>(ws->get()) + ws_bytes);
-  MOE_CUDA_RETURN(kernels::LaunchSumSquares(grad_.as<float>(), n_params_, ws->get(), ws_bytes,
-                                            sq_d, s));
+  MOE_CUDA_RETURN(
+      kernels::LaunchSumSquares(grad_.as<float>(), n_params_, ws->get(), ws_bytes, sq_d, s));
   MOE_RETURN_IF_ERROR(EnsurePinned(8));
   MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, sq_d, 8, cudaMemcpyDeviceToHost, s));
   // Step's one sync: the norm is part of the result and decides the clipping factor.
@@ -427,8 +428,8 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
   const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) {
     (void)ZeroGrad();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "gradients: global norm is ", norm, "; step skipped and gradients cleared"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("gradients: global norm is ", norm, "; step skipped and gradients cleared"));
   }
   // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
   double clip = 1.0;
@@ -455,8 +456,8 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
     p.momentum = static_cast<float>(o.momentum);
     p.weight_decay = static_cast<float>(o.weight_decay);
     p.grad_scale = static_cast<float>(clip);
-    MOE_CUDA_RETURN(kernels::LaunchSgd(master_.as<float>(), m_.as<float>(), grad_.as<float>(),
-                                       lowp, n_params_, p, s));
+    MOE_CUDA_RETURN(kernels::LaunchSgd(master_.as<float>(), m_.as<float>(), grad_.as<float>(), lowp,
+                                       n_params_, p, s));
   }
   grads_zero_ = true;  // the optimizer kernel zeroes every gradient it consumes
   StepResult res;
@@ -480,22 +481,21 @@ const Segment* CudaLayer::FindSegment(const std::string& name) const {
   return it == segments_.end() ? nullptr : &it->second;
 }
 
-absl::StatusOr<std::map<std::string, Tensor>> CudaLayer::ExportState(
-    bool include_optimizer) const {
+absl::StatusOr<std::map<std::string, Tensor>> CudaLayer::ExportState(bool include_optimizer) const {
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   cudaStream_t s = stream_->get();
   const bool adamw = cfg_.optimizer.kind == OptimizerKind::kAdamW;
   // Whole flat buffers to the host, then sliced into named tensors.
   std::vector<float> master(n_params_), m, v;
-  MOE_CUDA_RETURN(cudaMemcpyAsync(master.data(), master_.get(), n_params_ * 4,
-                                  cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(
+      cudaMemcpyAsync(master.data(), master_.get(), n_params_ * 4, cudaMemcpyDeviceToHost, s));
   if (include_optimizer) {
     m.resize(n_params_);
     MOE_CUDA_RETURN(cudaMemcpyAsync(m.data(), m_.get(), n_params_ * 4, cudaMemcpyDeviceToHost, s));
     if (adamw) {
       v.resize(n_params_);
-      MOE_CUDA_RETURN(cudaMemcpyAsync(v.data(), v_.get(), n_params_ * 4,
-                                      cudaMemcpyDeviceToHost, s));
+      MOE_CUDA_RETURN(
+          cudaMemcpyAsync(v.data(), v_.get(), n_params_ * 4, cudaMemcpyDeviceToHost, s));
     }
   }
   MOE_CUDA_RETURN(cudaStreamSynchronize(s));
@@ -566,9 +566,9 @@ absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) 
     for (int64_t i = 0; i < v.num_elements(); ++i) {
       const float x = LoadFloat(v, i);
       if (!std::isfinite(x) || (suffix == "exp_avg_sq" && x < 0.0f)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": element ", i, " = ", x,
-            suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": element ", i, " = ", x,
+                         suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
       }
     }
   }
@@ -601,8 +601,8 @@ absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) 
     }
   }
   if (weights_changed && bf16()) {
-    MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_,
-                                                   storage_.get(), s));
+    MOE_CUDA_RETURN(
+        kernels::LaunchFloatToBFloat16(master_.as<float>(), n_params_, storage_.get(), s));
     MOE_CUDA_RETURN(cudaStreamSynchronize(s));
   }
   return absl::OkStatus();

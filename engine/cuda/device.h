@@ -26,21 +26,21 @@ namespace moe::cuda {
 absl::Status CudaStatus(cudaError_t err, const char* what, const char* file, int line);
 absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file, int line);
 
-#define MOE_CUDA_RETURN(expr)                                                        \
-  do {                                                                               \
-    if (cudaError_t moe_err_ = (expr); moe_err_ != cudaSuccess)                      \
-      return ::moe::cuda::CudaStatus(moe_err_, #expr, __FILE__, __LINE__);           \
+#define MOE_CUDA_RETURN(expr)                                              \
+  do {                                                                     \
+    if (cudaError_t moe_err_ = (expr); moe_err_ != cudaSuccess)            \
+      return ::moe::cuda::CudaStatus(moe_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-#define MOE_CUBLAS_RETURN(expr)                                                      \
-  do {                                                                               \
-    if (cublasStatus_t moe_err_ = (expr); moe_err_ != CUBLAS_STATUS_SUCCESS)         \
-      return ::moe::cuda::CublasStatus(moe_err_, #expr, __FILE__, __LINE__);         \
+#define MOE_CUBLAS_RETURN(expr)                                              \
+  do {                                                                       \
+    if (cublasStatus_t moe_err_ = (expr); moe_err_ != CUBLAS_STATUS_SUCCESS) \
+      return ::moe::cuda::CublasStatus(moe_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-#define MOE_RETURN_IF_ERROR(expr)                                                    \
-  do {                                                                               \
-    if (absl::Status moe_st_ = (expr); !moe_st_.ok()) return moe_st_;                \
+#define MOE_RETURN_IF_ERROR(expr)                                     \
+  do {                                                                \
+    if (absl::Status moe_st_ = (expr); !moe_st_.ok()) return moe_st_; \
   } while (0)
 
 // Test hook: when on, every DeviceBuffer::Allocate fills its memory with 0xFF bytes (NaN for
@@ -87,7 +87,9 @@ class DeviceBuffer {
   void Reset();
   void* get() const { return ptr_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:

@@ -56,8 +56,7 @@ int64_t ExpertPipeline::ChunkTokens(int64_t num_tokens) const {
   return std::clamp<int64_t>(rows / shape_.top_k, 1, std::max<int64_t>(num_tokens, 1));
 }
 
-absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens,
-                                      DispatchPlan* plan) {
+absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens, DispatchPlan* plan) {
   const int64_t K = shape_.top_k, count = shape_.expert_count;
   const int64_t chunk_tokens = ChunkTokens(num_tokens);
   const int64_t num_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
@@ -87,8 +86,8 @@ absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens,
     MOE_CUDA_RETURN(kernels::LaunchDispatch(
         ids + ch.t0 * K, ch.tokens, static_cast<int32_t>(K),
         static_cast<int32_t>(shape_.expert_first), static_cast<int32_t>(count), counts, offsets,
-        plan->entries.as<int32_t>() + ch.t0 * K, plan->slot_of.as<int32_t>() + ch.t0 * K,
-        ws->get(), ws_bytes, stream_->get()));
+        plan->entries.as<int32_t>() + ch.t0 * K, plan->slot_of.as<int32_t>() + ch.t0 * K, ws->get(),
+        ws_bytes, stream_->get()));
   }
   const int64_t ints = num_chunks * per_chunk;
   if (ints > pinned_ints_) {
@@ -96,7 +95,8 @@ absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens,
     if (pinned_ != nullptr) cudaFreeHost(pinned_);
     pinned_ = nullptr;
     pinned_ints_ = 0;
-    MOE_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(&pinned_), static_cast<size_t>(ints) * 4));
+    MOE_CUDA_RETURN(
+        cudaMallocHost(reinterpret_cast<void**>(&pinned_), static_cast<size_t>(ints) * 4));
     pinned_ints_ = ints;
   }
   MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, plan->counts.get(), static_cast<size_t>(ints) * 4,
@@ -168,8 +168,8 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
       xg->Reset();
       absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "A");
       if (!a.ok()) return a.status();
-      MOE_CUDA_RETURN(kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h,
-                                                       a->get(), s));
+      MOE_CUDA_RETURN(
+          kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h, a->get(), s));
       h_tmp.Reset();
       absl::StatusOr<DeviceBuffer> yb = Alloc(n * d * e, "Y");
       if (!yb.ok()) return yb.status();
@@ -183,21 +183,20 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
                          Offset(a->get(), off * h * e), static_cast<int>(h),
                          Offset(y.get(), off * d * e), static_cast<int>(d)});
       }
-      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_T, CUBLAS_OP_N, shape_.type, shape_.type, 0.f},
-                                     probs));
+      MOE_RETURN_IF_ERROR(
+          gemm_->Run({CUBLAS_OP_T, CUBLAS_OP_N, shape_.type, shape_.type, 0.f}, probs));
     }
     MOE_CUDA_RETURN(kernels::LaunchCombine(y.get(), shape_.type, slots, p + ch.t0 * K, ch.tokens,
-                                           static_cast<int32_t>(K), d,
-                                           Offset(out, ch.t0 * d * e), shape_.type, s));
+                                           static_cast<int32_t>(K), d, Offset(out, ch.t0 * d * e),
+                                           shape_.type, s));
   }
   return absl::OkStatus();
 }
 
-absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
-                                      const void* h_saved, const float* p, const void* dout,
-                                      const ExpertWeights& w, const ExpertGrads& grads, void* dx,
-                                      kernels::ElemType dx_type, float* dp,
-                                      bool grads_are_zero) {
+absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, const void* h_saved,
+                                      const float* p, const void* dout, const ExpertWeights& w,
+                                      const ExpertGrads& grads, void* dx, kernels::ElemType dx_type,
+                                      float* dp, bool grads_are_zero) {
   const ElemType type = shape_.type;
   const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
   const int64_t dxe = static_cast<int64_t>(kernels::ElemSize(dx_type));
@@ -236,9 +235,9 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
       if (!dh.ok()) return dh.status();
       absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
       if (!ap.ok()) return ap.status();
-      MOE_CUDA_RETURN(kernels::LaunchActivationBackward(
-          hb, dau->get(), entries, p + ch.t0 * K, type, shape_.activation, n, h, dh->get(),
-          ap->get(), dp + ch.t0 * K, s));
+      MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
+                                                        type, shape_.activation, n, h, dh->get(),
+                                                        ap->get(), dp + ch.t0 * K, s));
       dau->Reset();
       probs.clear();
       for (size_t l = 0; l < nl; ++l) {
@@ -284,8 +283,8 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x,
       MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
     }
     MOE_CUDA_RETURN(kernels::LaunchCombine(dxg.get(), type, slots, nullptr, ch.tokens,
-                                           static_cast<int32_t>(K), d,
-                                           Offset(dx, ch.t0 * d * dxe), dx_type, s));
+                                           static_cast<int32_t>(K), d, Offset(dx, ch.t0 * d * dxe),
+                                           dx_type, s));
   }
   return absl::OkStatus();
 }

@@ -56,10 +56,10 @@ struct ExpertGrads {
 };
 
 struct ChunkPlan {
-  int64_t t0 = 0;          // first token
+  int64_t t0 = 0;  // first token
   int64_t tokens = 0;
-  int64_t row_base = 0;    // first row of this chunk in the saved H
-  int64_t routed = 0;      // (t,k) rows routed to local experts
+  int64_t row_base = 0;          // first row of this chunk in the saved H
+  int64_t routed = 0;            // (t,k) rows routed to local experts
   std::vector<int32_t> counts;   // [count]
   std::vector<int32_t> offsets;  // [count + 1]
 };
@@ -69,9 +69,9 @@ struct DispatchPlan {
   int64_t total_routed = 0;
   std::vector<ChunkPlan> chunks;
   std::vector<int64_t> tokens_per_expert;  // summed over chunks
-  DeviceBuffer entries;   // [T*K] int32: chunk c's list at t0*K, chunk-local entry values
-  DeviceBuffer slot_of;   // [T*K] int32: chunk-local slots
-  DeviceBuffer counts;    // [chunks, count + 1 + count] int32: offsets then counts per chunk
+  DeviceBuffer entries;  // [T*K] int32: chunk c's list at t0*K, chunk-local entry values
+  DeviceBuffer slot_of;  // [T*K] int32: chunk-local slots
+  DeviceBuffer counts;   // [chunks, count + 1 + count] int32: offsets then counts per chunk
 
   int64_t device_bytes() const { return entries.bytes() + slot_of.bytes() + counts.bytes(); }
 };
@@ -114,14 +114,13 @@ class ExpertPipeline {
   // fp32 gradients are the largest tensors this touches.
   absl::Status Backward(const DispatchPlan& plan, const void* x, const void* h_saved,
                         const float* p, const void* dout, const ExpertWeights& w,
-                        const ExpertGrads& grads, void* dx, kernels::ElemType dx_type,
-                        float* dp, bool grads_are_zero = false);
+                        const ExpertGrads& grads, void* dx, kernels::ElemType dx_type, float* dp,
+                        bool grads_are_zero = false);
 
   // Seam for architecture-specific expert kernels (engineer E's sm90_* grouped GEMM): computes
   // H [rows, g] = Xg W13^T for every local expert of one chunk. Replace the body (behind a
   // CanImplement check) to plug in a fused kernel; everything else stays as it is.
-  absl::Status ExpertUpProjection(const ChunkPlan& chunk, const void* xg, const void* w13,
-                                  void* h);
+  absl::Status ExpertUpProjection(const ChunkPlan& chunk, const void* xg, const void* w13, void* h);
 
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what);

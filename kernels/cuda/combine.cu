@@ -1,9 +1,8 @@
 // Combine kernel (see combine.h). One block per token; threads own VEC-wide column packs.
-#include "kernels/cuda/combine.h"
-
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/combine.h"
 #include "kernels/cuda/common.cuh"
 
 namespace moe::kernels {
@@ -48,12 +47,12 @@ cudaError_t Launch(const void* y, const int32_t* slot_of, const float* weights, 
     // VEC = 8 for bf16 (16-byte loads), 4 for fp32 (16-byte loads and stores).
     const int64_t packs = d / kVecIn;
     const int threads = packs >= 256 ? 256 : static_cast<int>((packs + 31) / 32 * 32);
-    combine_kernel<Tin, Tout, kVecIn><<<static_cast<unsigned>(T), threads, 0, stream>>>(
-        yin, slot_of, weights, K, d, o);
+    combine_kernel<Tin, Tout, kVecIn>
+        <<<static_cast<unsigned>(T), threads, 0, stream>>>(yin, slot_of, weights, K, d, o);
   } else {
     const int threads = d >= 256 ? 256 : static_cast<int>((d + 31) / 32 * 32);
-    combine_kernel<Tin, Tout, 1><<<static_cast<unsigned>(T), threads, 0, stream>>>(
-        yin, slot_of, weights, K, d, o);
+    combine_kernel<Tin, Tout, 1>
+        <<<static_cast<unsigned>(T), threads, 0, stream>>>(yin, slot_of, weights, K, d, o);
   }
   return cudaGetLastError();
 }
@@ -61,8 +60,8 @@ cudaError_t Launch(const void* y, const int32_t* slot_of, const float* weights, 
 }  // namespace
 
 cudaError_t LaunchCombine(const void* y, ElemType y_type, const int32_t* slot_of,
-                          const float* weights, int64_t num_tokens, int32_t top_k,
-                          int64_t d_model, void* out, ElemType out_type, cudaStream_t stream) {
+                          const float* weights, int64_t num_tokens, int32_t top_k, int64_t d_model,
+                          void* out, ElemType out_type, cudaStream_t stream) {
   if (num_tokens == 0 || d_model == 0) return cudaSuccess;
   if (num_tokens > 0x7fffffff || top_k < 1) return cudaErrorInvalidValue;
   if (y_type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16) {

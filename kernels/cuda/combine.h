@@ -19,8 +19,8 @@ namespace moe::kernels {
 // y [*, d] of y_type; slot_of [T, K]; weights [T, K] fp32 or null (all ones); out [T, d] of
 // out_type. Supported: (bf16 -> bf16), (bf16 -> fp32), (fp32 -> fp32).
 cudaError_t LaunchCombine(const void* y, ElemType y_type, const int32_t* slot_of,
-                          const float* weights, int64_t num_tokens, int32_t top_k,
-                          int64_t d_model, void* out, ElemType out_type, cudaStream_t stream);
+                          const float* weights, int64_t num_tokens, int32_t top_k, int64_t d_model,
+                          void* out, ElemType out_type, cudaStream_t stream);
 
 }  // namespace moe::kernels
 

@@ -1,14 +1,14 @@
 // MoEBlaze dispatch kernels (see dispatch.h for the algorithm and its invariants).
-#include "kernels/cuda/dispatch.h"
-
 #include <cuda_runtime.h>
+
+#include "kernels/cuda/dispatch.h"
 
 namespace moe::kernels {
 namespace {
 
-constexpr int kWarps = 32;                     // warps per block = 32-token words per tile
-constexpr int kTileTokens = kWarps * 32;       // 1024 tokens per tile
-constexpr int kExpertChunk = 256;              // experts held in shared memory at a time
+constexpr int kWarps = 32;                // warps per block = 32-token words per tile
+constexpr int kTileTokens = kWarps * 32;  // 1024 tokens per tile
+constexpr int kExpertChunk = 256;         // experts held in shared memory at a time
 constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 4;
 constexpr int kExpertScanThreads = 256;
@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(kExpertScanThreads)
     dispatch_expert_scan_kernel(const int32_t* __restrict__ tile_counts, int64_t num_tiles,
                                 int32_t* __restrict__ tile_base, int32_t* __restrict__ counts) {
   const int64_t e = blockIdx.x;
-  const int32_t total = BlockExclusiveScan(tile_counts + e * num_tiles, num_tiles,
-                                           tile_base + e * num_tiles);
+  const int32_t total =
+      BlockExclusiveScan(tile_counts + e * num_tiles, num_tiles, tile_base + e * num_tiles);
   if (threadIdx.x == 0) counts[e] = total;
 }
 
@@ -149,13 +149,12 @@ __global__ void __launch_bounds__(kScanThreads)
 // a launch and a dependent global load per (t,k); larger shards read a separate scan's output.
 template <bool kSharedOffsets>
 __global__ void __launch_bounds__(kTileTokens)
-    dispatch_write_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k,
-                          int first, int count, int64_t num_tiles,
-                          const uint32_t* __restrict__ bits,
+    dispatch_write_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k, int first,
+                          int count, int64_t num_tiles, const uint32_t* __restrict__ bits,
                           const uint16_t* __restrict__ word_prefix,
-                          const int32_t* __restrict__ tile_base,
-                          const int32_t* __restrict__ counts, int32_t* __restrict__ offsets,
-                          int32_t* __restrict__ entries, int32_t* __restrict__ slot_of) {
+                          const int32_t* __restrict__ tile_base, const int32_t* __restrict__ counts,
+                          int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
+                          int32_t* __restrict__ slot_of) {
   extern __shared__ int32_t shared_offsets[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
@@ -178,7 +177,8 @@ __global__ void __launch_bounds__(kTileTokens)
   for (int k0 = 0; k0 < top_k; k0 += kIdsAtOnce) {
     int e[kIdsAtOnce];
 #pragma unroll
-    for (int j = 0; j < kIdsAtOnce; ++j) e[j] = k0 + j < top_k ? ids[t * top_k + k0 + j] - first : -1;
+    for (int j = 0; j < kIdsAtOnce; ++j)
+      e[j] = k0 + j < top_k ? ids[t * top_k + k0 + j] - first : -1;
 #pragma unroll
     for (int j = 0; j < kIdsAtOnce; ++j) {
       if (e[j] < 0 || e[j] >= count) continue;
@@ -204,10 +204,9 @@ size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
 
 cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
                            int32_t expert_first, int32_t expert_count, int32_t* counts,
-                           int32_t* offsets, int32_t* entries, int32_t* slot_of,
-                           void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (num_tokens < 0 || top_k < 1 || expert_count < 1 ||
-      num_tokens * top_k > int64_t{0x7fffffff}) {
+                           int32_t* offsets, int32_t* entries, int32_t* slot_of, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  if (num_tokens < 0 || top_k < 1 || expert_count < 1 || num_tokens * top_k > int64_t{0x7fffffff}) {
     return cudaErrorInvalidValue;
   }
   if (workspace_bytes < DispatchWorkspaceBytes(num_tokens, expert_count)) {
@@ -231,8 +230,8 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   if (tiles > 0) {
-    dispatch_expert_scan_kernel<<<expert_count, kExpertScanThreads, 0, stream>>>(
-        tile_counts, tiles, tile_base, counts);
+    dispatch_expert_scan_kernel<<<expert_count, kExpertScanThreads, 0, stream>>>(tile_counts, tiles,
+                                                                                 tile_base, counts);
   } else {
     if (cudaError_t err = cudaMemsetAsync(counts, 0, expert_count * sizeof(int32_t), stream);
         err != cudaSuccess) {
@@ -249,8 +248,8 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
     if (shared_offsets) {
       dispatch_write_kernel<true>
           <<<static_cast<unsigned>(tiles), kTileTokens, expert_count * sizeof(int32_t), stream>>>(
-              expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits,
-              word_prefix, tile_base, counts, offsets, entries, slot_of);
+              expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+              tile_base, counts, offsets, entries, slot_of);
     } else {
       dispatch_write_kernel<false><<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
           expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,

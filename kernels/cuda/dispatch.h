@@ -36,8 +36,8 @@ size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count);
 // must fit in int32. `workspace` is 256-byte aligned, at least DispatchWorkspaceBytes.
 cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
                            int32_t expert_first, int32_t expert_count, int32_t* counts,
-                           int32_t* offsets, int32_t* entries, int32_t* slot_of,
-                           void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                           int32_t* offsets, int32_t* entries, int32_t* slot_of, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace moe::kernels
 

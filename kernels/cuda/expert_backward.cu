@@ -1,11 +1,10 @@
 // Fused activation backward kernel (see expert_backward.h). One block per row.
-#include "kernels/cuda/expert_backward.h"
-
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/expert_backward.h"
 
 namespace moe::kernels {
 namespace {
@@ -56,14 +55,13 @@ __global__ void activation_backward_kernel(const T* __restrict__ h, const T* __r
 }
 
 template <typename T, int ACT>
-cudaError_t LaunchTyped(const void* h, const void* da, const int32_t* entries,
-                        const float* weights, int64_t rows, int64_t hidden, void* dh,
-                        void* a_scaled, float* dweights, cudaStream_t stream) {
+cudaError_t LaunchTyped(const void* h, const void* da, const int32_t* entries, const float* weights,
+                        int64_t rows, int64_t hidden, void* dh, void* a_scaled, float* dweights,
+                        cudaStream_t stream) {
   constexpr int kWide = 16 / sizeof(T);
-  const bool aligned = reinterpret_cast<uintptr_t>(h) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(da) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(dh) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(a_scaled) % 16 == 0;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(h) % 16 == 0 && reinterpret_cast<uintptr_t>(da) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(dh) % 16 == 0 && reinterpret_cast<uintptr_t>(a_scaled) % 16 == 0;
   const int vec = aligned && hidden % kWide == 0 ? kWide : (hidden % 2 == 0 ? 2 : 1);
   const int64_t packs = hidden / vec;
   const int threads = packs >= 256 ? 256 : static_cast<int>((packs + 31) / 32 * 32);
@@ -73,14 +71,14 @@ cudaError_t LaunchTyped(const void* h, const void* da, const int32_t* entries,
   auto* app = static_cast<T*>(a_scaled);
   const unsigned blocks = static_cast<unsigned>(rows);
   if (vec == kWide) {
-    activation_backward_kernel<T, ACT, kWide><<<blocks, threads, 0, stream>>>(
-        hp, dap, entries, weights, hidden, dhp, app, dweights);
+    activation_backward_kernel<T, ACT, kWide>
+        <<<blocks, threads, 0, stream>>>(hp, dap, entries, weights, hidden, dhp, app, dweights);
   } else if (vec == 2) {
-    activation_backward_kernel<T, ACT, 2><<<blocks, threads, 0, stream>>>(
-        hp, dap, entries, weights, hidden, dhp, app, dweights);
+    activation_backward_kernel<T, ACT, 2>
+        <<<blocks, threads, 0, stream>>>(hp, dap, entries, weights, hidden, dhp, app, dweights);
   } else {
-    activation_backward_kernel<T, ACT, 1><<<blocks, threads, 0, stream>>>(
-        hp, dap, entries, weights, hidden, dhp, app, dweights);
+    activation_backward_kernel<T, ACT, 1>
+        <<<blocks, threads, 0, stream>>>(hp, dap, entries, weights, hidden, dhp, app, dweights);
   }
   return cudaGetLastError();
 }
@@ -91,18 +89,19 @@ cudaError_t LaunchForAct(int activation, const void* h, const void* da, const in
                          void* a_scaled, float* dweights, cudaStream_t stream) {
   switch (activation) {
     case detail::kActSwiGLU:
-      return LaunchTyped<T, detail::kActSwiGLU>(h, da, entries, weights, rows, hidden, dh,
-                                                a_scaled, dweights, stream);
+      return LaunchTyped<T, detail::kActSwiGLU>(h, da, entries, weights, rows, hidden, dh, a_scaled,
+                                                dweights, stream);
     case detail::kActSiLU:
-      return LaunchTyped<T, detail::kActSiLU>(h, da, entries, weights, rows, hidden, dh,
-                                              a_scaled, dweights, stream);
+      return LaunchTyped<T, detail::kActSiLU>(h, da, entries, weights, rows, hidden, dh, a_scaled,
+                                              dweights, stream);
     case detail::kActGeLUTanh:
       return LaunchTyped<T, detail::kActGeLUTanh>(h, da, entries, weights, rows, hidden, dh,
                                                   a_scaled, dweights, stream);
     case detail::kActReLU:
-      return LaunchTyped<T, detail::kActReLU>(h, da, entries, weights, rows, hidden, dh,
-                                              a_scaled, dweights, stream);
-    default: return cudaErrorInvalidValue;  // unknown activation code
+      return LaunchTyped<T, detail::kActReLU>(h, da, entries, weights, rows, hidden, dh, a_scaled,
+                                              dweights, stream);
+    default:
+      return cudaErrorInvalidValue;  // unknown activation code
   }
 }
 

@@ -1,21 +1,21 @@
 // Row gather kernel (see gather.h). One warp per row, grid-stride over rows.
-#include "kernels/cuda/gather.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
+
+#include "kernels/cuda/gather.h"
 
 namespace moe::kernels {
 namespace {
 
 template <typename V>
 __global__ void gather_rows_kernel(const V* __restrict__ src, int64_t row_vecs,
-                                   const int32_t* __restrict__ entries, int top_k,
-                                   int64_t num_rows, V* __restrict__ dst) {
+                                   const int32_t* __restrict__ entries, int top_k, int64_t num_rows,
+                                   V* __restrict__ dst) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-       r < num_rows; r += warps) {
+  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; r < num_rows;
+       r += warps) {
     const V* s = src + static_cast<int64_t>(entries[r] / top_k) * row_vecs;
     V* o = dst + r * row_vecs;
     for (int64_t j = lane; j < row_vecs; j += 32) o[j] = s[j];

@@ -1,10 +1,10 @@
 // Optimizer, norm and cast kernels (see optimizer.h).
-#include "kernels/cuda/optimizer.h"
-
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+
+#include "kernels/cuda/optimizer.h"
 
 namespace moe::kernels {
 namespace {
@@ -13,7 +13,8 @@ constexpr int kThreads = 256;
 constexpr int kSumBlocks = 1024;  // fixed, so the reduction order never depends on the device
 
 unsigned GridFor(int64_t n) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16)));
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16)));
 }
 
 __device__ double BlockSumDouble(double v) {
@@ -118,8 +119,8 @@ cudaError_t LaunchSumSquares(const float* x, int64_t n, void* workspace, size_t 
 cudaError_t LaunchAdamW(float* w, float* m, float* v, float* g, void* w_bf16, int64_t n,
                         const AdamWParams& params, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  adamw_kernel<<<GridFor(n), kThreads, 0, stream>>>(w, m, v, g,
-                                                   static_cast<__nv_bfloat16*>(w_bf16), n, params);
+  adamw_kernel<<<GridFor(n), kThreads, 0, stream>>>(w, m, v, g, static_cast<__nv_bfloat16*>(w_bf16),
+                                                    n, params);
   return cudaGetLastError();
 }
 
@@ -127,21 +128,20 @@ cudaError_t LaunchSgd(float* w, float* momentum_buf, float* g, void* w_bf16, int
                       const SgdParams& params, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   sgd_kernel<<<GridFor(n), kThreads, 0, stream>>>(w, momentum_buf, g,
-                                                 static_cast<__nv_bfloat16*>(w_bf16), n, params);
+                                                  static_cast<__nv_bfloat16*>(w_bf16), n, params);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchFloatToBFloat16(const float* src, int64_t n, void* dst, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  f32_to_bf16_kernel<<<GridFor(n), kThreads, 0, stream>>>(src, n,
-                                                         static_cast<__nv_bfloat16*>(dst));
+  f32_to_bf16_kernel<<<GridFor(n), kThreads, 0, stream>>>(src, n, static_cast<__nv_bfloat16*>(dst));
   return cudaGetLastError();
 }
 
 cudaError_t LaunchBFloat16ToFloat(const void* src, int64_t n, float* dst, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  bf16_to_f32_kernel<<<GridFor(n), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(src), n, dst);
+  bf16_to_f32_kernel<<<GridFor(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(src), n,
+                                                          dst);
   return cudaGetLastError();
 }
 

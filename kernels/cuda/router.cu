@@ -1,18 +1,17 @@
 // Router kernels (see router.h).
-#include "kernels/cuda/router.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/router.h"
 
 namespace moe::kernels {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kStatsTokens = 256;   // tokens per partial-sum block
+constexpr int kStatsTokens = 256;  // tokens per partial-sum block
 constexpr int kStatsThreads = 256;
 
 __global__ void router_topk_kernel(const float* __restrict__ logits, int64_t num_tokens, int E,
@@ -88,8 +87,8 @@ __global__ void router_stats_partial_kernel(const float* __restrict__ logits,
   if (threadIdx.x == 0) out[E] = z;
 }
 
-__global__ void router_stats_final_kernel(const double* __restrict__ partial, int64_t blocks,
-                                          int E, double* __restrict__ prob_sum,
+__global__ void router_stats_final_kernel(const double* __restrict__ partial, int64_t blocks, int E,
+                                          double* __restrict__ prob_sum,
                                           double* __restrict__ lse_sq_sum) {
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e <= E; e += gridDim.x * blockDim.x) {
     double s = 0.0;
@@ -150,8 +149,8 @@ __global__ void router_backward_kernel(const float* __restrict__ logits,
 }  // namespace
 
 cudaError_t LaunchRouterTopK(const float* logits, int64_t num_tokens, int32_t num_experts,
-                             int32_t top_k, bool renormalize, int32_t* idx, float* p,
-                             float* lse, cudaStream_t stream) {
+                             int32_t top_k, bool renormalize, int32_t* idx, float* p, float* lse,
+                             cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   if (top_k < 1 || top_k > num_experts) return cudaErrorInvalidValue;
   const int64_t blocks = (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;

@@ -18,8 +18,8 @@ namespace moe::kernels {
 // logits [T, E] fp32 -> idx [T, K] int32 (global ids), p [T, K] fp32, lse [T] fp32
 // (logsumexp of each row, kept for the backward and the z-loss).
 cudaError_t LaunchRouterTopK(const float* logits, int64_t num_tokens, int32_t num_experts,
-                             int32_t top_k, bool renormalize, int32_t* idx, float* p,
-                             float* lse, cudaStream_t stream);
+                             int32_t top_k, bool renormalize, int32_t* idx, float* p, float* lse,
+                             cudaStream_t stream);
 
 size_t RouterStatsWorkspaceBytes(int64_t num_tokens, int32_t num_experts);
 

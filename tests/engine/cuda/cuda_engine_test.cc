@@ -12,6 +12,8 @@
 // Expert ids and token counts must match exactly. Shapes include d and h not multiples of 64
 // (and odd, which forces the scalar kernel paths), E not a power of two, experts with no
 // tokens, T = 1, K = 1, shards and several dispatch chunks. GPU only (ctest label "gpu").
+#include "engine/cuda/cuda_engine.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -27,7 +29,6 @@
 #include <vector>
 
 #include "engine/cpu_engine.h"
-#include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/layer.h"
@@ -52,13 +53,13 @@ struct Case {
 
 std::string Describe(const Case& c, uint64_t seed) {
   std::ostringstream s;
-  s << "T=" << c.tokens << " E=" << c.experts << " K=" << c.top_k << " d=" << c.d
-    << " h=" << c.h << " act=" << static_cast<int>(c.act) << " dtype=" << DTypeName(c.dtype)
-    << " routing=" << (c.routing == RoutingMode::kServer ? "server" : "client")
-    << " shard=[" << c.first << ",+" << c.count << ") opt="
-    << (c.opt == OptimizerKind::kAdamW ? "adamw" : "sgd") << " clip=" << c.max_grad_norm
-    << " aux=" << c.aux << " z=" << c.z << " renorm=" << c.renormalize
-    << " chunk_rows=" << c.chunk_rows << " skewed=" << c.skewed << " seed=" << seed;
+  s << "T=" << c.tokens << " E=" << c.experts << " K=" << c.top_k << " d=" << c.d << " h=" << c.h
+    << " act=" << static_cast<int>(c.act) << " dtype=" << DTypeName(c.dtype)
+    << " routing=" << (c.routing == RoutingMode::kServer ? "server" : "client") << " shard=["
+    << c.first << ",+" << c.count << ") opt=" << (c.opt == OptimizerKind::kAdamW ? "adamw" : "sgd")
+    << " clip=" << c.max_grad_norm << " aux=" << c.aux << " z=" << c.z
+    << " renorm=" << c.renormalize << " chunk_rows=" << c.chunk_rows << " skewed=" << c.skewed
+    << " seed=" << seed;
   return s.str();
 }
 
@@ -249,13 +250,15 @@ TEST_P(CudaEngineTest, MatchesCpuEngine) {
   Tensor w = RandomFloat(DType::kFloat32, {T, K}, rng, 0.5f);
   if (c.routing == RoutingMode::kClient) {
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) ids.as<int32_t>()[t * K + k] = static_cast<int32_t>((t + k * 3) % c.experts);
+      for (int64_t k = 0; k < K; ++k)
+        ids.as<int32_t>()[t * K + k] = static_cast<int32_t>((t + k * 3) % c.experts);
     bool distinct = true;
     for (int64_t t = 0; t < T && distinct; ++t)
       for (int64_t k = 1; k < K; ++k) distinct &= ((t + k * 3) % c.experts) != (t % c.experts);
     if (!distinct) {  // fall back to consecutive ids, always distinct
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t k = 0; k < K; ++k) ids.as<int32_t>()[t * K + k] = static_cast<int32_t>((t + k) % c.experts);
+        for (int64_t k = 0; k < K; ++k)
+          ids.as<int32_t>()[t * K + k] = static_cast<int32_t>((t + k) % c.experts);
     }
     req.expert_ids = ids.view();
     req.weights = w.view();
@@ -296,14 +299,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{37, 5, 2, 40, 24, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},
         Case{29, 7, 3, 37, 19, Activation::kSiLU, DType::kFloat32, RoutingMode::kClient},
         Case{29, 7, 3, 38, 22, Activation::kGeLUTanh, DType::kBFloat16, RoutingMode::kClient},
-        Case{50, 6, 2, 72, 40, Activation::kReLU, DType::kFloat32, RoutingMode::kClient,
-             0, -1, OptimizerKind::kSgd, 0.5},
+        Case{50, 6, 2, 72, 40, Activation::kReLU, DType::kFloat32, RoutingMode::kClient, 0, -1,
+             OptimizerKind::kSgd, 0.5},
         Case{50, 6, 2, 72, 40, Activation::kReLU, DType::kBFloat16, RoutingMode::kClient},
         // T = 1, K = 1; and K = 1 with most experts receiving nothing.
         Case{1, 3, 1, 16, 8, Activation::kSwiGLU, DType::kFloat32, RoutingMode::kClient},
         Case{1, 3, 1, 16, 8, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer},
-        Case{40, 16, 1, 32, 48, Activation::kSwiGLU, DType::kFloat32, RoutingMode::kClient,
-             0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0, true},
+        Case{40, 16, 1, 32, 48, Activation::kSwiGLU, DType::kFloat32, RoutingMode::kClient, 0, -1,
+             OptimizerKind::kAdamW, 0.0, 0, 0, true, 0, true},
         // Shards (experts outside the shard add nothing; dp is 0 there).
         Case{64, 12, 3, 48, 32, Activation::kSwiGLU, DType::kFloat32, RoutingMode::kClient, 3, 6},
         Case{64, 12, 3, 48, 32, Activation::kGeLUTanh, DType::kBFloat16, RoutingMode::kClient, 6, 6,

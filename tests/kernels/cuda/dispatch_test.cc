@@ -20,7 +20,8 @@
 namespace moe::kernels {
 namespace {
 
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
+#define ASSERT_CUDA(expr) \
+  ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
 bool HaveGpu() {
   int n = 0;
@@ -103,9 +104,9 @@ TEST_P(DispatchTest, MatchesCpuBitwise) {
   ASSERT_CUDA(cudaMemcpy(g_offsets.data(), d_offsets, (c.count + 1) * 4, cudaMemcpyDeviceToHost));
   ASSERT_CUDA(cudaMemcpy(g_entries.data(), d_entries, n * 4, cudaMemcpyDeviceToHost));
   ASSERT_CUDA(cudaMemcpy(g_slot.data(), d_slot, n * 4, cudaMemcpyDeviceToHost));
-  for (void* p : {static_cast<void*>(d_ids), static_cast<void*>(d_counts),
-                  static_cast<void*>(d_offsets), static_cast<void*>(d_entries),
-                  static_cast<void*>(d_slot), ws}) {
+  for (void* p :
+       {static_cast<void*>(d_ids), static_cast<void*>(d_counts), static_cast<void*>(d_offsets),
+        static_cast<void*>(d_entries), static_cast<void*>(d_slot), ws}) {
     cudaFree(p);
   }
 

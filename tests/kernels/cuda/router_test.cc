@@ -50,8 +50,8 @@ TEST_P(RouterTopKTest, MatchesCpu) {
   const int64_t n = c.tokens * c.top_k;
   std::vector<int32_t> idx(n);
   std::vector<float> p(n), lse(c.tokens), probs(c.tokens * c.experts);
-  RouteTopKCpu(logits.data(), c.tokens, c.experts, c.top_k, c.renormalize, probs.data(),
-               lse.data(), idx.data(), p.data());
+  RouteTopKCpu(logits.data(), c.tokens, c.experts, c.top_k, c.renormalize, probs.data(), lse.data(),
+               idx.data(), p.data());
 
   float *d_logits, *d_p, *d_lse;
   int32_t* d_idx;
@@ -77,9 +77,9 @@ TEST_P(RouterTopKTest, MatchesCpu) {
   cudaFree(d_idx);
 
   const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.experts) +
-                           " K=" + std::to_string(c.top_k) + " renorm=" +
-                           std::to_string(c.renormalize) + " ties=" + std::to_string(c.ties) +
-                           " seed=" + std::to_string(seed);
+                           " K=" + std::to_string(c.top_k) +
+                           " renorm=" + std::to_string(c.renormalize) +
+                           " ties=" + std::to_string(c.ties) + " seed=" + std::to_string(seed);
   EXPECT_EQ(g_idx, idx) << what;
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_NEAR(g_p[i], p[i], 1e-5f * std::max(1.f, std::fabs(p[i]))) << what << " i=" << i;
@@ -90,8 +90,7 @@ TEST_P(RouterTopKTest, MatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RouterTopKTest,
-                         ::testing::Values(Case{1, 1, 1, true, false},
-                                           Case{37, 5, 2, true, false},
+                         ::testing::Values(Case{1, 1, 1, true, false}, Case{37, 5, 2, true, false},
                                            Case{200, 13, 13, false, false},
                                            Case{513, 64, 8, true, true},
                                            Case{300, 257, 4, false, true},
