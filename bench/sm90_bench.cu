@@ -31,14 +31,14 @@ using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
 using moe::kernels::Sm90Projection;
 
-#define CHECK_CUDA(call)                                                                    \
-  do {                                                                                      \
-    const cudaError_t err_ = (call);                                                        \
-    if (err_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                    \
-                   cudaGetErrorString(err_));                                               \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define CHECK_CUDA(call)                                                 \
+  do {                                                                   \
+    const cudaError_t err_ = (call);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(err_));                            \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 struct Preset {
@@ -49,10 +49,10 @@ struct Preset {
 // The same table as torch_moe_reference.py (scale-2m left out: its forward buffers, Y
 // [T*K, d] included, exceed 80 GB without chunking over tokens).
 const Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},   {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8},  {"mixtral", 8192, 4096, 14336, 8, 2},
+    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
+    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"mixtral", 8192, 4096, 14336, 8, 2},
     {"deepseek-v3", 8192, 7168, 2048, 256, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
-    {"scale-32k", 32768, 2048, 1024, 64, 4},  {"scale-128k", 131072, 2048, 1024, 64, 4},
+    {"scale-32k", 32768, 2048, 1024, 64, 4},   {"scale-128k", 131072, 2048, 1024, 64, 4},
     {"scale-512k", 524288, 2048, 1024, 64, 4},
 };
 
@@ -115,8 +115,8 @@ void MeasureCeilings(double* copy_tbs, double* gemm_tflops) {
   CHECK_CUDA(cudaMalloc(&src, bytes));
   CHECK_CUDA(cudaMalloc(&dst, bytes));
   FillRandom(src, bytes / 2, 1, 1.0f);
-  const float copy_ms = MedianMs([&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes,
-                                                                  cudaMemcpyDeviceToDevice)); });
+  const float copy_ms =
+      MedianMs([&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
   *copy_tbs = 2.0 * bytes / (copy_ms * 1e-3) / 1e12;
   CHECK_CUDA(cudaFree(src));
   CHECK_CUDA(cudaFree(dst));
@@ -165,8 +165,8 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
     }
   }
   std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(),
-                            entries.data(), slot_of.data());
+  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(), entries.data(),
+                            slot_of.data());
   std::vector<float> p(TK);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (auto& v : p) v = unit(rng) / K;
@@ -215,8 +215,8 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   const Sm90GemmConfig down_cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kDown, sms);
 
   auto up = [&](const Sm90GemmConfig& c) {
-    CHECK_CUDA(moe::kernels::LaunchSm90ExpertUp(prob, c, x, w1, w3, doff, dent, hbuf, abuf,
-                                                nullptr));
+    CHECK_CUDA(
+        moe::kernels::LaunchSm90ExpertUp(prob, c, x, w1, w3, doff, dent, hbuf, abuf, nullptr));
   };
   auto down = [&](const Sm90GemmConfig& c) {
     CHECK_CUDA(moe::kernels::LaunchSm90ExpertDown(prob, c, abuf, w2, doff, dent, y, nullptr));
@@ -229,18 +229,23 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   // Every tile config, so one run shows what the heuristics leave on the table.
   const int g_up = up_cfg.group_m, g_down = down_cfg.group_m;
   const std::vector<std::pair<Sm90GemmConfig, Sm90GemmConfig>> sweep = {
-      {{256, true, g_up}, {256, true, g_down}},   {{256, true, 1}, {256, true, 1}},
-      {{128, true, g_up}, {128, true, g_down}},   {{256, false, g_up}, {256, false, g_down}}};
+      {{256, true, g_up}, {256, true, g_down}},
+      {{256, true, 1}, {256, true, 1}},
+      {{128, true, g_up}, {128, true, g_down}},
+      {{256, false, g_up}, {256, false, g_down}},
+      {{256, true, g_up, true}, {256, true, g_down, true}},
+      {{128, true, g_up, true}, {128, true, g_down, true}}};
   for (const auto& pair : sweep) {
     const Sm90GemmConfig c = pair.first, cd = pair.second;
     const float up_ms = MedianMs([&] { up(c); });
     const float down_ms = MedianMs([&] { down(cd); });
     std::snprintf(line, sizeof(line),
-                  "{\"kind\":\"tile\",\"preset\":\"%s\",\"block_n\":%d,\"tma\":%d,"
+                  "{\"kind\":\"tile\",\"preset\":\"%s\",\"block_n\":%d,\"tma\":%d,\"ws\":%d,"
                   "\"group_m\":[%d,%d],\"up_ms\":%.4f,\"up_tflops\":%.1f,"
                   "\"down_ms\":%.4f,\"down_tflops\":%.1f}",
-                  ps.name, c.block_n, c.tma_weights ? 1 : 0, c.group_m,
-                  cd.group_m, up_ms, up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
+                  ps.name, c.block_n, c.tma_weights ? 1 : 0, c.warp_specialized ? 1 : 0, c.group_m,
+                  cd.group_m, up_ms,
+                  up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
     Emit(line);
   }
   const float up_ms = MedianMs([&] { up(up_cfg); });
@@ -254,8 +259,8 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   const double fwd_flop = up_flop + down_flop;
   // Fewest bytes this design must move: x, the three weight sets, H and A written, A read,
   // Y written and read, out written (index arrays ignored).
-  const double bytes = 2.0 * (T * d + 3.0 * E * h * d + N * 2.0 * h + 2.0 * N * h +
-                              2.0 * N * d + T * d);
+  const double bytes =
+      2.0 * (T * d + 3.0 * E * h * d + N * 2.0 * h + 2.0 * N * h + 2.0 * N * d + T * d);
   std::snprintf(line, sizeof(line),
                 "{\"kind\":\"fused\",\"preset\":\"%s\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,"
                 "\"K\":%d,\"up_block_n\":%d,\"down_block_n\":%d,\"up_group_m\":%d,"
@@ -263,18 +268,16 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
                 "\"combine_ms\":%.4f,\"fwd_ms\":%.4f,\"fwd_tflops\":%.1f,"
                 "\"up_tflops\":%.1f,\"down_tflops\":%.1f,\"flop_floor_ms\":%.4f,"
                 "\"byte_floor_ms\":%.4f,\"cublas_tflops\":%.1f,\"copy_tbs\":%.2f}",
-                ps.name, static_cast<long long>(T), d, h, E, K, up_cfg.block_n,
-                down_cfg.block_n, up_cfg.group_m, down_cfg.group_m, up_ms, down_ms, comb_ms,
-                fwd_ms, fwd_flop / fwd_ms / 1e9,
-                up_flop / up_ms / 1e9, down_flop / down_ms / 1e9,
-                fwd_flop / (gemm_tflops * 1e12) * 1e3, bytes / (copy_tbs * 1e12) * 1e3,
-                gemm_tflops, copy_tbs);
+                ps.name, static_cast<long long>(T), d, h, E, K, up_cfg.block_n, down_cfg.block_n,
+                up_cfg.group_m, down_cfg.group_m, up_ms, down_ms, comb_ms, fwd_ms,
+                fwd_flop / fwd_ms / 1e9, up_flop / up_ms / 1e9, down_flop / down_ms / 1e9,
+                fwd_flop / (gemm_tflops * 1e12) * 1e3, bytes / (copy_tbs * 1e12) * 1e3, gemm_tflops,
+                copy_tbs);
   Emit(line);
   for (void* ptr : {static_cast<void*>(x), static_cast<void*>(w1), static_cast<void*>(w3),
                     static_cast<void*>(w2), static_cast<void*>(hbuf), static_cast<void*>(abuf),
                     static_cast<void*>(y), static_cast<void*>(out), static_cast<void*>(doff),
-                    static_cast<void*>(dent), static_cast<void*>(dslot),
-                    static_cast<void*>(dp)}) {
+                    static_cast<void*>(dent), static_cast<void*>(dslot), static_cast<void*>(dp)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
 }

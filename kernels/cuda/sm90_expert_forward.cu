@@ -5,8 +5,6 @@
 // sync) rather than cached, because the weights' addresses belong to the caller and may move
 // between calls; cuTensorMapEncodeTiled is reached through the runtime's driver entry point so
 // nothing here links libcuda directly.
-#include "kernels/cuda/sm90_expert_forward.h"
-
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -14,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cuda/sm90_expert_forward.h"
 #include "kernels/cuda/sm90_grouped_gemm.cuh"
 
 namespace moe::kernels {
@@ -27,8 +26,8 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                         cudaEnableDefault, &status) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
         status != cudaDriverEntryPointSuccess) {
       fn = nullptr;
     }
@@ -40,8 +39,8 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 // A 3-D map over weights [experts][rows][k] (bf16, experts `expert_stride` elements apart),
 // boxes of 64 k x box_rows rows, in the 128-byte swizzle the kernel's descriptors expect;
 // reads past rows or k fill zeros (so W1's map never reads into a stacked W3 block).
-cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_t experts,
-                            int64_t rows, int64_t k, int64_t expert_stride, int box_rows) {
+cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_t experts, int64_t rows,
+                            int64_t k, int64_t expert_stride, int box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows),
@@ -51,11 +50,10 @@ cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_t exper
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(sm90::kBlockK),
                              static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-                                 const_cast<void*>(weights), dims, strides, box,
-                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(weights), dims, strides,
+             box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -83,11 +81,36 @@ cudaError_t LaunchGemm(const GemmParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <int kN, int kStages, bool kSwiGLU>
+cudaError_t LaunchGemmWs(const GemmParams& params, cudaStream_t stream) {
+  auto* kernel = sm90::sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU>;
+  constexpr int kSmem = sm90::SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8;
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  kernel<<<sms, 384, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
 // The one place runtime config becomes template constants. The ring fills ~192 KB of shared
 // memory: 4 stages of 128x256 tiles or 6 of 128x128.
 template <bool kSwiGLU, bool kTmaB>
 cudaError_t LaunchTile(const Sm90GemmConfig& config, const GemmParams& params,
                        cudaStream_t stream) {
+  if (config.warp_specialized) {
+    if (!kTmaB) return cudaErrorInvalidValue;  // the producer's weights come by TMA
+    switch (config.block_n) {
+      case 256:
+        return LaunchGemmWs<256, 4, kSwiGLU>(params, stream);
+      case 128:
+        return LaunchGemmWs<128, 6, kSwiGLU>(params, stream);
+      default:
+        return cudaErrorInvalidValue;  // unsupported block_n
+    }
+  }
   switch (config.block_n) {
     case 256:
       return LaunchGemm<2, 256, 4, kSwiGLU, kTmaB>(params, stream);
@@ -137,10 +160,10 @@ const char* Sm90CanImplement(const Sm90ExpertProblem& problem) {
     return "num_tokens * top_k exceeds the int32 range of entries";
   }
   // Row-block counts are int32 tile ids: (N / 128 + experts) * column blocks must fit.
-  const int64_t row_blocks = CeilDiv(problem.num_tokens * problem.top_k, sm90::kMinBlockM) +
-                             problem.num_experts;
-  const int64_t col_blocks = CeilDiv(2 * static_cast<int64_t>(problem.d_hidden) +
-                                         problem.d_model, 64);
+  const int64_t row_blocks =
+      CeilDiv(problem.num_tokens * problem.top_k, sm90::kMinBlockM) + problem.num_experts;
+  const int64_t col_blocks =
+      CeilDiv(2 * static_cast<int64_t>(problem.d_hidden) + problem.d_model, 64);
   if (row_blocks * col_blocks > kInt32Max) return "num_tokens too large for int32 tile ids";
   const int64_t block = static_cast<int64_t>(problem.d_hidden) * problem.d_model;
   if (problem.w13_expert_stride >= 0 &&
@@ -183,8 +206,8 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // Rasterisation band: as many row blocks as keep their A rows (128 x k bf16 each) within
   // ~24 MB of the 50 MB L2, at most 16, so weights stream once per band.
   const int64_t k = projection == Sm90Projection::kUpSwiGLU ? problem.d_model : problem.d_hidden;
-  config.group_m = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(16, (int64_t{24} << 20) / (sm90::kMinBlockM * k * 2))));
+  config.group_m = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(16, (int64_t{24} << 20) / (sm90::kMinBlockM * k * 2))));
   return config;
 }
 
@@ -239,9 +262,8 @@ cudaError_t LaunchSm90ExpertDown(const Sm90ExpertProblem& problem, const Sm90Gem
   return DispatchGemm<false>(config, params, w2, w2, stream);
 }
 
-cudaError_t LaunchSm90Combine(const Sm90ExpertProblem& problem, const uint16_t* y,
-                              const float* p, const int32_t* slot_of, uint16_t* out,
-                              cudaStream_t stream) {
+cudaError_t LaunchSm90Combine(const Sm90ExpertProblem& problem, const uint16_t* y, const float* p,
+                              const int32_t* slot_of, uint16_t* out, cudaStream_t stream) {
   if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
   if (!Aligned16(y) || !Aligned16(out) || p == nullptr || slot_of == nullptr) {
     return cudaErrorInvalidValue;
@@ -250,9 +272,8 @@ cudaError_t LaunchSm90Combine(const Sm90ExpertProblem& problem, const uint16_t* 
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>(CeilDiv(work, threads), 1 << 20));
   sm90::sm90_combine_kernel<<<blocks, threads, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(y), p, slot_of,
-      reinterpret_cast<__nv_bfloat16*>(out), problem.num_tokens, problem.top_k,
-      problem.d_model);
+      reinterpret_cast<const __nv_bfloat16*>(y), p, slot_of, reinterpret_cast<__nv_bfloat16*>(out),
+      problem.num_tokens, problem.top_k, problem.d_model);
   return cudaGetLastError();
 }
 

@@ -28,12 +28,12 @@ namespace moe::kernels {
 // The sizes of one fused forward. `num_routed` is only a hint for the tile heuristics (the
 // exact count lives on the device in offsets); negative means num_tokens * top_k.
 struct Sm90ExpertProblem {
-  int64_t num_tokens = 0;    // T
-  int32_t top_k = 0;         // K
-  int32_t num_experts = 0;   // local experts in this shard
-  int32_t d_model = 0;       // d
-  int32_t d_hidden = 0;      // h
-  int64_t num_routed = -1;   // N hint
+  int64_t num_tokens = 0;   // T
+  int32_t top_k = 0;        // K
+  int32_t num_experts = 0;  // local experts in this shard
+  int32_t d_model = 0;      // d
+  int32_t d_hidden = 0;     // h
+  int64_t num_routed = -1;  // N hint
   // Elements from expert e's W1 (and W3) block to expert e+1's. -1: d_hidden * d_model, i.e.
   // separate [experts, h, d] tensors. For weights stacked per expert as [experts, 2h, d]
   // ([W1_e; W3_e], the CUDA engine's layout) pass w1 = w13, w3 = w13 + h*d and 2*h*d here.
@@ -46,11 +46,14 @@ enum class Sm90Projection { kUpSwiGLU = 0, kDown = 1 };
 // (128 or 256): for the up-projection half of it are W1 rows and half the matching W3 rows.
 // The ring depth follows (4 stages for 128x256, 6 for 128x128, ~192 KB either way). group_m
 // row blocks form one rasterisation band (weights stream from memory once per band).
-// tma_weights = false loads weights by cp.async instead of TMA.
+// tma_weights = false loads weights by cp.async instead of TMA. warp_specialized = true (TMA
+// only) runs a producer warpgroup that loads while two consumer warpgroups multiply, with no
+// CTA-wide barrier per k-step.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
   int group_m = 16;
+  bool warp_specialized = false;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that
@@ -78,9 +81,8 @@ cudaError_t LaunchSm90ExpertDown(const Sm90ExpertProblem& problem, const Sm90Gem
                                  const int32_t* entries, uint16_t* y, cudaStream_t stream);
 
 // out[t] = sum_k p[t*K+k] * Y[t*K+k] over k with slot_of[t*K+k] >= 0 (fp32 sums, bf16 out).
-cudaError_t LaunchSm90Combine(const Sm90ExpertProblem& problem, const uint16_t* y,
-                              const float* p, const int32_t* slot_of, uint16_t* out,
-                              cudaStream_t stream);
+cudaError_t LaunchSm90Combine(const Sm90ExpertProblem& problem, const uint16_t* y, const float* p,
+                              const int32_t* slot_of, uint16_t* out, cudaStream_t stream);
 
 }  // namespace moe::kernels
 

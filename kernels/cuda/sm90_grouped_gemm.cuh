@@ -36,28 +36,28 @@
 
 namespace moe::kernels::sm90 {
 
-constexpr int kMinBlockM = 128;       // the smallest tile height (two warpgroups of 64 rows)
-constexpr int kBlockK = 64;           // 64 bf16 = 128 bytes = one swizzle atom row
-constexpr int kMaxExperts = 512;      // the tile prefix and offsets live in shared memory
+constexpr int kMinBlockM = 128;   // the smallest tile height (two warpgroups of 64 rows)
+constexpr int kBlockK = 64;       // 64 bf16 = 128 bytes = one swizzle atom row
+constexpr int kMaxExperts = 512;  // the tile prefix and offsets live in shared memory
 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
 struct GemmParams {
-  CUtensorMap tmap_b0;            // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim],
-  CUtensorMap tmap_b1;            // W3 (kSwiGLU only); experts b_expert_stride elements apart
-  const __nv_bfloat16* a;         // kSwiGLU: x [T, k_dim]; kPlain: act [N, k_dim] in slot order
-  const __nv_bfloat16* b0;        // same tensors as the maps, for the cp.async fallback
+  CUtensorMap tmap_b0;      // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim],
+  CUtensorMap tmap_b1;      // W3 (kSwiGLU only); experts b_expert_stride elements apart
+  const __nv_bfloat16* a;   // kSwiGLU: x [T, k_dim]; kPlain: act [N, k_dim] in slot order
+  const __nv_bfloat16* b0;  // same tensors as the maps, for the cp.async fallback
   const __nv_bfloat16* b1;
-  const int32_t* offsets;         // [experts + 1]
-  const int32_t* entries;         // [N]: t * top_k + k
-  __nv_bfloat16* out0;            // kSwiGLU: H [N, 2 * n_dim]; kPlain: Y [T * top_k, n_dim]
-  __nv_bfloat16* out1;            // kSwiGLU: A [N, n_dim]
+  const int32_t* offsets;  // [experts + 1]
+  const int32_t* entries;  // [N]: t * top_k + k
+  __nv_bfloat16* out0;     // kSwiGLU: H [N, 2 * n_dim]; kPlain: Y [T * top_k, n_dim]
+  __nv_bfloat16* out1;     // kSwiGLU: A [N, n_dim]
   int32_t num_experts;
   int32_t k_dim;
   int32_t n_dim;
   int32_t top_k;
-  int32_t group_m;                // row blocks per rasterisation band (>= 1)
-  int64_t b_expert_stride;        // elements between experts in b0/b1 (>= n_dim * k_dim)
+  int32_t group_m;          // row blocks per rasterisation band (>= 1)
+  int64_t b_expert_stride;  // elements between experts in b0/b1 (>= n_dim * k_dim)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -92,8 +92,7 @@ __device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
@@ -152,7 +151,7 @@ __device__ __forceinline__ uint64_t MakeSmemDesc(uint32_t addr) {
 
 // D[64x128] (+)= A[64x16] * B[128x16]^T, both operands K-major in 128-byte-swizzled shared memory.
 __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                               int scale_d) {
+                                                int scale_d) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -164,20 +163,22 @@ __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a,
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
       "}, %64, %65, p, 1, 1, 0, 0;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 // D[64x256] (+)= A[64x16] * B[256x16]^T, both operands K-major in 128-byte-swizzled shared memory.
 __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                               int scale_d) {
+                                                int scale_d) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -190,25 +191,29 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
+      "%127"
       "}, %128, %129, p, 1, 1, 0, 0;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
@@ -251,7 +256,10 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_
   int lo = 0, hi = num_experts;  // largest e with prefix[e] <= mt; empty experts are skipped
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (prefix[mid] <= mt) lo = mid; else hi = mid;
+    if (prefix[mid] <= mt)
+      lo = mid;
+    else
+      hi = mid;
   }
   const int local = tile - prefix[lo] * n_tiles;
   const int row_blocks = prefix[lo + 1] - prefix[lo];
@@ -275,15 +283,119 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_
 // row reads are both free of bank conflicts. kSwiGLU chunks hold 32 columns each of H1, H3
 // and A; kPlain chunks 64 columns of Y.
 template <bool kSwiGLU>
-__host__ __device__ constexpr int EpiChunkCols() { return kSwiGLU ? 32 : 64; }
+__host__ __device__ constexpr int EpiChunkCols() {
+  return kSwiGLU ? 32 : 64;
+}
 template <bool kSwiGLU>
-__host__ __device__ constexpr int EpiRowBytes() { return (kSwiGLU ? 3 : 1) * EpiChunkCols<kSwiGLU>() * 2 + 16; }
+__host__ __device__ constexpr int EpiRowBytes() {
+  return (kSwiGLU ? 3 : 1) * EpiChunkCols<kSwiGLU>() * 2 + 16;
+}
 
 template <int kWarpgroups, int kN, int kStages, bool kSwiGLU>
 __host__ __device__ constexpr int SmemBytes() {
   return kStages * (kWarpgroups * 64 * kBlockK * 2 + kN * kBlockK * 2) + 1024 /* alignment */ +
          kWarpgroups * 64 * EpiRowBytes<kSwiGLU>() /* epilogue staging */ +
          kStages * 8 /* mbarriers */ + 2 * (kMaxExperts + 1) * 4 /* prefix, offsets */;
+}
+
+// Phase 0 of both kernels: offsets cached in shared memory and, by warp 0, the exclusive
+// prefix of 128-row blocks per expert. The caller's __syncthreads publishes them.
+template <int kBlockM, int kThreads>
+__device__ __forceinline__ void BuildTilePrefix(const int32_t* offsets, int num_experts,
+                                                int* prefix, int* offs) {
+  const int tid = threadIdx.x;
+  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = offsets[e];
+  __syncthreads();
+  if (tid < 32) {
+    int carry = 0;
+    if (tid == 0) prefix[0] = 0;
+    for (int e0 = 0; e0 < num_experts; e0 += 32) {
+      const int e = e0 + tid;
+      int v = e < num_experts ? (offs[e + 1] - offs[e] + kBlockM - 1) / kBlockM : 0;
+#pragma unroll
+      for (int s = 1; s < 32; s <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, s);
+        if (tid >= s) v += y;
+      }
+      if (e < num_experts) prefix[e + 1] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+}
+
+// The epilogue of both kernels, for one warpgroup (64 rows of the tile, rows `row_group`*64
+// on): registers -> padded staging (one column chunk at a time) -> 16-byte row-contiguous
+// global stores. Direct 4-byte stores from the fragments left the down-projection throttled
+// on the load/store queue with L2 at 83% of its peak (ncu). `y_row`: kPlain's destination rows
+// for the rows this thread stores, (t_wg / 8) + 16 j. `bar_id`: the warpgroup's named barrier.
+template <int kN, bool kSwiGLU>
+__device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& ti,
+                                          const float (&acc)[kN / 2], const int (&y_row)[4],
+                                          uint8_t* stage, int t_wg, int row_group, int bar_id) {
+  constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
+  const int wg = row_group;
+  constexpr int kCols = EpiChunkCols<kSwiGLU>();
+  constexpr int kRowBytes = EpiRowBytes<kSwiGLU>();
+  const int lane = t_wg & 31;
+  const int c_base = 2 * (lane & 3);
+  const int rw = (t_wg >> 5) * 16 + (lane >> 2);  // fragment row within the warpgroup
+#pragma unroll
+  for (int cc = 0; cc < kBlockN / kCols; ++cc) {
+#pragma unroll
+    for (int ii = 0; ii < kCols / 8; ++ii) {
+      const int i = cc * (kCols / 8) + ii;  // n8 block of the accumulator
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        uint8_t* row = stage + (rw + 8 * hr) * kRowBytes + (8 * ii + c_base) * 2;
+        const __nv_bfloat162 g =
+            __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(row) = g;
+        if constexpr (kSwiGLU) {
+          const int iu = i + kN / 16;  // the matching W3 column block
+          const __nv_bfloat162 u =
+              __floats2bfloat162_rn(acc[4 * iu + 2 * hr], acc[4 * iu + 2 * hr + 1]);
+          const float2 gf = __bfloat1622float2(g);
+          const float2 uf = __bfloat1622float2(u);
+          *reinterpret_cast<__nv_bfloat162*>(row + kCols * 2) = u;
+          *reinterpret_cast<__nv_bfloat162*>(row + kCols * 4) =
+              __floats2bfloat162_rn(Silu(gf.x) * uf.x, Silu(gf.y) * uf.y);
+        }
+      }
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
+    if constexpr (kSwiGLU) {
+      // 64 rows x 12 16-byte pieces (4 of H1, 4 of H3, 4 of A), 6 per thread.
+#pragma unroll
+      for (int j = 0; j < 6; ++j) {
+        const int q = t_wg + 128 * j;
+        const int row = q / 12;
+        const int piece = q - row * 12;
+        const int r = wg * 64 + row;
+        const int col = ti.n0 + cc * kCols + (piece & 3) * 8;
+        if (r < ti.rows && col < p.n_dim) {
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
+          const int64_t slot = ti.slot0 + r;
+          __nv_bfloat16* dst = piece < 8 ? p.out0 + slot * 2 * p.n_dim + (piece >> 2) * p.n_dim
+                                         : p.out1 + slot * p.n_dim;
+          *reinterpret_cast<uint4*>(dst + col) = v;
+        }
+      }
+    } else {
+      // 64 rows x 8 16-byte pieces, 4 per thread; rows go to Y[entries[slot]].
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = (t_wg >> 3) + 16 * j;
+        const int piece = t_wg & 7;
+        const int r = wg * 64 + row;
+        const int col = ti.n0 + cc * kCols + piece * 8;
+        if (r < ti.rows && col < p.n_dim) {
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
+          *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(y_row[j]) * p.n_dim + col) = v;
+        }
+      }
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
+  }
 }
 
 // kN: wgmma N, the rows of the B tile (kSwiGLU: kN/2 of W1 then kN/2 of W3).
@@ -302,7 +414,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   constexpr int kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kAhead = kStages - 2;
   constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;  // output columns per tile (per half)
-  constexpr int kAcc = kN / 2;                     // fp32 accumulators per thread
+  constexpr int kAcc = kN / 2;                    // fp32 accumulators per thread
   static_assert(kAhead >= 1, "need at least 3 stages");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
 
@@ -319,23 +431,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   const int num_experts = p.num_experts;
 
   // ---- Phase 0: row-block prefix over experts (warp 0), offsets cached in shared memory.
-  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = p.offsets[e];
-  __syncthreads();
-  if (tid < 32) {
-    int carry = 0;
-    if (tid == 0) prefix[0] = 0;
-    for (int e0 = 0; e0 < num_experts; e0 += 32) {
-      const int e = e0 + tid;
-      int v = e < num_experts ? (offs[e + 1] - offs[e] + kBlockM - 1) / kBlockM : 0;
-#pragma unroll
-      for (int s = 1; s < 32; s <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, v, s);
-        if (tid >= s) v += y;
-      }
-      if (e < num_experts) prefix[e + 1] = carry + v;
-      carry += __shfl_sync(0xffffffffu, v, 31);
-    }
-  }
+  BuildTilePrefix<kBlockM, kThreads>(p.offsets, num_experts, prefix, offs);
   if (kTmaB && tid == 0) {
     for (int s = 0; s < kStages; ++s) MbarInit(SmemAddr(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -360,14 +456,14 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   int nx_raw[kRowsPerThread];
   const __nv_bfloat16* a_row[kRowsPerThread];
   bool a_ok[kRowsPerThread];
-  auto fetch_rows = [&](const TileInfo& info, int (&raw)[kRowsPerThread]) {
+  auto fetch_rows = [&](const TileInfo& info, int(&raw)[kRowsPerThread]) {
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = (tid >> 3) + j * (kThreads / 8);
       raw[j] = (kSwiGLU && r < info.rows) ? p.entries[info.slot0 + r] : 0;
     }
   };
-  auto set_rows = [&](const int (&raw)[kRowsPerThread]) {
+  auto set_rows = [&](const int(&raw)[kRowsPerThread]) {
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = (tid >> 3) + j * (kThreads / 8);
@@ -442,11 +538,6 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   };
 
   const int wg = tid >> 7;
-  const int warp_in_wg = (tid >> 5) & 3;
-  const int lane = tid & 31;
-  // Accumulator ownership: rows warp_in_wg*16 + lane/4 (+8) of the warpgroup's 64, column
-  // pairs 8i + c_base.
-  const int c_base = 2 * (lane & 3);
 
   for (int s = 0; s < kAhead; ++s) issue_load(s);
 
@@ -495,76 +586,189 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     WgmmaWait<0>();
     FenceOperands(acc);
 
-    // ---- Epilogue: registers -> padded staging (per warpgroup, one column chunk at a time)
-    // -> 16-byte row-contiguous global stores. Direct 4-byte stores from the fragments left
-    // the down-projection throttled on the load/store queue with L2 at 83% of its peak (ncu).
-    {
-      constexpr int kCols = EpiChunkCols<kSwiGLU>();
-      constexpr int kRowBytes = EpiRowBytes<kSwiGLU>();
-      uint8_t* stage = epi + wg * 64 * kRowBytes;
-      const int t_wg = tid & 127;
-      const int rw = warp_in_wg * 16 + (lane >> 2);  // fragment row within the warpgroup
-#pragma unroll
-      for (int cc = 0; cc < kBlockN / kCols; ++cc) {
-#pragma unroll
-        for (int ii = 0; ii < kCols / 8; ++ii) {
-          const int i = cc * (kCols / 8) + ii;  // n8 block of the accumulator
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            uint8_t* row = stage + (rw + 8 * hr) * kRowBytes + (8 * ii + c_base) * 2;
-            const __nv_bfloat162 g =
-                __floats2bfloat162_rn(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(row) = g;
-            if constexpr (kSwiGLU) {
-              const int iu = i + kN / 16;  // the matching W3 column block
-              const __nv_bfloat162 u =
-                  __floats2bfloat162_rn(acc[4 * iu + 2 * hr], acc[4 * iu + 2 * hr + 1]);
-              const float2 gf = __bfloat1622float2(g);
-              const float2 uf = __bfloat1622float2(u);
-              *reinterpret_cast<__nv_bfloat162*>(row + kCols * 2) = u;
-              *reinterpret_cast<__nv_bfloat162*>(row + kCols * 4) =
-                  __floats2bfloat162_rn(Silu(gf.x) * uf.x, Silu(gf.y) * uf.y);
-            }
-          }
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-        if constexpr (kSwiGLU) {
-          // 64 rows x 12 16-byte pieces (4 of H1, 4 of H3, 4 of A), 6 per thread.
-#pragma unroll
-          for (int j = 0; j < 6; ++j) {
-            const int q = t_wg + 128 * j;
-            const int row = q / 12;
-            const int piece = q - row * 12;
-            const int r = wg * 64 + row;
-            const int col = ti.n0 + cc * kCols + (piece & 3) * 8;
-            if (r < ti.rows && col < p.n_dim) {
-              const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
-              const int64_t slot = ti.slot0 + r;
-              __nv_bfloat16* dst = piece < 8 ? p.out0 + slot * 2 * p.n_dim + (piece >> 2) * p.n_dim
-                                             : p.out1 + slot * p.n_dim;
-              *reinterpret_cast<uint4*>(dst + col) = v;
-            }
-          }
-        } else {
-          // 64 rows x 8 16-byte pieces, 4 per thread; rows go to Y[entries[slot]].
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int row = (t_wg >> 3) + 16 * j;
-            const int piece = t_wg & 7;
-            const int r = wg * 64 + row;
-            const int col = ti.n0 + cc * kCols + piece * 8;
-            if (r < ti.rows && col < p.n_dim) {
-              const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
-              *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(y_row[j]) * p.n_dim + col) =
-                  v;
-            }
-          }
-        }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-      }
-    }
+    // ---- Epilogue.
+    StoreTile<kN, kSwiGLU>(p, ti, acc, y_row, epi + wg * 64 * EpiRowBytes<kSwiGLU>(), tid & 127, wg,
+                           1 + wg);
   }
   CpAsyncWait<0>();
+}
+
+// The warp-specialised variant: warpgroup 0 produces, warpgroups 1 and 2 consume, and no
+// CTA-wide barrier runs once tiles start.
+//   Producer (register budget cut to 56 by setmaxnreg): per k-step it waits for the ring slot
+//     to be released (`empty`), thread 0 arms `full` with the weight tile's bytes and issues the
+//     TMA, and all 128 threads issue the gathered A tile by cp.async (8 x 16 bytes each). A
+//     cp.async group is declared complete kLag steps later: each thread waits for it, fences
+//     its writes into the async proxy, and one lane per warp arrives on that step's `full`
+//     (so `full` expects 4 warp arrivals + the TMA's expect-tx arrival).
+//   Consumers (register budget raised to 224): wait `full`, issue the wgmmas, and once the
+//     previous step's wgmmas have retired, one lane per warp arrives on its `empty` (8 warps).
+//     The epilogue is StoreTile, synchronised per warpgroup with named barriers 1 and 2.
+// All kStages slots can be in flight (no "-2" rule), since slots are released explicitly.
+template <int kN, int kStages, bool kSwiGLU>
+__global__ void __launch_bounds__(384, 1)
+    sm90_grouped_gemm_ws_kernel(const __grid_constant__ GemmParams p) {
+  constexpr int kBlockM = 128;
+  constexpr int kThreads = 384;
+  constexpr int kTileABytes = kBlockM * kBlockK * 2;
+  constexpr int kTileBBytes = kN * kBlockK * 2;
+  constexpr int kStageBytes = kTileABytes + kTileBBytes;
+  constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
+  constexpr int kAcc = kN / 2;
+  constexpr int kLag = kStages - 1;  // cp.async groups a producer thread keeps in flight
+  static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  uint8_t* epi = smem + kStages * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + 2 * 64 * EpiRowBytes<kSwiGLU>());
+  uint64_t* empty = full + kStages;
+  int* prefix = reinterpret_cast<int*>(empty + kStages);
+  int* offs = prefix + (kMaxExperts + 1);
+
+  const int tid = threadIdx.x;
+  const int num_experts = p.num_experts;
+  BuildTilePrefix<kBlockM, kThreads>(p.offsets, num_experts, prefix, offs);
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(SmemAddr(&full[s]), 4 + 1);
+      MbarInit(SmemAddr(&empty[s]), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int n_tiles = (p.n_dim + kBlockN - 1) / kBlockN;
+  const int total = prefix[num_experts] * n_tiles;
+  const int num_k = (p.k_dim + kBlockK - 1) / kBlockK;
+  if (static_cast<int>(blockIdx.x) >= total) return;
+
+  const int wg = tid >> 7;
+  const int t_wg = tid & 127;
+  const int lane = tid & 31;
+  if (wg == 0) {
+    // ---- Producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int chunk = t_wg & 7;
+    int stage = 0;
+    uint32_t phase = 0;
+    uint32_t issued = 0, arrived = 0;  // k-steps issued / whose `full` arrival is done
+    // Steps complete in order, so the oldest unarrived step's slot is arrived % kStages.
+    auto arrive_oldest = [&]() {
+      FenceProxyAsync();
+      __syncwarp();
+      if (lane == 0) {
+        asm volatile(
+            "mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&full[arrived % kStages]))
+            : "memory");
+      }
+      ++arrived;
+    };
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const TileInfo ti =
+          DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+      const __nv_bfloat16* a_row[8];
+      bool a_ok[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int r = (t_wg >> 3) + 16 * j;
+        a_ok[j] = r < ti.rows;
+        int src = 0;
+        if (a_ok[j]) src = kSwiGLU ? p.entries[ti.slot0 + r] / p.top_k : ti.slot0 + r;
+        a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
+      }
+      for (int kt = 0; kt < num_k; ++kt) {
+        MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
+        const uint32_t s_a = base + stage * kStageBytes;
+        const uint32_t s_b = s_a + kTileABytes;
+        const int k0 = kt * kBlockK;
+        if (t_wg == 0) {
+          const uint32_t bar = SmemAddr(&full[stage]);
+          MbarArriveExpectTx(bar, kTileBBytes);
+          TmaLoad3d(s_b, &p.tmap_b0, bar, k0, ti.n0, ti.expert);
+          if constexpr (kSwiGLU) {
+            TmaLoad3d(s_b + kTileBBytes / 2, &p.tmap_b1, bar, k0, ti.n0, ti.expert);
+          }
+        }
+        const int kk = k0 + chunk * 8;
+        const bool k_ok = kk < p.k_dim;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int r = (t_wg >> 3) + 16 * j;
+          const bool ok = a_ok[j] && k_ok;
+          CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+        }
+        CpAsyncCommit();
+        if (++issued - arrived > kLag) {
+          CpAsyncWait<kLag>();  // the oldest of the kLag + 1 pending groups has landed
+          arrive_oldest();
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    CpAsyncWait<0>();
+    while (arrived < issued) arrive_oldest();
+  } else {
+    // ---- Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    const int cw = wg - 1;  // rows cw*64 .. cw*64+63 of each tile
+    int stage = 0;
+    uint32_t phase = 0;
+    float acc[kAcc];
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const TileInfo ti =
+          DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+      int y_row[4] = {0, 0, 0, 0};
+      if constexpr (!kSwiGLU) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = cw * 64 + (t_wg >> 3) + 16 * j;
+          if (r < ti.rows) y_row[j] = p.entries[ti.slot0 + r];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+      int release = -1;  // slot whose wgmmas may still run
+      for (int kt = 0; kt < num_k; ++kt) {
+        MbarWait(SmemAddr(&full[stage]), phase);
+        const uint32_t s_a = base + stage * kStageBytes + cw * 64 * 128;
+        const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
+        const uint64_t desc_a = MakeSmemDesc(s_a);
+        const uint64_t desc_b = MakeSmemDesc(s_b);
+        FenceOperands(acc);
+        WgmmaFence();
+#pragma unroll
+        for (int j = 0; j < kBlockK / 16; ++j) {
+          Wgmma<kN>::Run(acc, desc_a + 2 * j, desc_b + 2 * j);
+        }
+        WgmmaCommit();
+        FenceOperands(acc);
+        WgmmaWait<1>();  // the previous step's wgmmas have retired: its slot is free
+        FenceOperands(acc);
+        if (release >= 0 && lane == 0) {
+          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
+                       : "memory");
+        }
+        release = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      WgmmaWait<0>();
+      FenceOperands(acc);
+      if (lane == 0) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
+                     : "memory");
+      }
+      StoreTile<kN, kSwiGLU>(p, ti, acc, y_row, epi + cw * 64 * EpiRowBytes<kSwiGLU>(), t_wg, cw,
+                             1 + cw);
+    }
+  }
 }
 
 // out[t] = sum over k with slot_of[t*K+k] >= 0 of w[t*K+k] * y[t*K+k]; 8 columns a thread,
@@ -572,8 +776,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
 __global__ void sm90_combine_kernel(const __nv_bfloat16* __restrict__ y,
                                     const float* __restrict__ w,
                                     const int32_t* __restrict__ slot_of,
-                                    __nv_bfloat16* __restrict__ out, int64_t num_tokens,
-                                    int top_k, int d) {
+                                    __nv_bfloat16* __restrict__ out, int64_t num_tokens, int top_k,
+                                    int d) {
   const int chunks = d / 8;
   const int64_t total = num_tokens * chunks;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;

@@ -8,6 +8,8 @@
 // unwritten element fails the finite check, and rows the kernels must NOT write (entries routed
 // outside the shard) must still hold the poison bit-for-bit. Float results pass by the
 // normalised error ||gpu - ref|| / ||ref|| < 1e-2 (bf16 operands and outputs; fp32 sums).
+#include "kernels/cuda/sm90_expert_forward.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,7 +22,6 @@
 #include <vector>
 
 #include "kernels/cpu/dispatch.h"
-#include "kernels/cuda/sm90_expert_forward.h"
 
 namespace moe::kernels {
 namespace {
@@ -42,14 +43,14 @@ float FromBf16(uint16_t b) {
   return v;
 }
 
-#define CHECK_CUDA(call)                                                                   \
-  do {                                                                                     \
-    const cudaError_t err_ = (call);                                                       \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                   \
-                   cudaGetErrorString(err_));                                              \
-      return false;                                                                        \
-    }                                                                                      \
+#define CHECK_CUDA(call)                                                 \
+  do {                                                                   \
+    const cudaError_t err_ = (call);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(err_));                            \
+      return false;                                                      \
+    }                                                                    \
   } while (0)
 
 struct Case {
@@ -70,7 +71,9 @@ struct DeviceBuffer {
   T* ptr = nullptr;
   size_t n = 0;
   explicit DeviceBuffer(size_t count) : n(count) {
-    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) !=
+        cudaSuccess)
+      ptr = nullptr;
   }
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -95,15 +98,14 @@ double NormalisedError(const std::vector<double>& got, const std::vector<double>
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what,
-            double err) {
+bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
   std::printf(
-      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d group_m=%d "
+      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d group_m=%d "
       "stacked=%d %-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
-      cfg.group_m, stacked ? 1 : 0, what, err);
+      cfg.warp_specialized ? 1 : 0, cfg.group_m, stacked ? 1 : 0, what, err);
   return ok;
 }
 
@@ -132,8 +134,8 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
     }
   }
   std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  DispatchCpu(idx.data(), T, K, c.expert_first, E, counts.data(), offsets.data(),
-              entries.data(), slot_of.data());
+  DispatchCpu(idx.data(), T, K, c.expert_first, E, counts.data(), offsets.data(), entries.data(),
+              slot_of.data());
   const int64_t N = offsets[E];
   std::vector<float> p(TK);
   for (auto& v : p) v = unit(rng);
@@ -148,12 +150,11 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   DeviceBuffer<uint16_t> dh(N * 2 * h), da(N * h), dy(TK * d), dout(T * d);
   DeviceBuffer<int32_t> doff(E + 1), dent(TK), dslot(TK);
   DeviceBuffer<float> dp(TK);
-  for (void* ptr : {static_cast<void*>(dx.ptr), static_cast<void*>(dw1.ptr),
-                    static_cast<void*>(dw3.ptr), static_cast<void*>(dw2.ptr),
-                    static_cast<void*>(dh.ptr), static_cast<void*>(da.ptr),
-                    static_cast<void*>(dy.ptr), static_cast<void*>(dout.ptr),
-                    static_cast<void*>(doff.ptr), static_cast<void*>(dent.ptr),
-                    static_cast<void*>(dslot.ptr), static_cast<void*>(dp.ptr)}) {
+  for (void* ptr :
+       {static_cast<void*>(dx.ptr), static_cast<void*>(dw1.ptr), static_cast<void*>(dw3.ptr),
+        static_cast<void*>(dw2.ptr), static_cast<void*>(dh.ptr), static_cast<void*>(da.ptr),
+        static_cast<void*>(dy.ptr), static_cast<void*>(dout.ptr), static_cast<void*>(doff.ptr),
+        static_cast<void*>(dent.ptr), static_cast<void*>(dslot.ptr), static_cast<void*>(dp.ptr)}) {
     if (ptr == nullptr) {
       std::fprintf(stderr, "cudaMalloc failed\n");
       return false;
@@ -197,8 +198,7 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   if (stacked) prob.w13_expert_stride = 2 * static_cast<int64_t>(h) * d;
   CHECK_CUDA(LaunchSm90ExpertUp(prob, cfg, dx.ptr, w1_ptr, w3_ptr, doff.ptr, dent.ptr, dh.ptr,
                                 da.ptr, nullptr));
-  CHECK_CUDA(LaunchSm90ExpertDown(prob, cfg, da.ptr, dw2.ptr, doff.ptr, dent.ptr, dy.ptr,
-                                  nullptr));
+  CHECK_CUDA(LaunchSm90ExpertDown(prob, cfg, da.ptr, dw2.ptr, doff.ptr, dent.ptr, dy.ptr, nullptr));
   CHECK_CUDA(LaunchSm90Combine(prob, dy.ptr, dp.ptr, dslot.ptr, dout.ptr, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<uint16_t> gh(N * 2 * h), ga(N * h), gy(TK * d), gout(T * d);
@@ -309,12 +309,11 @@ bool GuardChecks() {
   uint16_t* buf = nullptr;
   if (cudaMalloc(reinterpret_cast<void**>(&buf), 1 << 20) != cudaSuccess) return false;
   const int32_t* none = reinterpret_cast<const int32_t*>(buf);
-  const cudaError_t err = LaunchSm90ExpertUp(good, Sm90GemmConfig{}, buf + 1, buf, buf, none,
-                                             none, buf, buf, nullptr);
+  const cudaError_t err =
+      LaunchSm90ExpertUp(good, Sm90GemmConfig{}, buf + 1, buf, buf, none, none, buf, buf, nullptr);
   cudaFree(buf);
   const bool refused = err == cudaErrorInvalidValue;
-  std::printf("%s misaligned x refused (%s)\n", refused ? "PASS" : "FAIL",
-              cudaGetErrorString(err));
+  std::printf("%s misaligned x refused (%s)\n", refused ? "PASS" : "FAIL", cudaGetErrorString(err));
   return ok && refused;
 }
 
@@ -326,10 +325,8 @@ int Main() {
   }
   const Case cases[] = {
       // name       T    K  Eg first cnt  d    h  empty hot
-      {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},
-      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
-      {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0},
-      {"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2},
+      {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
+      {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0},   {"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2},
       {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5},
   };
   bool ok = GuardChecks();
@@ -343,8 +340,10 @@ int Main() {
     prob.d_hidden = c.h;
     // {block_n, tma_weights, group_m}: every tile variant, and bands that do and do not divide
     // the experts' row-block counts.
-    const std::vector<Sm90GemmConfig> configs = {{256, true, 3}, {128, true, 16}, {256, false, 1},
-                                                 {128, false, 2}, {256, true, 5}};
+    // {block_n, tma_weights, group_m, warp_specialized}.
+    const std::vector<Sm90GemmConfig> configs = {
+        {256, true, 3},  {128, true, 16},    {256, false, 1},       {128, false, 2},
+        {256, true, 5},  {256, true, 2, true}, {128, true, 16, true}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
@@ -356,6 +355,7 @@ int Main() {
     // Stacked [W1; W3] weights, through TMA and through cp.async.
     ok &= RunCase(c, up, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{128, false, 4}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{256, true, 16, true}, ++seed, true);
   }
   std::printf(ok ? "ALL PASSED\n" : "SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
