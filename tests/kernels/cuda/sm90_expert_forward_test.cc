@@ -338,9 +338,8 @@ int Main() {
     prob.num_experts = c.expert_count;
     prob.d_model = c.d;
     prob.d_hidden = c.h;
-    // {block_n, tma_weights, group_m}: every tile variant, and bands that do and do not divide
-    // the experts' row-block counts.
-    // {block_n, tma_weights, group_m, warp_specialized}.
+    // {block_n, tma_weights, group_m, warp_specialized}: every tile variant of both kernels,
+    // and bands that do and do not divide the experts' row-block counts.
     const std::vector<Sm90GemmConfig> configs = {
         {256, true, 3},  {128, true, 16},    {256, false, 1},       {128, false, 2},
         {256, true, 5},  {256, true, 2, true}, {128, true, 16, true}};
