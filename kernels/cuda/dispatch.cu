@@ -13,6 +13,8 @@ constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 4;
 constexpr int kExpertScanThreads = 256;
 constexpr int kSharedOffsetExperts = 8192;  // 32 KiB of shared memory in the write kernel
+constexpr int kFusedScanExperts = 2048;     // 3 arrays of 2048 ints: 24 KiB of shared memory
+constexpr int64_t kFusedScanCells = 16384;  // tile counts each block of the fused path reads
 
 int64_t NumTiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / kTileTokens; }
 
@@ -144,29 +146,68 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // Phase 3: the warp that owns a token row places each of its (t,k): slot = offsets[e] + the
 // expert's tokens in earlier tiles + in earlier words of this tile + set bits below this lane
-// in its own word. Every slot is written exactly once. With kSharedOffsets each block first
-// scans the per-expert counts into shared memory (block 0 also publishes them), which saves
-// a launch and a dependent global load per (t,k); larger shards read a separate scan's output.
-template <bool kSharedOffsets>
+// in its own word. Every slot is written exactly once. Where the offsets come from:
+//   kGlobalOffsets  offsets and per-tile bases from the scan kernels (very large shards);
+//   kSharedOffsets  per-tile bases from the expert scan; each block scans the per-expert counts
+//                   into shared memory itself (block 0 publishes offsets), saving a launch;
+//   kFusedScan      small problems (count * tiles <= kFusedScanCells): each block also sums the
+//                   tile counts itself (its earlier tiles and the totals, warp reductions in a
+//                   fixed order), so the expert scan kernel is not launched at all; block 0
+//                   publishes counts and offsets.
+enum WriteMode { kGlobalOffsets = 0, kSharedOffsets = 1, kFusedScan = 2 };
+
+template <int kMode>
 __global__ void __launch_bounds__(kTileTokens)
     dispatch_write_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k, int first,
                           int count, int64_t num_tiles, const uint32_t* __restrict__ bits,
                           const uint16_t* __restrict__ word_prefix,
-                          const int32_t* __restrict__ tile_base, const int32_t* __restrict__ counts,
+                          const int32_t* __restrict__ tile_counts,
+                          const int32_t* __restrict__ tile_base, int32_t* __restrict__ counts,
                           int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
                           int32_t* __restrict__ slot_of) {
-  extern __shared__ int32_t shared_offsets[];
+  extern __shared__ int32_t shared[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
   const int32_t* off = offsets;
-  if constexpr (kSharedOffsets) {
-    const int32_t total = BlockExclusiveScan(counts, count, shared_offsets);
+  if constexpr (kMode == kSharedOffsets) {
+    const int32_t total = BlockExclusiveScan(counts, count, shared);
     if (blockIdx.x == 0) {
-      for (int e = threadIdx.x; e < count; e += blockDim.x) offsets[e] = shared_offsets[e];
+      for (int e = threadIdx.x; e < count; e += blockDim.x) offsets[e] = shared[e];
       if (threadIdx.x == 0) offsets[count] = total;
     }
     __syncthreads();
-    off = shared_offsets;
+    off = shared;
+  }
+  int32_t* tile_off = nullptr;  // kFusedScan: the expert's tokens in earlier tiles
+  if constexpr (kMode == kFusedScan) {
+    int32_t* totals = shared;
+    int32_t* shared_off = shared + count;
+    tile_off = shared + 2 * count;
+    for (int e = warp; e < count; e += kWarps) {
+      int32_t before = 0, total = 0;
+      for (int64_t i = lane; i < num_tiles; i += 32) {
+        const int32_t v = tile_counts[static_cast<int64_t>(e) * num_tiles + i];
+        total += v;
+        if (i < tile) before += v;
+      }
+      before = __reduce_add_sync(0xffffffffu, before);
+      total = __reduce_add_sync(0xffffffffu, total);
+      if (lane == 0) {
+        totals[e] = total;
+        tile_off[e] = before;
+      }
+    }
+    __syncthreads();
+    const int32_t all = BlockExclusiveScan(totals, count, shared_off);
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < count; e += blockDim.x) {
+        counts[e] = totals[e];
+        offsets[e] = shared_off[e];
+      }
+      if (threadIdx.x == 0) offsets[count] = all;
+    }
+    __syncthreads();
+    off = shared_off;
   }
   const int64_t word = tile * kWarps + warp;
   const int64_t t = word * 32 + lane;
@@ -183,8 +224,13 @@ __global__ void __launch_bounds__(kTileTokens)
     for (int j = 0; j < kIdsAtOnce; ++j) {
       if (e[j] < 0 || e[j] >= count) continue;
       const int64_t at = static_cast<int64_t>(e[j]) * num_words + word;
-      const int32_t pos = off[e[j]] + tile_base[static_cast<int64_t>(e[j]) * num_tiles + tile] +
-                          word_prefix[at] + __popc(bits[at] & below);
+      int32_t base;
+      if constexpr (kMode == kFusedScan) {
+        base = tile_off[e[j]];
+      } else {
+        base = tile_base[static_cast<int64_t>(e[j]) * num_tiles + tile];
+      }
+      const int32_t pos = off[e[j]] + base + word_prefix[at] + __popc(bits[at] & below);
       const int32_t entry = static_cast<int32_t>(t * top_k + k0 + j);
       entries[pos] = entry;
       slot_of[entry] = pos;
@@ -229,35 +275,37 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
         tile_counts, slot_of);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  if (tiles > 0) {
-    dispatch_expert_scan_kernel<<<expert_count, kExpertScanThreads, 0, stream>>>(tile_counts, tiles,
-                                                                                 tile_base, counts);
-  } else {
+  if (tiles == 0) {  // no tokens: every expert is empty
     if (cudaError_t err = cudaMemsetAsync(counts, 0, expert_count * sizeof(int32_t), stream);
         err != cudaSuccess) {
       return err;
     }
+    return cudaMemsetAsync(offsets, 0, (expert_count + 1) * sizeof(int32_t), stream);
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  const bool shared_offsets = tiles > 0 && expert_count <= kSharedOffsetExperts;
-  if (!shared_offsets) {
-    dispatch_offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, expert_count, offsets);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  }
-  if (tiles > 0) {
-    if (shared_offsets) {
-      dispatch_write_kernel<true>
-          <<<static_cast<unsigned>(tiles), kTileTokens, expert_count * sizeof(int32_t), stream>>>(
-              expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
-              tile_base, counts, offsets, entries, slot_of);
-    } else {
-      dispatch_write_kernel<false><<<static_cast<unsigned>(tiles), kTileTokens, 0, stream>>>(
-          expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
-          tile_base, counts, offsets, entries, slot_of);
-    }
+  const unsigned grid = static_cast<unsigned>(tiles);
+  if (expert_count <= kFusedScanExperts && tiles * expert_count <= kFusedScanCells) {
+    dispatch_write_kernel<kFusedScan>
+        <<<grid, kTileTokens, 3 * expert_count * sizeof(int32_t), stream>>>(
+            expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+            tile_counts, tile_base, counts, offsets, entries, slot_of);
     return cudaGetLastError();
   }
-  return cudaSuccess;
+  dispatch_expert_scan_kernel<<<expert_count, kExpertScanThreads, 0, stream>>>(tile_counts, tiles,
+                                                                               tile_base, counts);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (expert_count <= kSharedOffsetExperts) {
+    dispatch_write_kernel<kSharedOffsets>
+        <<<grid, kTileTokens, expert_count * sizeof(int32_t), stream>>>(
+            expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+            tile_counts, tile_base, counts, offsets, entries, slot_of);
+    return cudaGetLastError();
+  }
+  dispatch_offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, expert_count, offsets);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  dispatch_write_kernel<kGlobalOffsets><<<grid, kTileTokens, 0, stream>>>(
+      expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
+      tile_counts, tile_base, counts, offsets, entries, slot_of);
+  return cudaGetLastError();
 }
 
 }  // namespace moe::kernels

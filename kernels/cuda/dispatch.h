@@ -1,21 +1,23 @@
 // MoEBlaze dispatch on the GPU: the structures of kernels/cpu/dispatch.h, bitwise equal to
 // DispatchCpu, built without atomics and without sorting.
 //
-// Three launches (four for shards of more than 8192 experts):
+// Two or three launches:
 //   1. bitmap  one block per tile of 1024 tokens, one warp per 32 consecutive token rows (the
 //              warp owns those rows, so no two warps write the same word). Lanes group their
 //              (t,k) ids with __match_any_sync, giving for every local expert a 32-bit word of
 //              the expert x token bitmap; per-(expert, tile) counts are popcounts summed by a
 //              warp scan, which also gives each word the expert's tokens in the tile's earlier
 //              words. (t,k) outside the shard get slot_of = -1 here.
-//   2. scan    a block per expert scans its tile counts (the expert's tokens in earlier tiles,
-//              and its count).
-//   3. write   one block per tile again; each block scans the counts into offsets in shared
-//              memory (block 0 publishes them), then a lane per token: slot of (t,k) = offsets[e] +
-//              tile base + word
-//              prefix + set bits below the token in its word; entry = t*K+k goes straight to
-//              that slot and slot_of[t*K+k] to the entry. Ascending tokens within an expert is
-//              exactly the CPU order, so the result is deterministic and bitwise equal.
+//   2. scan    (large problems only) a block per expert scans its tile counts: the expert's
+//              tokens in earlier tiles, and its count. Small problems (experts x tiles <= 16384)
+//              skip it: each write block sums the few tile counts it needs itself.
+//   3. write   one block per tile again; each block scans the per-expert counts into offsets
+//              in shared memory (block 0 publishes counts and offsets), then a lane per token:
+//              slot of (t,k) = offsets[e] + tile base + word prefix + set bits below the token
+//              in its word; entry = t*K+k goes straight to that slot and slot_of[t*K+k] to the
+//              entry. Ascending tokens within an expert is exactly the CPU order, so the result
+//              is deterministic and bitwise equal. (Shards over 8192 experts add a one-block
+//              offsets scan and read offsets from global memory.)
 // Inputs must be valid (ids in range, no duplicate expert within a token): the engine checks.
 #ifndef MOE_KERNELS_CUDA_DISPATCH_H_
 #define MOE_KERNELS_CUDA_DISPATCH_H_

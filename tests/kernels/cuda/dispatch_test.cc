@@ -2,7 +2,9 @@
 // offsets, entries and slot_of must match bitwise on fresh random routings, with every output
 // poisoned first so an unwritten element shows. Shapes cover T = 1, K = 1, K = E, experts that
 // receive nothing, shards, E over the 256-expert shared-memory chunk, T not a multiple of the
-// 1024-token tile, and a large T. Needs a GPU (ctest label "gpu"); skips itself without one.
+// 1024-token tile, and a large T; together they take each of the write kernel's three ways
+// to its offsets (fused scan, shared offsets, global offsets). Needs a GPU (ctest label "gpu");
+// skips itself without one.
 #include "kernels/cuda/dispatch.h"
 
 #include <cuda_runtime.h>
@@ -131,6 +133,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2049, 257, 8, 200, 57, true},  // shard at the end, skewed
                       Case{131072, 64, 4, 0, 64, false},  // the bench shape
                       Case{65537, 128, 8, 16, 64, false},
+                      Case{300000, 64, 2, 0, 64, false},     // past the fused-scan size
+                      Case{2049, 2100, 3, 0, 2100, true},    // past the fused-scan experts
                       Case{100, 9000, 2, 0, 9000, false}));  // offsets beyond shared memory
 
 }  // namespace
