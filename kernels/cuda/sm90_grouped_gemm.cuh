@@ -615,7 +615,11 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
   constexpr int kAcc = kN / 2;
-  constexpr int kLag = kStages - 1;  // cp.async groups a producer thread keeps in flight
+  // cp.async groups a producer thread keeps in flight before it must declare the oldest
+  // landed. At most kStages - 2: consumers release a slot one step late (after the NEXT
+  // step's wgmmas are issued), so with kStages - 1 the producer would wait for a release that
+  // waits for an arrival that waits for the producer (a deadlock seen on the device).
+  constexpr int kLag = kStages - 2;
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
 
   extern __shared__ uint8_t smem_raw[];
