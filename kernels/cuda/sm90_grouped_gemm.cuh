@@ -14,10 +14,13 @@
 //      an mbarrier, or cp.async as a fallback; out-of-range rows and k are zero-filled either way.
 // The ring is shared by loads of the NEXT tile too (a load cursor runs kStages-2 steps ahead of
 // the math across tile boundaries), so a tile's epilogue overlaps the next tile's loads.
-// Why not a warp-specialised producer: with all 256 threads issuing the gather's cp.async the
-// address work is spread thin; a dedicated producer warpgroup is the next step (docs/FUSED.md).
+// Why all 256 threads both load and multiply: it needs no cross-warpgroup protocol beyond one
+// barrier per k-step, and it measured faster than the warp-specialised variant below (a
+// producer warpgroup feeding two consumers through full/empty mbarriers), whose producer still
+// blocks on cp.async completion (docs/FUSED.md).
 //
-// Epilogues, from the fp32 accumulators in registers:
+// Epilogues, from the fp32 accumulators, staged through padded shared memory so that global
+// stores are 16-byte and row-contiguous:
 //   kSwiGLU: B holds kN/2 rows of W1 then the same kN/2 rows of W3, so each thread owns H1 and
 //     H3 of the same (row, column); it writes H = [H1 | H3] (bf16, kept for the backward) and
 //     A = silu(H1) * H3 computed from the bf16-ROUNDED H, so a backward that recomputes A from H
