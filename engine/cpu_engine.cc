@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/init.h"
 #include "engine/routing.h"
+#include "engine/state.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/gemm.h"
@@ -667,60 +668,34 @@ absl::StatusOr<std::map<std::string, Tensor>> CpuLayer::ExportState(bool include
 
 absl::Status CpuLayer::ImportState(const std::map<std::string, Tensor>& state) {
   // Pass 1: validate everything; pass 2: apply. A rejected import changes nothing.
-  const bool adamw = cfg_.optimizer.kind == OptimizerKind::kAdamW;
+  const auto shape_of = [this](const std::string& param) -> const std::vector<int64_t>* {
+    const Param* p = Find(param);
+    return p == nullptr ? nullptr : &p->shape;
+  };
   for (const auto& [name, tensor] : state) {
-    const std::string field = absl::StrCat("state[\"", name, "\"]");
-    if (name == "step") {
-      if (absl::Status s = CheckTensor(tensor.view(), field, DType::kInt64, {1}); !s.ok()) return s;
-      if (tensor.as<int64_t>()[0] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ": step must be >= 0"));
-      }
-      continue;
-    }
-    const size_t dot = name.find('.');
-    const std::string base = name.substr(0, dot);
-    const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
-    Param* p = Find(base);
-    const bool known_suffix = suffix.empty() || (suffix == "master" && bf16()) ||
-                              ((suffix == "exp_avg" || suffix == "exp_avg_sq") && adamw) ||
-                              (suffix == "momentum" && !adamw);
-    if (p == nullptr || !known_suffix) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": this layer has no state tensor of that name"));
-    }
-    const DType want = suffix.empty() ? cfg_.dtype : DType::kFloat32;
-    if (absl::Status s = CheckTensor(tensor.view(), field, want, p->shape); !s.ok()) return s;
-    const TensorView v = tensor.view();
-    for (int64_t i = 0; i < v.num_elements(); ++i) {
-      const float x = LoadFloat(v, i);
-      if (!std::isfinite(x) || (suffix == "exp_avg_sq" && x < 0.0f)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": element ", i, " = ", x,
-                         suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
-      }
-    }
+    if (absl::Status s = ValidateStateTensor(cfg_, name, tensor, shape_of); !s.ok()) return s;
   }
   // Weights first, then masters: a bf16 weight import resets its master to the imported value
   // unless the master is imported too.
   for (int pass = 0; pass < 2; ++pass) {
     for (const auto& [name, tensor] : state) {
-      if (name == "step") {
+      const StateName parsed = ParseStateName(name);
+      if (parsed.kind == StateKind::kStep) {
         if (pass == 0) step_ = tensor.as<int64_t>()[0];
         continue;
       }
-      const size_t dot = name.find('.');
-      Param* p = Find(name.substr(0, dot));
-      const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
+      Param* p = Find(parsed.param);
       const TensorView v = tensor.view();
-      if (pass == 0 && suffix.empty()) {
+      if (pass == 0 && parsed.kind == StateKind::kWeight) {
         ToFloat(v, p->w.data());
         if (bf16()) p->master = p->w;
-      } else if (pass == 1 && suffix == "master") {
+      } else if (pass == 1 && parsed.kind == StateKind::kMaster) {
         ToFloat(v, p->master.data());
         for (int64_t i = 0; i < p->size(); ++i) p->w[i] = RoundBf16(p->master[i]);
-      } else if (pass == 0 && (suffix == "exp_avg" || suffix == "momentum")) {
+      } else if (pass == 0 &&
+                 (parsed.kind == StateKind::kExpAvg || parsed.kind == StateKind::kMomentum)) {
         ToFloat(v, p->m.data());
-      } else if (pass == 0 && suffix == "exp_avg_sq") {
+      } else if (pass == 0 && parsed.kind == StateKind::kExpAvgSq) {
         ToFloat(v, p->v.data());
       }
     }

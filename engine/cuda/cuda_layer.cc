@@ -14,6 +14,7 @@
 #include "engine/cuda/grouped_gemm.h"
 #include "engine/init.h"
 #include "engine/routing.h"
+#include "engine/state.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/router.h"
 
@@ -534,43 +535,13 @@ absl::StatusOr<std::map<std::string, Tensor>> CudaLayer::ExportState(bool includ
 }
 
 absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) {
-  // Validate everything first (same rules and messages as the CPU engine), then apply.
-  const bool adamw = cfg_.optimizer.kind == OptimizerKind::kAdamW;
+  // Validate everything first (the same rules and messages as the CPU engine), then apply.
+  const auto shape_of = [this](const std::string& param) -> const std::vector<int64_t>* {
+    const Segment* seg = FindSegment(param);
+    return seg == nullptr ? nullptr : &seg->shape;
+  };
   for (const auto& [name, tensor] : state) {
-    const std::string field = absl::StrCat("state[\"", name, "\"]");
-    if (name == "step") {
-      if (absl::Status st = CheckTensor(tensor.view(), field, DType::kInt64, {1}); !st.ok()) {
-        return st;
-      }
-      if (tensor.as<int64_t>()[0] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ": step must be >= 0"));
-      }
-      continue;
-    }
-    const size_t dot = name.find('.');
-    const std::string base = name.substr(0, dot);
-    const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
-    const Segment* seg = FindSegment(base);
-    const bool known_suffix = suffix.empty() || (suffix == "master" && bf16()) ||
-                              ((suffix == "exp_avg" || suffix == "exp_avg_sq") && adamw) ||
-                              (suffix == "momentum" && !adamw);
-    if (seg == nullptr || !known_suffix) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": this layer has no state tensor of that name"));
-    }
-    const DType want = suffix.empty() ? cfg_.dtype : DType::kFloat32;
-    if (absl::Status st = CheckTensor(tensor.view(), field, want, seg->shape); !st.ok()) {
-      return st;
-    }
-    const TensorView v = tensor.view();
-    for (int64_t i = 0; i < v.num_elements(); ++i) {
-      const float x = LoadFloat(v, i);
-      if (!std::isfinite(x) || (suffix == "exp_avg_sq" && x < 0.0f)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": element ", i, " = ", x,
-                         suffix == "exp_avg_sq" ? " (must be finite and >= 0)" : " is not finite"));
-      }
-    }
+    if (absl::Status st = ValidateStateTensor(cfg_, name, tensor, shape_of); !st.ok()) return st;
   }
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   cudaStream_t s = stream_->get();
@@ -578,18 +549,19 @@ absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) 
   // Weights first, then masters: a master imported with its weight wins.
   for (int pass = 0; pass < 2; ++pass) {
     for (const auto& [name, tensor] : state) {
-      if (name == "step") {
+      const StateName parsed = ParseStateName(name);
+      if (parsed.kind == StateKind::kStep) {
         if (pass == 0) step_ = tensor.as<int64_t>()[0];
         continue;
       }
-      const size_t dot = name.find('.');
-      const Segment& seg = *FindSegment(name.substr(0, dot));
-      const std::string suffix = dot == std::string::npos ? "" : name.substr(dot + 1);
+      const Segment& seg = *FindSegment(parsed.param);
       DeviceBuffer* dst = nullptr;
-      if (pass == 0 && suffix.empty()) dst = &master_;
-      if (pass == 1 && suffix == "master") dst = &master_;
-      if (pass == 0 && (suffix == "exp_avg" || suffix == "momentum")) dst = &m_;
-      if (pass == 0 && suffix == "exp_avg_sq") dst = &v_;
+      if (pass == 0 && parsed.kind == StateKind::kWeight) dst = &master_;
+      if (pass == 1 && parsed.kind == StateKind::kMaster) dst = &master_;
+      if (pass == 0 && (parsed.kind == StateKind::kExpAvg || parsed.kind == StateKind::kMomentum)) {
+        dst = &m_;
+      }
+      if (pass == 0 && parsed.kind == StateKind::kExpAvgSq) dst = &v_;
       if (dst == nullptr) continue;
       if (dst == &master_) weights_changed = true;
       const std::vector<float> f = ToFloat(tensor.view());

@@ -1,0 +1,92 @@
+// State tensor names and import validation shared by every engine (see state.h).
+#include "engine/state.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+namespace {
+
+struct Suffix {
+  StateKind kind;
+  const char* text;
+};
+constexpr Suffix kSuffixes[] = {{StateKind::kExpAvg, "exp_avg"},
+                                {StateKind::kExpAvgSq, "exp_avg_sq"},
+                                {StateKind::kMomentum, "momentum"},
+                                {StateKind::kMaster, "master"}};
+
+// Whether a layer with this config keeps state of `kind` for each of its params.
+bool LayerKeeps(const LayerConfig& config, StateKind kind) {
+  const bool adamw = config.optimizer.kind == OptimizerKind::kAdamW;
+  switch (kind) {
+    case StateKind::kWeight:
+    case StateKind::kStep:
+      return true;
+    case StateKind::kExpAvg:
+    case StateKind::kExpAvgSq:
+      return adamw;
+    case StateKind::kMomentum:
+      return !adamw;
+    case StateKind::kMaster:
+      return config.dtype == DType::kBFloat16;
+  }
+  return false;
+}
+
+}  // namespace
+
+StateName ParseStateName(const std::string& name) {
+  if (name == "step") return {"", StateKind::kStep};
+  const size_t dot = name.find('.');
+  if (dot == std::string::npos) return {name, StateKind::kWeight};
+  const std::string suffix = name.substr(dot + 1);
+  for (const Suffix& s : kSuffixes) {
+    if (suffix == s.text) return {name.substr(0, dot), s.kind};
+  }
+  // An unknown suffix keeps the whole name as the param, which no layer has.
+  return {name, StateKind::kWeight};
+}
+
+std::string StateTensorName(const std::string& param, StateKind kind) {
+  if (kind == StateKind::kStep) return "step";
+  for (const Suffix& s : kSuffixes) {
+    if (s.kind == kind) return absl::StrCat(param, ".", s.text);
+  }
+  return param;
+}
+
+absl::Status ValidateStateTensor(
+    const LayerConfig& config, const std::string& name, const Tensor& tensor,
+    const std::function<const std::vector<int64_t>*(const std::string&)>& param_shape) {
+  const std::string field = absl::StrCat("state[\"", name, "\"]");
+  const StateName parsed = ParseStateName(name);
+  if (parsed.kind == StateKind::kStep) {
+    if (absl::Status s = CheckTensor(tensor.view(), field, DType::kInt64, {1}); !s.ok()) return s;
+    if (tensor.as<int64_t>()[0] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": step must be >= 0"));
+    }
+    return absl::OkStatus();
+  }
+  const std::vector<int64_t>* shape = param_shape(parsed.param);
+  if (shape == nullptr || !LayerKeeps(config, parsed.kind)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": this layer has no state tensor of that name"));
+  }
+  const DType want = parsed.kind == StateKind::kWeight ? config.dtype : DType::kFloat32;
+  if (absl::Status s = CheckTensor(tensor.view(), field, want, *shape); !s.ok()) return s;
+  const TensorView v = tensor.view();
+  const bool nonnegative = parsed.kind == StateKind::kExpAvgSq;
+  for (int64_t i = 0; i < v.num_elements(); ++i) {
+    const float x = LoadFloat(v, i);
+    if (!std::isfinite(x) || (nonnegative && x < 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": element ", i, " = ", x,
+                       nonnegative ? " (must be finite and >= 0)" : " is not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe

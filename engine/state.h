@@ -1,0 +1,46 @@
+// The names of a layer's state tensors, and the checks every engine runs before an import.
+//
+// ExportState/ImportState speak one vocabulary (layer.h): "<param>" for a weight in the layer
+// dtype, "<param>.exp_avg" / ".exp_avg_sq" (AdamW), ".momentum" (SGD), ".master" (bf16 storage),
+// all fp32, and "step" ([1] int64). Keeping the parsing and validation here means the CPU and
+// CUDA engines accept and reject exactly the same imports with the same messages.
+#ifndef MOE_ENGINE_STATE_H_
+#define MOE_ENGINE_STATE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/layer.h"
+#include "engine/tensor.h"
+
+namespace moe {
+
+enum class StateKind { kWeight, kExpAvg, kExpAvgSq, kMomentum, kMaster, kStep };
+
+struct StateName {
+  std::string param;  // "w1", "w3", "w2", "router"; empty for kStep
+  StateKind kind = StateKind::kWeight;
+};
+
+// "w1.exp_avg" -> {"w1", kExpAvg}. Does not check that the param exists or that this layer
+// keeps that kind of state; ValidateStateTensor does.
+StateName ParseStateName(const std::string& name);
+
+// The tensor name of `param`'s state of `kind` (inverse of ParseStateName).
+std::string StateTensorName(const std::string& param, StateKind kind);
+
+// Checks one tensor of an import against a layer: the name is one this layer keeps (params
+// looked up through `param_shape`, which returns null for an unknown param), dtype and shape
+// match exactly, values are finite (and exp_avg_sq >= 0), step >= 0. InvalidArgument naming
+// state["<name>"] otherwise.
+absl::Status ValidateStateTensor(
+    const LayerConfig& config, const std::string& name, const Tensor& tensor,
+    const std::function<const std::vector<int64_t>*(const std::string&)>& param_shape);
+
+}  // namespace moe
+
+#endif  // MOE_ENGINE_STATE_H_
