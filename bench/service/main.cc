@@ -1,0 +1,112 @@
+// moe-service-bench: throughput through a moe-server against the same engine in process.
+//
+// Starts a moe-server on loopback (or uses --server), creates one layer per case and measures
+// training steps (N Forwards in flight, N Backwards, Step) and inference rounds (N Forwards in
+// flight): tokens/s, bytes/s on the wire, per-call latency p50/p99, and the server's stage times
+// from its /metrics. Prints Markdown tables; exits 1 on any error or zero throughput, so the
+// smoke test (tests/bench) can run it as is. Every flag lives here and fills BenchOptions.
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "bench/service/service_bench.h"
+
+// The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
+// sized so the CPU engine on two cores finishes it in about two minutes.
+ABSL_FLAG(std::string, cases,
+          "512x256x256x1,512x256x256x4,2048x256x256x1,2048x256x256x2,2048x256x256x8,"
+          "8192x256x256x1,2048x512x256x4,2048x1024x256x1,2048x1024x256x4",
+          "Comma-separated TxDxHxN: tokens per micro-batch, d_model, d_hidden, micro-batches in "
+          "flight");
+ABSL_FLAG(std::string, server, "", "host:port of a running moe-server; empty starts one here");
+ABSL_FLAG(std::string, metrics, "",
+          "host:port of that server's /metrics (for stage times and wire bytes); empty: none "
+          "with --server, found automatically without");
+ABSL_FLAG(std::string, device, "cpu", "Engine for the in-process server and baseline");
+ABSL_FLAG(int64_t, experts, 8, "E, number of experts");
+ABSL_FLAG(int64_t, top_k, 2, "K, experts per token");
+ABSL_FLAG(std::string, dtype, "float32", "float32 | bfloat16");
+ABSL_FLAG(std::string, routing, "client", "client (ids and weights sent) | server (router)");
+ABSL_FLAG(std::string, activation, "swiglu", "swiglu | silu | gelu | relu");
+ABSL_FLAG(int, steps, 3, "Timed training steps per case");
+ABSL_FLAG(int, inference_rounds, 3, "Timed inference rounds (N Forwards each) per case");
+ABSL_FLAG(int, warmup, 1, "Untimed steps and rounds before timing");
+ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "Client chunk size (tensor bytes per message)");
+ABSL_FLAG(int, timeout_seconds, 300, "Deadline of every call");
+ABSL_FLAG(uint64_t, seed, 1, "Layer initialisation and input seed");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "moe-service-bench: %s\n", message.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "moe-service-bench: MoE tokens/s through moe-server vs the same engine in process");
+  absl::ParseCommandLine(argc, argv);
+  moe::bench::BenchOptions options;
+  auto cases = moe::bench::ParseCases(absl::GetFlag(FLAGS_cases));
+  if (!cases.ok()) return Fail(cases.status().ToString());
+  options.cases = *cases;
+  options.server = absl::GetFlag(FLAGS_server);
+  options.metrics = absl::GetFlag(FLAGS_metrics);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.steps = absl::GetFlag(FLAGS_steps);
+  options.inference_rounds = absl::GetFlag(FLAGS_inference_rounds);
+  options.warmup_steps = absl::GetFlag(FLAGS_warmup);
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
+  if (options.timeout_seconds <= 0) return Fail("timeout_seconds: must be positive");
+
+  moe::LayerConfig& layer = options.layer;
+  layer.num_experts = absl::GetFlag(FLAGS_experts);
+  layer.top_k = absl::GetFlag(FLAGS_top_k);
+  layer.seed = absl::GetFlag(FLAGS_seed);
+  const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (dtype == "float32") {
+    layer.dtype = moe::DType::kFloat32;
+  } else if (dtype == "bfloat16") {
+    layer.dtype = moe::DType::kBFloat16;
+  } else {
+    return Fail(absl::StrCat("dtype: \"", dtype, "\" is not float32 or bfloat16"));
+  }
+  const std::string routing = absl::GetFlag(FLAGS_routing);
+  if (routing == "client") {
+    layer.routing = moe::RoutingMode::kClient;
+  } else if (routing == "server") {
+    layer.routing = moe::RoutingMode::kServer;
+  } else {
+    return Fail(absl::StrCat("routing: \"", routing, "\" is not client or server"));
+  }
+  const std::string act = absl::GetFlag(FLAGS_activation);
+  if (act == "swiglu") {
+    layer.activation = moe::Activation::kSwiGLU;
+  } else if (act == "silu") {
+    layer.activation = moe::Activation::kSiLU;
+  } else if (act == "gelu") {
+    layer.activation = moe::Activation::kGeLUTanh;
+  } else if (act == "relu") {
+    layer.activation = moe::Activation::kReLU;
+  } else {
+    return Fail(absl::StrCat("activation: \"", act, "\" is not swiglu, silu, gelu or relu"));
+  }
+
+  std::string where;
+  auto results = moe::bench::RunServiceBench(options, &where);
+  if (!results.ok()) return Fail(results.status().ToString());
+  std::printf("moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
+              "rounds, %d warmup, chunk %lld bytes\n\n",
+              where.c_str(), static_cast<long long>(layer.num_experts),
+              static_cast<long long>(layer.top_k), dtype.c_str(), routing.c_str(), act.c_str(),
+              options.steps, options.inference_rounds, options.warmup_steps,
+              static_cast<long long>(options.chunk_bytes));
+  std::printf("%s", moe::bench::FormatResults(*results).c_str());
+  return 0;
+}

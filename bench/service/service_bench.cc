@@ -1,0 +1,498 @@
+// moe-service-bench's measurement core (see service_bench.h). Server stage times and wire bytes
+// come from the server's own /metrics, scraped over plain HTTP before and after each timed phase
+// and differenced, so they describe exactly the calls this bench made (a shared server's other
+// traffic would leak in; the in-process server has none).
+#include "bench/service/service_bench.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <random>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "server/options.h"
+#include "server/server.h"
+
+namespace moe::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// --- /metrics scraping -------------------------------------------------------------------
+using Scrape = std::map<std::string, double>;  // "name{labels}" -> value
+
+absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path) {
+  const size_t colon = host_port.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics: \"", host_port, "\" is not host:port"));
+  }
+  const std::string host = host_port.substr(0, colon), port = host_port.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) {
+    return absl::UnavailableError(absl::StrCat("metrics: cannot resolve ", host_port));
+  }
+  int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  if (fd < 0 || connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
+    if (fd >= 0) close(fd);
+    freeaddrinfo(res);
+    return absl::UnavailableError(absl::StrCat("metrics: cannot connect to ", host_port));
+  }
+  freeaddrinfo(res);
+  const std::string req =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", host, "\r\nConnection: close\r\n\r\n");
+  if (send(fd, req.data(), req.size(), 0) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return absl::UnavailableError("metrics: send failed");
+  }
+  std::string body;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n < 0) {
+      close(fd);
+      return absl::UnavailableError("metrics: recv failed");
+    }
+    if (n == 0) break;
+    body.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  const size_t header_end = body.find("\r\n\r\n");
+  if (body.rfind("HTTP/1.", 0) != 0 || header_end == std::string::npos ||
+      body.find(" 200 ") > body.find("\r\n")) {
+    return absl::UnavailableError(absl::StrCat("metrics: ", host_port, path, " did not answer 200"));
+  }
+  return body.substr(header_end + 4);
+}
+
+absl::StatusOr<Scrape> ScrapeMetrics(const std::string& host_port) {
+  auto text = HttpGet(host_port, "/metrics");
+  if (!text.ok()) return text.status();
+  Scrape out;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    if (space == absl::string_view::npos) continue;
+    double v;
+    if (!absl::SimpleAtod(line.substr(space + 1), &v)) continue;
+    out[std::string(line.substr(0, space))] = v;
+  }
+  return out;
+}
+
+double Delta(const Scrape& before, const Scrape& after, const std::string& key) {
+  auto a = after.find(key);
+  if (a == after.end()) return 0;
+  auto b = before.find(key);
+  return a->second - (b == before.end() ? 0 : b->second);
+}
+
+// Fills wire bytes and stage means from two scrapes around a timed phase.
+void FromMetrics(const Scrape& before, const Scrape& after, ModeResult* r) {
+  for (const char* m : {"Forward", "Backward"}) {
+    r->wire_bytes += Delta(before, after, absl::StrCat("moe_received_bytes_total{method=\"", m, "\"}"));
+    r->wire_bytes += Delta(before, after, absl::StrCat("moe_sent_bytes_total{method=\"", m, "\"}"));
+    for (const char* s : {"receive", "queue", "compute", "send"}) {
+      // prometheus-cpp writes labels in the order they were declared; try both orders.
+      double sum = 0, count = 0;
+      for (const std::string& labels :
+           {absl::StrCat("{method=\"", m, "\",stage=\"", s, "\"}"),
+            absl::StrCat("{stage=\"", s, "\",method=\"", m, "\"}")}) {
+        sum += Delta(before, after, "moe_stage_duration_seconds_sum" + labels);
+        count += Delta(before, after, "moe_stage_duration_seconds_count" + labels);
+      }
+      if (count > 0) r->stage_mean[absl::StrCat(m, "/", s)] = sum / count;
+    }
+  }
+}
+
+// --- inputs --------------------------------------------------------------------------------
+struct MicroBatch {
+  Tensor x, ids, weights, dout;
+};
+
+Tensor RandomActivations(DType dtype, int64_t rows, int64_t cols, std::mt19937_64& rng) {
+  Tensor t = Tensor::Zeros(dtype, {rows, cols});
+  std::normal_distribution<float> n(0.f, 1.f);
+  const int64_t count = rows * cols;
+  if (dtype == DType::kBFloat16) {
+    uint16_t* p = t.as<uint16_t>();
+    for (int64_t i = 0; i < count; ++i) p[i] = FloatToBFloat16(n(rng));
+  } else {
+    float* p = t.as<float>();
+    for (int64_t i = 0; i < count; ++i) p[i] = n(rng);
+  }
+  return t;
+}
+
+MicroBatch MakeMicroBatch(const LayerConfig& cfg, int64_t tokens, std::mt19937_64& rng) {
+  MicroBatch mb;
+  mb.x = RandomActivations(cfg.dtype, tokens, cfg.d_model, rng);
+  mb.dout = RandomActivations(cfg.dtype, tokens, cfg.d_model, rng);
+  if (cfg.routing == RoutingMode::kClient) {
+    const int64_t k = cfg.top_k, e = cfg.num_experts;
+    mb.ids = Tensor::Zeros(DType::kInt32, {tokens, k});
+    mb.weights = Tensor::Zeros(DType::kFloat32, {tokens, k});
+    std::vector<int32_t> perm(e);
+    std::uniform_real_distribution<float> u(0.1f, 1.f);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < e; ++i) perm[i] = static_cast<int32_t>(i);
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) {  // k distinct experts: a partial Fisher-Yates shuffle
+        std::uniform_int_distribution<int64_t> pick(j, e - 1);
+        std::swap(perm[j], perm[pick(rng)]);
+        mb.ids.as<int32_t>()[t * k + j] = perm[j];
+        sum += (mb.weights.as<float>()[t * k + j] = u(rng));
+      }
+      for (int64_t j = 0; j < k; ++j) mb.weights.as<float>()[t * k + j] /= sum;
+    }
+  }
+  return mb;
+}
+
+int64_t Bytes(const Tensor& t) { return static_cast<int64_t>(t.bytes.size()); }
+
+void Finalize(ModeResult* r) {
+  r->tokens_per_second = r->seconds > 0 ? static_cast<double>(r->tokens) / r->seconds : 0;
+}
+
+// --- the service side ----------------------------------------------------------------------
+// One training step through the service: N Forwards in flight, N Backwards in flight, Step.
+absl::Status ServiceTrainStep(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
+                              ModeResult* r) {
+  const Clock::time_point t0 = Clock::now();
+  std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
+  for (const MicroBatch& mb : mbs) {
+    fwd.push_back(layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), true));
+  }
+  std::vector<uint64_t> ctx;
+  for (size_t i = 0; i < fwd.size(); ++i) {
+    auto out = fwd[i].get();  // in issue order: a later call's latency is seen no earlier
+    if (r) r->forward_latency.push_back(Since(t0));
+    if (!out.ok()) return out.status();
+    if (r) {
+      r->payload_bytes += Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
+                          Bytes(out->out) + Bytes(out->expert_ids) + Bytes(out->weights);
+    }
+    ctx.push_back(out->context_id);
+  }
+  const Clock::time_point t1 = Clock::now();
+  std::vector<std::future<absl::StatusOr<client::BackwardOutput>>> bwd;
+  for (size_t i = 0; i < mbs.size(); ++i) bwd.push_back(layer.Backward(ctx[i], mbs[i].dout.view()));
+  for (size_t i = 0; i < bwd.size(); ++i) {
+    auto out = bwd[i].get();
+    if (r) r->backward_latency.push_back(Since(t1));
+    if (!out.ok()) return out.status();
+    if (r) r->payload_bytes += Bytes(mbs[i].dout) + Bytes(out->dx) + Bytes(out->dweights);
+  }
+  return layer.Step().status();
+}
+
+absl::Status ServiceInferRound(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
+                               ModeResult* r) {
+  const Clock::time_point t0 = Clock::now();
+  std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
+  for (const MicroBatch& mb : mbs) {
+    fwd.push_back(layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), false));
+  }
+  for (size_t i = 0; i < fwd.size(); ++i) {
+    auto out = fwd[i].get();
+    if (r) r->forward_latency.push_back(Since(t0));
+    if (!out.ok()) return out.status();
+    if (r) {
+      r->payload_bytes += Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
+                          Bytes(out->out) + Bytes(out->expert_ids) + Bytes(out->weights);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// --- the in-process side -------------------------------------------------------------------
+ForwardRequest Request(const MicroBatch& mb, bool training) {
+  ForwardRequest req;
+  req.x = mb.x.view();
+  if (!mb.ids.empty()) {
+    req.expert_ids = mb.ids.view();
+    req.weights = mb.weights.view();
+  }
+  req.training = training;
+  return req;
+}
+
+absl::Status InprocTrainStep(Layer& layer, const std::vector<MicroBatch>& mbs, ModeResult* r) {
+  std::vector<std::unique_ptr<SavedContext>> ctx;
+  for (const MicroBatch& mb : mbs) {
+    const Clock::time_point t = Clock::now();
+    auto out = layer.Forward(Request(mb, true));
+    if (r) r->forward_latency.push_back(Since(t));
+    if (!out.ok()) return out.status();
+    ctx.push_back(std::move(out->context));
+  }
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    const Clock::time_point t = Clock::now();
+    auto out = layer.Backward(std::move(ctx[i]), mbs[i].dout.view());
+    if (r) r->backward_latency.push_back(Since(t));
+    if (!out.ok()) return out.status();
+  }
+  return layer.Step().status();
+}
+
+absl::Status InprocInferRound(Layer& layer, const std::vector<MicroBatch>& mbs, ModeResult* r) {
+  for (const MicroBatch& mb : mbs) {
+    const Clock::time_point t = Clock::now();
+    auto out = layer.Forward(Request(mb, false));
+    if (r) r->forward_latency.push_back(Since(t));
+    if (!out.ok()) return out.status();
+  }
+  return absl::OkStatus();
+}
+
+// Runs `warmup` untimed then `timed` timed repetitions of `once`, recording into `r`.
+template <typename Fn>
+absl::Status Timed(int warmup, int timed, int64_t tokens_per_rep, const std::string& metrics,
+                   ModeResult* r, Fn once) {
+  for (int i = 0; i < warmup; ++i) {
+    if (auto s = once(nullptr); !s.ok()) return s;
+  }
+  Scrape before, after;
+  if (!metrics.empty()) {
+    auto s = ScrapeMetrics(metrics);
+    if (!s.ok()) return s.status();
+    before = std::move(*s);
+  }
+  const Clock::time_point t0 = Clock::now();
+  for (int i = 0; i < timed; ++i) {
+    if (auto s = once(r); !s.ok()) return s;
+  }
+  r->seconds = Since(t0);
+  r->tokens = tokens_per_rep * timed;
+  Finalize(r);
+  if (!metrics.empty()) {
+    auto s = ScrapeMetrics(metrics);
+    if (!s.ok()) return s.status();
+    after = std::move(*s);
+    FromMetrics(before, after, r);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSame(const Tensor& service, const Tensor& inproc, const std::string& what) {
+  if (service.shape != inproc.shape || service.dtype != inproc.dtype ||
+      service.bytes != inproc.bytes) {
+    return absl::InternalError(absl::StrCat(
+        what, ": the service's inference output differs from the same engine's in process"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckThroughput(const ModeResult& r, const std::string& what) {
+  if (!(r.tokens_per_second > 0) || !std::isfinite(r.tokens_per_second)) {
+    return absl::InternalError(absl::StrCat(what, ": zero throughput (", r.tokens, " tokens in ",
+                                            r.seconds, " s)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string CaseName(const BenchCase& c) {
+  return absl::StrFormat("T=%d d=%d h=%d N=%d", c.tokens, c.d_model, c.d_hidden, c.in_flight);
+}
+
+}  // namespace
+
+double Percentile(std::vector<double> v, double pct) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t rank = static_cast<size_t>(std::ceil(pct / 100.0 * static_cast<double>(v.size())));
+  rank = std::clamp<size_t>(rank, 1, v.size());
+  return v[rank - 1];
+}
+
+absl::StatusOr<std::vector<BenchCase>> ParseCases(const std::string& text) {
+  std::vector<BenchCase> cases;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> f = absl::StrSplit(item, 'x');
+    BenchCase c;
+    int64_t n = 0;
+    if (f.size() != 4 || !absl::SimpleAtoi(f[0], &c.tokens) ||
+        !absl::SimpleAtoi(f[1], &c.d_model) || !absl::SimpleAtoi(f[2], &c.d_hidden) ||
+        !absl::SimpleAtoi(f[3], &n) || c.tokens <= 0 || c.d_model <= 0 || c.d_hidden <= 0 ||
+        n <= 0 || n > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cases: \"", item, "\" is not TxDxHxN with positive T, d, h and 1 <= N <= 1024"));
+    }
+    c.in_flight = static_cast<int>(n);
+    cases.push_back(c);
+  }
+  if (cases.empty()) return absl::InvalidArgumentError("cases: no case given");
+  return cases;
+}
+
+absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
+                                                        std::string* server_description) {
+  if (options.cases.empty()) return absl::InvalidArgumentError("cases: no case given");
+  if (options.steps <= 0) return absl::InvalidArgumentError("steps: must be positive");
+  if (options.inference_rounds <= 0) {
+    return absl::InvalidArgumentError("inference_rounds: must be positive");
+  }
+  if (options.warmup_steps < 0) return absl::InvalidArgumentError("warmup_steps: must be >= 0");
+  if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be positive");
+
+  // The server: a running one, or one started here on loopback with free ports.
+  std::unique_ptr<server::Server> own_server;
+  std::string target = options.server, metrics = options.metrics;
+  if (target.empty()) {
+    server::ServerOptions so;
+    so.host = "127.0.0.1";
+    so.port = 0;
+    so.metrics_port = 0;
+    so.device = options.device;
+    so.context_budget_bytes = int64_t{16} << 30;  // the bench bounds what it keeps itself
+    so.max_message_bytes = std::max<int64_t>(so.max_message_bytes, 2 * options.chunk_bytes);
+    auto s = server::Server::Start(so);
+    if (!s.ok()) return s.status();
+    own_server = std::move(*s);
+    target = absl::StrCat("127.0.0.1:", own_server->port());
+    metrics = absl::StrCat("127.0.0.1:", own_server->metrics_port());
+    *server_description = absl::StrCat("in-process moe-server (", own_server->device(),
+                                       ") on loopback ", target);
+  } else {
+    *server_description = absl::StrCat("moe-server at ", target);
+  }
+
+  client::ClientOptions co;
+  co.timeout = std::chrono::seconds(options.timeout_seconds);
+  co.chunk_bytes = options.chunk_bytes;
+  auto conn = client::Connection::Connect(target, co);
+  if (!conn.ok()) return conn.status();
+  auto engine = CreateEngine(options.device);
+  if (!engine.ok()) return engine.status();
+
+  std::vector<CaseResult> results;
+  std::mt19937_64 rng(options.layer.seed + 12345);
+  for (size_t ci = 0; ci < options.cases.size(); ++ci) {
+    const BenchCase& c = options.cases[ci];
+    const std::string what = CaseName(c);
+    LayerConfig cfg = options.layer;
+    cfg.d_model = c.d_model;
+    cfg.d_hidden = c.d_hidden;
+    if (auto s = ValidateLayerConfig(cfg); !s.ok()) return s;
+    std::vector<MicroBatch> mbs;
+    for (int i = 0; i < c.in_flight; ++i) mbs.push_back(MakeMicroBatch(cfg, c.tokens, rng));
+    const int64_t tokens_per_rep = c.tokens * c.in_flight;
+
+    const std::string name = absl::StrCat("service-bench-", ::getpid(), "-", ci);
+    auto remote = client::RemoteLayer::Create(*conn, name, cfg);
+    if (!remote.ok()) return remote.status();
+    auto local = (*engine)->CreateLayer(cfg);
+    if (!local.ok()) return local.status();
+    CaseResult cr;
+    cr.c = c;
+
+    // Both fresh layers from the same config and seed: the outputs must be identical.
+    {
+      auto svc = (*remote)->Forward(mbs[0].x.view(), mbs[0].ids.view(), mbs[0].weights.view(),
+                                    false).get();
+      if (!svc.ok()) return svc.status();
+      auto loc = (*local)->Forward(Request(mbs[0], false));
+      if (!loc.ok()) return loc.status();
+      if (auto s = CheckSame(svc->out, loc->out, what); !s.ok()) return s;
+    }
+
+    absl::Status st = Timed(options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics,
+                            &cr.service_infer,
+                            [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); });
+    if (st.ok()) {
+      st = Timed(options.warmup_steps, options.inference_rounds, tokens_per_rep, "",
+                 &cr.inproc_infer, [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
+    }
+    if (st.ok()) {
+      st = Timed(options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
+                 [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, r); });
+    }
+    if (st.ok()) {
+      st = Timed(options.warmup_steps, options.steps, tokens_per_rep, "", &cr.inproc_train,
+                 [&](ModeResult* r) { return InprocTrainStep(**local, mbs, r); });
+    }
+    absl::Status del = (*conn)->DeleteLayer(name);
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+    if (!del.ok()) return del;
+    for (auto [r, mode] : {std::pair{&cr.service_infer, "service inference"},
+                           std::pair{&cr.inproc_infer, "in-process inference"},
+                           std::pair{&cr.service_train, "service training"},
+                           std::pair{&cr.inproc_train, "in-process training"}}) {
+      if (auto s = CheckThroughput(*r, absl::StrCat(what, " ", mode)); !s.ok()) return s;
+    }
+    results.push_back(std::move(cr));
+  }
+  return results;
+}
+
+std::string FormatResults(const std::vector<CaseResult>& results) {
+  auto ms = [](double s) { return absl::StrFormat("%.2f", s * 1e3); };
+  std::string out =
+      "| T | d | h | N | mode | service tok/s | in-process tok/s | service/in-process | "
+      "wire MB/s | payload MB/s | fwd p50 ms | fwd p99 ms | bwd p50 ms | bwd p99 ms | "
+      "in-proc fwd p50 ms | in-proc bwd p50 ms |\n"
+      "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const CaseResult& r : results) {
+    for (auto [svc, loc, mode] : {std::tuple{&r.service_train, &r.inproc_train, "train"},
+                                  std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
+      const bool train = std::string(mode) == "train";
+      absl::StrAppendFormat(
+          &out, "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | %s |\n",
+          r.c.tokens, r.c.d_model, r.c.d_hidden, r.c.in_flight, mode, svc->tokens_per_second,
+          loc->tokens_per_second, svc->tokens_per_second / loc->tokens_per_second,
+          svc->wire_bytes / svc->seconds / 1e6, svc->payload_bytes / svc->seconds / 1e6,
+          ms(Percentile(svc->forward_latency, 50)), ms(Percentile(svc->forward_latency, 99)),
+          train ? ms(Percentile(svc->backward_latency, 50)) : "-",
+          train ? ms(Percentile(svc->backward_latency, 99)) : "-",
+          ms(Percentile(loc->forward_latency, 50)),
+          train ? ms(Percentile(loc->backward_latency, 50)) : "-");
+    }
+  }
+  out +=
+      "\nServer stages, mean ms per micro-batch (from /metrics), next to the engine's own time in "
+      "process:\n\n"
+      "| T | d | h | N | mode | method | receive | queue | compute | send | in-process compute |\n"
+      "|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|\n";
+  for (const CaseResult& r : results) {
+    for (auto [svc, loc, mode] : {std::tuple{&r.service_train, &r.inproc_train, "train"},
+                                  std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
+      for (const char* m : {"Forward", "Backward"}) {
+        if (!svc->stage_mean.count(absl::StrCat(m, "/compute"))) continue;
+        auto stage = [&](const char* s) {
+          auto it = svc->stage_mean.find(absl::StrCat(m, "/", s));
+          return it == svc->stage_mean.end() ? std::string("-") : ms(it->second);
+        };
+        const std::vector<double>& lat =
+            std::string(m) == "Forward" ? loc->forward_latency : loc->backward_latency;
+        double mean = 0;
+        for (double v : lat) mean += v / static_cast<double>(lat.size());
+        absl::StrAppendFormat(&out, "| %d | %d | %d | %d | %s | %s | %s | %s | %s | %s | %s |\n",
+                              r.c.tokens, r.c.d_model, r.c.d_hidden, r.c.in_flight, mode, m,
+                              stage("receive"), stage("queue"), stage("compute"), stage("send"),
+                              ms(mean));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace moe::bench

@@ -1,0 +1,80 @@
+// moe-service-bench's measurement core: the same MoE work run through a moe-server (gRPC, the
+// moe::client library, chunking, the server's executor) and in process on an engine's layer
+// directly, so the ratio of the two is the service's overhead and nothing else.
+//
+// Both sides get the same inputs, the same layer config and seed, and the same call sequence:
+// a training step is N Forwards in flight, then their N Backwards in flight, then Step; an
+// inference round is N inference Forwards in flight. In process the N calls run one after the
+// other, which is also what the server's single per-device executor does with them. Before each
+// case the first inference Forward of both fresh layers is compared bitwise, so a service that
+// returned wrong (or no) numbers cannot post a good time.
+#ifndef MOE_BENCH_SERVICE_SERVICE_BENCH_H_
+#define MOE_BENCH_SERVICE_SERVICE_BENCH_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/layer.h"
+
+namespace moe::bench {
+
+// One point of the sweep; the rest of the layer config is shared (BenchOptions::layer).
+struct BenchCase {
+  int64_t tokens = 0;    // T per micro-batch
+  int64_t d_model = 0;   // d
+  int64_t d_hidden = 0;  // h
+  int in_flight = 1;     // N micro-batches in flight
+};
+
+struct BenchOptions {
+  std::string server;          // host:port of a running moe-server; empty: start one in process
+  std::string metrics;         // host:port of its /metrics (in-process server: found itself)
+  std::string device = "cpu";  // engine of the in-process server and of the in-process baseline
+  LayerConfig layer;           // E, K, dtype, routing, activation, seed; d and h come per case
+  std::vector<BenchCase> cases;
+  int warmup_steps = 1;        // training steps (and inference rounds) run before timing
+  int steps = 3;               // timed training steps
+  int inference_rounds = 3;    // timed inference rounds (N Forwards each)
+  int64_t chunk_bytes = int64_t{1} << 20;  // client chunk size (ClientOptions::chunk_bytes)
+  int timeout_seconds = 300;   // deadline of every call
+};
+
+// Per-call latencies in seconds, and what went over the wire.
+struct ModeResult {
+  double seconds = 0;           // wall time of the timed steps/rounds
+  int64_t tokens = 0;           // tokens processed in that time (T * N * steps)
+  double tokens_per_second = 0;
+  std::vector<double> forward_latency;   // one per Forward call
+  std::vector<double> backward_latency;  // one per Backward call (training)
+  double payload_bytes = 0;     // tensor bytes the client sent plus received
+  double wire_bytes = 0;        // serialized message bytes (server metrics); 0 when unknown
+  // Server stage means per micro-batch, seconds: "<method>/<stage>" -> mean (server metrics).
+  std::map<std::string, double> stage_mean;
+};
+
+struct CaseResult {
+  BenchCase c;
+  ModeResult service_train, inproc_train;
+  ModeResult service_infer, inproc_infer;
+};
+
+// Runs every case; fails on the first error (an RPC error, an engine error, a service output
+// that differs from the in-process one, or zero throughput).
+absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
+                                                        std::string* server_description);
+
+// Percentile (0..100) of `v`, nearest rank; 0 for an empty vector.
+double Percentile(std::vector<double> v, double pct);
+
+// The results as a Markdown table (one row per case and mode) and a stage table.
+std::string FormatResults(const std::vector<CaseResult>& results);
+
+// Parses "TxDxHxN" items separated by commas (e.g. "2048x512x512x4").
+absl::StatusOr<std::vector<BenchCase>> ParseCases(const std::string& text);
+
+}  // namespace moe::bench
+
+#endif  // MOE_BENCH_SERVICE_SERVICE_BENCH_H_
