@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "kernels/cuda/expert_backward.h"
 #include "kernels/cuda/expert_forward.h"
 #include "kernels/cuda/gather.h"
+#include "kernels/cuda/sm90_expert_forward.h"
 
 namespace moe::cuda {
 namespace {
@@ -22,12 +24,60 @@ const char* Offset(const void* base, int64_t bytes) {
   return static_cast<const char*>(base) + bytes;
 }
 char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+// bf16 as its raw 16 bits, for the sm90 launchers' uint16_t pointers.
+const uint16_t* Bf16At(const void* base, int64_t bytes) {
+  return reinterpret_cast<const uint16_t*>(Offset(base, bytes));
+}
+uint16_t* Bf16At(void* base, int64_t bytes) {
+  return reinterpret_cast<uint16_t*>(Offset(base, bytes));
+}
 
 std::atomic<int64_t> test_max_chunk_rows{0};
+std::atomic<int> test_forward_kernels{static_cast<int>(ForwardKernels::kAuto)};
+
+// MOE_DISABLE_FUSED=1 in the environment turns kAuto into kUnfused for the whole process (an
+// operator's escape hatch if the fused kernels misbehave on some driver). Read once.
+bool FusedDisabledByEnv() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("MOE_DISABLE_FUSED");
+    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return disabled;
+}
 
 }  // namespace
 
+const char* ForwardKernelsName(ForwardKernels k) {
+  switch (k) {
+    case ForwardKernels::kAuto:
+      return "auto";
+    case ForwardKernels::kUnfused:
+      return "unfused";
+    case ForwardKernels::kFusedUp:
+      return "fused-up";
+    case ForwardKernels::kFusedUpDown:
+      return "fused-up-down";
+  }
+  return "?";
+}
+
+ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
+                               bool device_sm90) {
+  ForwardKernels k = shape.forward;
+  if (k == ForwardKernels::kAuto) {
+    k = FusedDisabledByEnv() ? ForwardKernels::kUnfused : kDefaultFusedForward;
+  }
+  if (k == ForwardKernels::kUnfused) return k;
+  // SwiGLU is Activation::kSwiGLU == 0 (engine/layer.h); the kernels are bf16 only.
+  if (shape.activation != 0 || shape.type != ElemType::kBFloat16 || !device_sm90 ||
+      kernels::Sm90CanImplement(problem) != nullptr) {
+    return ForwardKernels::kUnfused;
+  }
+  return k;
+}
+
 void SetMaxChunkRowsForTesting(int64_t rows) { test_max_chunk_rows = rows; }
+void SetForwardKernelsForTesting(ForwardKernels k) { test_forward_kernels = static_cast<int>(k); }
 
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
                                GemmRunner* gemm, int64_t max_chunk_rows)
@@ -35,6 +85,30 @@ ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream>
   if (max_chunk_rows_ <= 0) {
     max_chunk_rows_ = test_max_chunk_rows > 0 ? test_max_chunk_rows.load() : kMaxChunkRows;
   }
+  const auto forced = static_cast<ForwardKernels>(test_forward_kernels.load());
+  if (forced != ForwardKernels::kAuto) shape_.forward = forced;
+  const int device = stream_->device();
+  device_sm90_ = kernels::Sm90DeviceSupported(device);
+  if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    device_sm90_ = false;  // without an SM count the tile heuristics cannot run: stay unfused
+  }
+}
+
+kernels::Sm90ExpertProblem ExpertPipeline::Sm90Problem(const ChunkPlan& chunk) const {
+  kernels::Sm90ExpertProblem p;
+  p.num_tokens = chunk.tokens;
+  p.top_k = static_cast<int32_t>(shape_.top_k);
+  p.num_experts = static_cast<int32_t>(shape_.expert_count);
+  p.d_model = static_cast<int32_t>(shape_.d_model);
+  p.d_hidden = static_cast<int32_t>(shape_.d_hidden);
+  p.num_routed = chunk.routed;
+  // The engine stacks [W1_e; W3_e] per expert: w1 = w13, w3 = w13 + h*d, stride 2*h*d.
+  p.w13_expert_stride = 2 * shape_.d_hidden * shape_.d_model;
+  return p;
+}
+
+ForwardKernels ExpertPipeline::ChunkForwardKernels(const ChunkPlan& chunk) const {
+  return UseFusedForward(shape_, Sm90Problem(chunk), device_sm90_);
 }
 
 ExpertPipeline::~ExpertPipeline() {
@@ -148,12 +222,9 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
     const int64_t n = ch.routed;
     const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
     const int32_t* slots = plan.slot_of.as<int32_t>() + ch.t0 * K;
+    const ForwardKernels kernels_used = n > 0 ? ChunkForwardKernels(ch) : ForwardKernels::kUnfused;
     DeviceBuffer y;
     if (n > 0) {
-      absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-      if (!xg.ok()) return xg.status();
-      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                                static_cast<int32_t>(K), n, xg->get(), s));
       DeviceBuffer h_tmp;
       void* hb;
       if (h_saved != nullptr) {
@@ -164,12 +235,46 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
         h_tmp = std::move(*t);
         hb = h_tmp.get();
       }
-      MOE_RETURN_IF_ERROR(ExpertUpProjection(ch, xg->get(), w.w13, hb));
-      xg->Reset();
       absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "A");
       if (!a.ok()) return a.status();
-      MOE_CUDA_RETURN(
-          kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h, a->get(), s));
+      if (kernels_used == ForwardKernels::kUnfused) {
+        absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+        if (!xg.ok()) return xg.status();
+        MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                                  static_cast<int32_t>(K), n, xg->get(), s));
+        MOE_RETURN_IF_ERROR(ExpertUpProjection(ch, xg->get(), w.w13, hb));
+        xg->Reset();
+        MOE_CUDA_RETURN(kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h,
+                                                         a->get(), s));
+      } else {
+        // One persistent launch: rows of x gathered on load, [W1;W3] tiles, SwiGLU in the
+        // epilogue; H lands directly in the saved-H rows of this chunk.
+        const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
+        const int32_t* offsets = plan.counts.as<int32_t>() +
+                                 (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
+        const uint16_t* w13 = Bf16At(w.w13, 0);
+        MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
+            prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
+            Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets,
+            entries, Bf16At(hb, 0), a->as<uint16_t>(), s));
+        if (kernels_used == ForwardKernels::kFusedUpDown) {
+          h_tmp.Reset();
+          // Y per (token, k) row of the chunk; rows of entries outside the shard stay unwritten
+          // and the combine never reads them.
+          absl::StatusOr<DeviceBuffer> yb = Alloc(ch.tokens * K * d * e, "Y");
+          if (!yb.ok()) return yb.status();
+          MOE_CUDA_RETURN(kernels::LaunchSm90ExpertDown(
+              prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kDown, num_sms_),
+              a->as<uint16_t>(), Bf16At(w.w2, 0), offsets, entries,
+              yb->as<uint16_t>(), s));
+          a->Reset();
+          MOE_CUDA_RETURN(kernels::LaunchSm90Combine(prob, yb->as<uint16_t>(), p + ch.t0 * K,
+                                                     slots,
+                                                     Bf16At(out, ch.t0 * d * e),
+                                                     s));
+          continue;
+        }
+      }
       h_tmp.Reset();
       absl::StatusOr<DeviceBuffer> yb = Alloc(n * d * e, "Y");
       if (!yb.ok()) return yb.status();

@@ -6,6 +6,11 @@
 // Forward, per token chunk:  Xg = x[entries]; H = Xg [W1;W3]^T (grouped GEMM, the seam
 //   ExpertUpProjection below); A = act(H1) (* H3) (one fused pass); Y = A W2^T (grouped GEMM);
 //   out = sum_k p Y[slot_of] (per-token gather-sum). Only x and H are kept for the backward.
+//   On an sm_90 GPU, for bf16 SwiGLU problems the fused Hopper kernels take (see
+//   UseFusedForward), the gather, up-projection and SwiGLU are one persistent launch that
+//   writes H (into the saved-H buffer) and A; with ForwardKernels::kFusedUpDown the
+//   down-projection writes Y per (token, k) row and the fused combine sums it. H holds the same
+//   bits either way (A is computed from the bf16-rounded H), so the backward is unchanged.
 // Backward, per chunk:  G = dout[entries]; dA_u = G W2 (grouped); one fused pass recomputes A
 //   from H and gives dH, p*A and dp = <dA_u, A>; dW2 += (pA)^T G; Xg = x[entries] again;
 //   d[W1;W3] += dH^T Xg; dXg = dH [W1;W3]; dx = sum_k dXg[slot_of].
@@ -27,9 +32,23 @@
 #include "absl/status/status.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/grouped_gemm.h"
+#include "kernels/cuda/sm90_expert_forward.h"
 #include "kernels/cuda/types.h"
 
 namespace moe::cuda {
+
+// Which kernels run the expert forward. kAuto is what the service uses: the fused path that
+// measured fastest (kDefaultFusedForward) wherever UseFusedForward allows it, unless the
+// environment has MOE_DISABLE_FUSED=1 (read once per process). The others force a path (the
+// benchmark runs them side by side); a fused one still falls back to kUnfused where the
+// device or the problem does not allow it.
+enum class ForwardKernels {
+  kAuto = 0,
+  kUnfused = 1,     // gather + cuBLAS grouped GEMM + activation pass + cuBLAS + combine
+  kFusedUp = 2,     // sm90 gather+GEMM+SwiGLU, then cuBLAS down + the engine's combine
+  kFusedUpDown = 3  // sm90 gather+GEMM+SwiGLU, sm90 down (Y per (t,k) row), sm90 combine
+};
+const char* ForwardKernelsName(ForwardKernels k);
 
 struct ExpertShape {
   int64_t d_model = 0;
@@ -39,6 +58,7 @@ struct ExpertShape {
   int64_t expert_count = 0;
   int activation = 0;  // moe::Activation value
   kernels::ElemType type = kernels::ElemType::kBFloat16;
+  ForwardKernels forward = ForwardKernels::kAuto;
 
   bool gated() const { return activation == 0; }
   int64_t gate_width() const { return gated() ? 2 * d_hidden : d_hidden; }
@@ -75,6 +95,20 @@ struct DispatchPlan {
 
   int64_t device_bytes() const { return entries.bytes() + slot_of.bytes() + counts.bytes(); }
 };
+
+// The one place that decides the forward's kernels for one chunk: `requested` resolved
+// (kAuto -> kDefaultFusedForward, or kUnfused under MOE_DISABLE_FUSED=1) and then reduced to
+// kUnfused unless the activation is SwiGLU, the storage bf16, the device sm_90
+// (`device_sm90`, Sm90DeviceSupported) and Sm90CanImplement(problem) accepts the sizes.
+ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
+                               bool device_sm90);
+
+// The fused variant kAuto stands for, chosen by measurement (docs/PERFORMANCE.md).
+inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpDown;
+
+// Test hook: pipelines created afterwards take this as their shape's `forward` when it is not
+// kAuto (the engine tests force each path through the CUDA layer). kAuto restores the default.
+void SetForwardKernelsForTesting(ForwardKernels k);
 
 // Test hook: pipelines created afterwards use at most `rows` routed rows per chunk, so small
 // test shapes run through several chunks. 0 restores the default.
@@ -122,13 +156,20 @@ class ExpertPipeline {
   // CanImplement check) to plug in a fused kernel; everything else stays as it is.
   absl::Status ExpertUpProjection(const ChunkPlan& chunk, const void* xg, const void* w13, void* h);
 
+  // What the forward of `chunk` runs (UseFusedForward on this pipeline's shape and device).
+  ForwardKernels ChunkForwardKernels(const ChunkPlan& chunk) const;
+
  private:
+  kernels::Sm90ExpertProblem Sm90Problem(const ChunkPlan& chunk) const;
+
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what);
 
   ExpertShape shape_;
   std::shared_ptr<Stream> stream_;
   GemmRunner* gemm_;
   int64_t max_chunk_rows_;
+  bool device_sm90_ = false;
+  int num_sms_ = 0;
   int32_t* pinned_ = nullptr;  // host staging for the counts, grown on demand
   int64_t pinned_ints_ = 0;
 };

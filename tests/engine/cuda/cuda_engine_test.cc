@@ -12,6 +12,13 @@
 // Expert ids and token counts must match exactly. Shapes include d and h not multiples of 64
 // (and odd, which forces the scalar kernel paths), E not a power of two, experts with no
 // tokens, T = 1, K = 1, shards and several dispatch chunks. GPU only (ctest label "gpu").
+//
+// FusedForward runs the bf16 SwiGLU cases once per forward path (unfused; sm90 fused
+// up-projection + cuBLAS down; sm90 fused up + down + combine), forced through the pipeline's
+// test hook, and first asserts which path the pipeline takes on this device: on sm_90 the
+// fused one for sizes Sm90CanImplement accepts (d, h multiples of 8), the unfused fallback for
+// the others (d = 38); elsewhere always the fallback. The tolerances are the same as above:
+// the fused kernels round H, A, Y and out to bf16 at the same points as the unfused path.
 #include "engine/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
@@ -26,6 +33,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/cpu_engine.h"
@@ -105,7 +113,8 @@ Tensor RandomFloat(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng
   return t;
 }
 
-class CudaEngineTest : public ::testing::TestWithParam<Case> {
+// Skips without a GPU; poisons every device allocation; restores the test hooks afterwards.
+class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -114,13 +123,15 @@ class CudaEngineTest : public ::testing::TestWithParam<Case> {
   void TearDown() override {
     cuda::SetPoisonAllocationsForTesting(false);
     cuda::SetMaxChunkRowsForTesting(0);
+    cuda::SetForwardKernelsForTesting(cuda::ForwardKernels::kAuto);
   }
 };
 
-TEST_P(CudaEngineTest, MatchesCpuEngine) {
-  const Case c = GetParam();
+class CudaEngineTest : public GpuTest, public ::testing::WithParamInterface<Case> {};
+
+void RunCase(const Case& c, const std::string& extra) {
   const uint64_t seed = std::random_device{}();
-  const std::string what = Describe(c, seed);
+  const std::string what = Describe(c, seed) + extra;
   std::mt19937_64 rng(seed);
   const bool bf16 = c.dtype == DType::kBFloat16;
   const double tol = bf16 ? 2e-2 : 1e-4;
@@ -291,6 +302,8 @@ TEST_P(CudaEngineTest, MatchesCpuEngine) {
   if (kept > 0) report("inference out after step", NormErr(go, co));
 }
 
+TEST_P(CudaEngineTest, MatchesCpuEngine) { RunCase(GetParam(), ""); }
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaEngineTest,
     ::testing::Values(
@@ -327,6 +340,98 @@ INSTANTIATE_TEST_SUITE_P(
         Case{300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer, 0, -1,
              OptimizerKind::kAdamW, 0.0, 0.01, 0.0, true, 100},
         Case{1100, 8, 2, 64, 64, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient}));
+
+struct FusedCase {
+  Case c;
+  bool fusable;  // Sm90CanImplement takes these sizes
+};
+
+class FusedForwardTest
+    : public GpuTest,
+      public ::testing::WithParamInterface<std::tuple<FusedCase, cuda::ForwardKernels>> {};
+
+TEST_P(FusedForwardTest, MatchesCpuEngine) {
+  const auto& [fc, requested] = GetParam();
+  const Case& c = fc.c;
+  ASSERT_EQ(c.act, Activation::kSwiGLU);
+  ASSERT_EQ(c.dtype, DType::kBFloat16);
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  const bool sm90 = major == 9 && minor == 0;
+
+  // Which path a pipeline of this layer's shape takes for one chunk of these sizes.
+  cuda::SetForwardKernelsForTesting(requested);
+  absl::StatusOr<std::shared_ptr<cuda::Stream>> stream = cuda::Stream::Create(device);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  cuda::ExpertShape shape;
+  shape.d_model = c.d;
+  shape.d_hidden = c.h;
+  shape.top_k = c.top_k;
+  shape.expert_first = c.first;
+  shape.expert_count = c.count < 0 ? c.experts : c.count;
+  shape.activation = static_cast<int>(c.act);
+  shape.type = kernels::ElemType::kBFloat16;
+  cuda::ExpertPipeline pipe(shape, *stream, /*gemm=*/nullptr);
+  cuda::ChunkPlan chunk;
+  chunk.tokens = c.tokens;
+  chunk.routed = c.tokens * c.top_k;
+  const cuda::ForwardKernels expected =
+      sm90 && fc.fusable ? requested : cuda::ForwardKernels::kUnfused;
+  ASSERT_EQ(pipe.ChunkForwardKernels(chunk), expected)
+      << "requested " << cuda::ForwardKernelsName(requested) << " sm90=" << sm90;
+  RunCase(c, std::string(" forward=") + cuda::ForwardKernelsName(expected));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FusedForwardTest,
+    ::testing::Combine(
+        ::testing::Values(
+            // d, h multiples of 8 but not of 64; E = 9 with a shard [2, 7) and skewed routing,
+            // so local experts receive no token.
+            FusedCase{{37, 9, 3, 200, 136, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kClient, 2, 5, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
+                       true},
+                      true},
+            // A hot expert with several 128-row blocks and a ragged tail; k and column tails.
+            FusedCase{{700, 10, 4, 264, 72, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kClient, 0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
+                       true},
+                      true},
+            // T = 1, K = 1 (server routing).
+            FusedCase{{1, 3, 1, 16, 8, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer},
+                      true},
+            // K = 1, most experts empty.
+            FusedCase{{40, 16, 1, 32, 48, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kClient, 0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
+                       true},
+                      true},
+            // A shard of 6 of 12 experts: out-of-shard (t, k) rows are neither written nor read.
+            FusedCase{{64, 12, 3, 48, 32, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kClient, 3, 6},
+                      true},
+            // Several dispatch chunks (each with its own offsets and chunk-local entries).
+            FusedCase{{300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kServer, 0, -1, OptimizerKind::kAdamW, 0.0, 0.01, 0.0, true,
+                       100},
+                      true},
+            // Fallback: d = 38 is not a multiple of 8, so the fused kernels refuse it.
+            FusedCase{{29, 7, 3, 38, 24, Activation::kSwiGLU, DType::kBFloat16,
+                       RoutingMode::kClient},
+                      false}),
+        ::testing::Values(cuda::ForwardKernels::kUnfused, cuda::ForwardKernels::kFusedUp,
+                          cuda::ForwardKernels::kFusedUpDown)),
+    [](const ::testing::TestParamInfo<FusedForwardTest::ParamType>& info) {
+      const Case& c = std::get<0>(info.param).c;
+      std::string name = "T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +
+                         std::to_string(c.top_k) + "_d" + std::to_string(c.d) + "_h" +
+                         std::to_string(c.h) + "_" + cuda::ForwardKernelsName(std::get<1>(info.param));
+      for (char& ch : name) {
+        if (ch == '-') ch = '_';
+      }
+      return name;
+    });
 
 // A rejected request names its field and changes nothing; a foreign context is refused.
 TEST(CudaEngineValidationTest, BadInputsGetInvalidArgumentNamingTheField) {

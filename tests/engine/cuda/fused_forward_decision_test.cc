@@ -1,0 +1,99 @@
+// UseFusedForward, the one function that decides whether a chunk's expert forward runs the
+// fused sm90 kernels: host logic only, so it runs everywhere (in CI too, no GPU needed). The
+// device is passed in as a flag, so both the sm_90 and the non-sm_90 answers are checked here;
+// the GPU tests (cuda_engine_test.cc) check the answer on the real device and the numbers.
+//
+// Registered twice in ctest: once as is and once with MOE_DISABLE_FUSED=1 in the environment,
+// which the pipeline reads once per process; EnvironmentSwitch asserts the matching answer.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/cuda/expert_pipeline.h"
+#include "kernels/cuda/sm90_expert_forward.h"
+
+namespace moe::cuda {
+namespace {
+
+using kernels::Sm90ExpertProblem;
+
+ExpertShape SwiGluBf16(int64_t d, int64_t h, ForwardKernels forward) {
+  ExpertShape s;
+  s.d_model = d;
+  s.d_hidden = h;
+  s.top_k = 2;
+  s.expert_count = 8;
+  s.activation = 0;  // SwiGLU
+  s.type = kernels::ElemType::kBFloat16;
+  s.forward = forward;
+  return s;
+}
+
+Sm90ExpertProblem Problem(const ExpertShape& s, int64_t tokens) {
+  Sm90ExpertProblem p;
+  p.num_tokens = tokens;
+  p.top_k = static_cast<int32_t>(s.top_k);
+  p.num_experts = static_cast<int32_t>(s.expert_count);
+  p.d_model = static_cast<int32_t>(s.d_model);
+  p.d_hidden = static_cast<int32_t>(s.d_hidden);
+  p.w13_expert_stride = 2 * s.d_hidden * s.d_model;
+  return p;
+}
+
+bool EnvDisables() {
+  const char* v = std::getenv("MOE_DISABLE_FUSED");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+TEST(UseFusedForwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
+  for (ForwardKernels k : {ForwardKernels::kUnfused, ForwardKernels::kFusedUp,
+                           ForwardKernels::kFusedUpDown}) {
+    const ExpertShape s = SwiGluBf16(200, 136, k);  // multiples of 8, not of 64
+    EXPECT_EQ(UseFusedForward(s, Problem(s, 37), /*device_sm90=*/true), k)
+        << ForwardKernelsName(k);
+  }
+}
+
+TEST(UseFusedForwardTest, FallsBackOffSm90) {
+  for (ForwardKernels k : {ForwardKernels::kAuto, ForwardKernels::kFusedUp,
+                           ForwardKernels::kFusedUpDown}) {
+    const ExpertShape s = SwiGluBf16(256, 128, k);
+    EXPECT_EQ(UseFusedForward(s, Problem(s, 64), /*device_sm90=*/false), ForwardKernels::kUnfused)
+        << ForwardKernelsName(k);
+  }
+}
+
+TEST(UseFusedForwardTest, FallsBackForSizesTheKernelsRefuse) {
+  const ForwardKernels k = ForwardKernels::kFusedUpDown;
+  ExpertShape s = SwiGluBf16(38, 24, k);  // d not a multiple of 8
+  ASSERT_NE(kernels::Sm90CanImplement(Problem(s, 29)), nullptr);
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 20, k);  // h not a multiple of 8
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 64, k);
+  s.expert_count = 600;  // more local experts than the kernels' shared-memory prefix holds
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
+}
+
+TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
+  ExpertShape s = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
+  s.activation = 1;  // not SwiGLU
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
+  s.type = kernels::ElemType::kFloat32;
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), ForwardKernels::kUnfused);
+}
+
+TEST(UseFusedForwardTest, EnvironmentSwitch) {
+  const ExpertShape s = SwiGluBf16(64, 64, ForwardKernels::kAuto);
+  const ForwardKernels want = EnvDisables() ? ForwardKernels::kUnfused : kDefaultFusedForward;
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), want)
+      << "MOE_DISABLE_FUSED=" << (std::getenv("MOE_DISABLE_FUSED") ? "set" : "unset");
+  // A forced path ignores the variable: the benchmark shows fused and unfused side by side.
+  const ExpertShape forced = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
+  EXPECT_EQ(UseFusedForward(forced, Problem(forced, 16), true), ForwardKernels::kFusedUp);
+}
+
+}  // namespace
+}  // namespace moe::cuda
