@@ -1,0 +1,109 @@
+// Tests of moe-service-bench's measurement core (bench/service/service_bench.h): a tiny sweep
+// against a real server started on loopback gives positive throughput, latencies, wire bytes and
+// server stage times for both modes; bad options and cases fail naming the field; percentiles
+// are nearest-rank.
+#include "bench/service/service_bench.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace moe::bench {
+namespace {
+
+BenchOptions Tiny() {
+  BenchOptions o;
+  o.layer.num_experts = 4;
+  o.layer.top_k = 2;
+  o.cases = {{48, 16, 8, 2}};
+  o.steps = 2;
+  o.inference_rounds = 2;
+  o.chunk_bytes = 512;  // several chunks per micro-batch
+  return o;
+}
+
+TEST(ServiceBenchTest, TinySweepMeasuresBothSidesThroughARealServer) {
+  for (RoutingMode routing : {RoutingMode::kClient, RoutingMode::kServer}) {
+    BenchOptions o = Tiny();
+    o.layer.routing = routing;
+    std::string where;
+    auto results = RunServiceBench(o, &where);
+    ASSERT_TRUE(results.ok()) << results.status() << " routing " << static_cast<int>(routing);
+    EXPECT_NE(where.find("loopback"), std::string::npos) << where;
+    ASSERT_EQ(results->size(), 1u);
+    const CaseResult& r = (*results)[0];
+    for (const ModeResult* m : {&r.service_train, &r.inproc_train, &r.service_infer,
+                                &r.inproc_infer}) {
+      EXPECT_GT(m->tokens_per_second, 0);
+      EXPECT_EQ(m->tokens, 48 * 2 * 2);
+    }
+    // 2 steps x 2 micro-batches: one latency per call.
+    EXPECT_EQ(r.service_train.forward_latency.size(), 4u);
+    EXPECT_EQ(r.service_train.backward_latency.size(), 4u);
+    EXPECT_EQ(r.service_infer.forward_latency.size(), 4u);
+    EXPECT_TRUE(r.service_infer.backward_latency.empty());
+    // The payload the client counted: Forward x + out (+ ids/weights), Backward dout + dx, each
+    // [48, 16] fp32 = 3072 bytes; the serialized bytes on the wire can only be more.
+    EXPECT_GE(r.service_train.payload_bytes, 4 * (4 * 3072.0));
+    EXPECT_GE(r.service_train.wire_bytes, r.service_train.payload_bytes);
+    EXPECT_GE(r.service_infer.wire_bytes, r.service_infer.payload_bytes);
+    for (const char* key : {"Forward/receive", "Forward/queue", "Forward/compute", "Forward/send",
+                            "Backward/compute"}) {
+      EXPECT_TRUE(r.service_train.stage_mean.count(key)) << key;
+    }
+    EXPECT_FALSE(r.service_infer.stage_mean.count("Backward/compute"));
+    const std::string table = FormatResults(*results);
+    EXPECT_NE(table.find("| 48 | 16 | 8 | 2 | train |"), std::string::npos) << table;
+    EXPECT_NE(table.find("| 48 | 16 | 8 | 2 | infer |"), std::string::npos) << table;
+  }
+}
+
+TEST(ServiceBenchTest, BadOptionsNameTheField) {
+  std::string where;
+  BenchOptions o = Tiny();
+  o.steps = 0;
+  auto r = RunServiceBench(o, &where);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("steps"), std::string::npos) << r.status();
+
+  o = Tiny();
+  o.layer.top_k = 9;  // more than E
+  r = RunServiceBench(o, &where);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("top_k"), std::string::npos) << r.status();
+
+  o = Tiny();
+  o.device = "tpu";
+  r = RunServiceBench(o, &where);
+  EXPECT_FALSE(r.ok());
+}
+
+TEST(ServiceBenchTest, ParseCases) {
+  auto c = ParseCases("512x256x128x4, 8x8x8x1");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->size(), 2u);
+  EXPECT_EQ((*c)[0].tokens, 512);
+  EXPECT_EQ((*c)[0].d_model, 256);
+  EXPECT_EQ((*c)[0].d_hidden, 128);
+  EXPECT_EQ((*c)[0].in_flight, 4);
+  EXPECT_EQ((*c)[1].in_flight, 1);
+  for (const char* bad : {"", "512x256x128", "512x256x128x0", "ax1x1x1", "1x1x1x1x1", "-1x1x1x1"}) {
+    auto r = ParseCases(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("cases"), std::string::npos) << bad;
+  }
+}
+
+TEST(ServiceBenchTest, PercentileIsNearestRank) {
+  EXPECT_EQ(Percentile({}, 50), 0);
+  EXPECT_EQ(Percentile({3, 1, 2}, 50), 2);
+  EXPECT_EQ(Percentile({3, 1, 2}, 99), 3);
+  EXPECT_EQ(Percentile({3, 1, 2}, 0), 1);
+  std::vector<double> v;
+  for (int i = 1; i <= 100; ++i) v.push_back(i);
+  EXPECT_EQ(Percentile(v, 99), 99);
+  EXPECT_EQ(Percentile(v, 50), 50);
+}
+
+}  // namespace
+}  // namespace moe::bench
