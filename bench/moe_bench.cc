@@ -1,18 +1,27 @@
 // Kernel benchmark of the CUDA expert pipeline over the presets of issue 4 (bf16, SwiGLU,
 // client routing, the same math as /work/shared/bench/torch_moe_reference.py).
 //
-// Per preset it prints forward ms (dispatch, with its one host sync, + gather + expert GEMMs
-// + fused SwiGLU + combine), backward ms (everything down to dx, dp, dW1, dW3, dW2, as the
+// Per preset it prints forward ms for each forward path of the pipeline, side by side in the
+// same process: unfused (dispatch, with its one host sync, + gather + cuBLAS grouped GEMMs +
+// SwiGLU pass + combine), fused-up (the sm90 gather+GEMM+SwiGLU kernel, then cuBLAS down +
+// combine) and fused-up-down (sm90 up, sm90 down writing Y per (token, k), sm90 combine); a
+// fused path that the device or the sizes do not allow runs unfused, and the line says which
+// path really ran. Each fused forward's output is checked against the unfused one on the
+// first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms (everything down to dx, dp, dW1, dW3, dW2, as the
 // first backward after an optimizer step: fp32 gradients overwritten, not read), TFLOP/s
 // counting 6*T*K*d*h forward and 12*T*K*d*h backward, the bytes the forward keeps for the
 // backward (x, H and the index arrays), and the MoEBlaze dispatch against the CUB radix-sort
 // baseline (checked equal bit for bit; timed as 20 back-to-back calls per sample so that
-// device time, not host launch latency, is compared). Times are medians of CUDA-event
+// device time, not host launch latency, is compared). fwd+bwd of a path is its forward
+// median plus the (shared) backward median: the backward does not depend on the forward path.
+// Before the presets it measures the cuBLAS dense bf16 GEMM rate (8192^3, fp32 accumulation),
+// the ceiling the TFLOP/s columns are compared against. Times are medians of CUDA-event
 // intervals after warm-up. Inputs come from a GPU-side generator; routing is top-K of
 // softmax(random logits), like the PyTorch reference. With --json FILE each preset is also appended
 // as one JSON line, which scripts/bench joins with the PyTorch numbers.
 //
 //   moe_bench --preset olmoe sonic-7b      moe_bench --all [--reps 10] [--json out.jsonl]
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -51,8 +60,18 @@ constexpr Preset kPresets[] = {
     {"scale-512k", 524288, 2048, 1024, 64, 4}, {"scale-2m", 2097152, 2048, 1024, 64, 4},
 };
 
+// The forward paths timed per preset, in print order.
+constexpr cuda::ForwardKernels kPaths[] = {cuda::ForwardKernels::kUnfused,
+                                           cuda::ForwardKernels::kFusedUp,
+                                           cuda::ForwardKernels::kFusedUpDown};
+constexpr int kNumPaths = 3;
+constexpr int64_t kCheckTokens = 16384;
+
 struct Result {
-  double fwd_ms = 0, bwd_ms = 0, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
+  double fwd_ms[kNumPaths] = {}, bwd_ms = 0, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
+  cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
+  double err_vs_unfused[kNumPaths] = {};     // normalised, on the first kCheckTokens tokens
+  int auto_path = 0;                         // index in kPaths of what the service runs
   bool dispatch_equal = false;
   int grouped_fallbacks = 0;
   int64_t chunks = 0;
@@ -105,7 +124,6 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   shape.expert_count = p.E;
   shape.activation = 0;  // SwiGLU
   shape.type = kernels::ElemType::kBFloat16;
-  cuda::ExpertPipeline pipe(shape, stream, gemm->get());
   const int64_t T = p.T, d = p.d, h = p.h, E = p.E, K = p.K;
 
   auto alloc = [&](int64_t bytes, const char* what) {
@@ -141,19 +159,58 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   Result r;
   const cuda::ExpertWeights w{w13->get(), w2->get()};
   const int64_t g = 2 * h;
-  // Forward as the layer runs it in training: dispatch (one sync), H kept, combine.
-  absl::StatusOr<double> fwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
+  const int64_t check_rows = std::min(T, kCheckTokens);
+  std::vector<uint16_t> out_unfused, out_path(static_cast<size_t>(check_rows * d));
+  auto bf16 = [](uint16_t b) {
+    uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return static_cast<double>(f);
+  };
+  for (int v = 0; v < kNumPaths; ++v) {
+    shape.forward = kPaths[v];
+    cuda::ExpertPipeline pipe(shape, stream, gemm->get());
+    // Forward as the layer runs it in training: dispatch (one sync), H kept, combine.
+    absl::StatusOr<double> fwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
+      cuda::DispatchPlan plan;
+      CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
+      absl::StatusOr<DeviceBuffer> hb = alloc(plan.total_routed * g * 2, "H");
+      if (!hb.ok()) return hb.status();
+      return pipe.Forward(plan, x->get(), pw->as<float>(), w, hb->get(), out->get());
+    });
+    if (!fwd.ok()) return fwd.status();
+    r.fwd_ms[v] = *fwd;
     cuda::DispatchPlan plan;
     CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
-    absl::StatusOr<DeviceBuffer> hb = alloc(plan.total_routed * g * 2, "H");
-    if (!hb.ok()) return hb.status();
-    return pipe.Forward(plan, x->get(), pw->as<float>(), w, hb->get(), out->get());
-  });
-  if (!fwd.ok()) return fwd.status();
-  r.fwd_ms = *fwd;
-
+    r.ran[v] = pipe.ChunkForwardKernels(plan.chunks.front());
+    MOE_CUDA_RETURN(cudaMemcpy(out_path.data(), out->get(), out_path.size() * 2,
+                               cudaMemcpyDeviceToHost));
+    if (v == 0) {
+      out_unfused = out_path;
+    } else {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < out_path.size(); ++i) {
+        const double a = bf16(out_path[i]), b = bf16(out_unfused[i]);
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
+      r.err_vs_unfused[v] = den > 0 ? std::sqrt(num / den) : (num == 0 ? 0 : INFINITY);
+      if (!(r.err_vs_unfused[v] <= 2e-2)) {
+        return absl::InternalError(absl::StrCat(cuda::ForwardKernelsName(kPaths[v]),
+                                                " forward differs from the unfused one: ",
+                                                r.err_vs_unfused[v]));
+      }
+    }
+  }
+  // What the service runs (kAuto): the index of its path among the timed ones.
+  shape.forward = cuda::ForwardKernels::kAuto;
+  cuda::ExpertPipeline pipe(shape, stream, gemm->get());
   cuda::DispatchPlan plan;
   CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
+  const cuda::ForwardKernels auto_path = pipe.ChunkForwardKernels(plan.chunks.front());
+  for (int v = 0; v < kNumPaths; ++v) {
+    if (kPaths[v] == auto_path) r.auto_path = v;
+  }
   r.chunks = static_cast<int64_t>(plan.chunks.size());
   absl::StatusOr<DeviceBuffer> hb = alloc(plan.total_routed * g * 2, "H");
   if (!hb.ok()) return hb.status();
@@ -224,6 +281,36 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   return r;
 }
 
+// The dense bf16 GEMM rate of cuBLAS on this GPU (TFLOP/s): M = N = K = 8192, fp32
+// accumulation, random inputs, median of 20. The ceiling issue 5's "% of cuBLAS" compares to.
+absl::StatusOr<double> CublasDenseTflops() {
+  constexpr int64_t n = 8192;
+  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
+  if (!st.ok()) return st.status();
+  cudaStream_t s = (*st)->get();
+  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(n * n * 2, *st, "A"),
+                               b = DeviceBuffer::Allocate(n * n * 2, *st, "B"),
+                               c = DeviceBuffer::Allocate(n * n * 2, *st, "C");
+  for (auto* buf : {&a, &b, &c}) {
+    if (!buf->ok()) return buf->status();
+  }
+  MOE_CUDA_RETURN(FillNormalBf16(a->get(), n * n, 1.f, 11, s));
+  MOE_CUDA_RETURN(FillNormalBf16(b->get(), n * n, 1.f, 12, s));
+  cublasHandle_t handle;
+  MOE_CUBLAS_RETURN(cublasCreate(&handle));
+  cublasSetStream(handle, s);
+  const float one = 1.f, zero = 0.f;
+  absl::StatusOr<double> ms = TimeMs(s, 3, 20, [&]() -> absl::Status {
+    MOE_CUBLAS_RETURN(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a->get(),
+                                   CUDA_R_16BF, n, b->get(), CUDA_R_16BF, n, &zero, c->get(),
+                                   CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  });
+  cublasDestroy(handle);
+  if (!ms.ok()) return ms.status();
+  return 2.0 * n * n * n / *ms / 1e9;
+}
+
 int Main(int argc, char** argv) {
   std::vector<const Preset*> todo;
   int reps = 10, warmup = 3;
@@ -284,11 +371,20 @@ int Main(int argc, char** argv) {
     cudaDeviceGetDefaultMemPool(&pool, 0);
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   }
+  absl::StatusOr<double> peak = CublasDenseTflops();
+  if (!peak.ok()) {
+    std::fprintf(stderr, "moe_bench: cuBLAS dense rate: %s\n",
+                 std::string(peak.status().message()).c_str());
+    return 1;
+  }
   std::printf("# moe_bench on %s, bf16 SwiGLU, expert GEMMs %s, medians of %d after %d warm-up\n",
               prop.name, mode_name.c_str(), reps, warmup);
-  std::printf("%-12s %8s %8s %8s %9s %9s %9s %10s %9s %9s %6s\n", "preset", "fwd_ms", "bwd_ms",
-              "total", "fwd_TF/s", "bwd_TF/s", "tot_TF/s", "saved_MiB", "disp_ms", "cub_ms",
-              "equal");
+  std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s\n", *peak);
+  std::printf("# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
+              "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
+  std::printf("%-12s %9s %9s %9s %8s %8s %8s %8s %9s %7s %10s %9s %9s %6s %9s\n", "preset",
+              "fwd_unf", "fwd_up", "fwd_updn", "bwd_ms", "tot_unf", "tot_svc", "svcTF/s",
+              "%cuBLAS", "err", "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode);
@@ -306,18 +402,41 @@ int Main(int argc, char** argv) {
                        std::string(r.status().message()), "\"}");
     } else {
       const double flop = 6.0 * p->T * p->K * p->d * p->h;
-      const double fwd_tf = flop / r->fwd_ms / 1e9, bwd_tf = 2 * flop / r->bwd_ms / 1e9;
-      const double tot = r->fwd_ms + r->bwd_ms, tot_tf = 3 * flop / tot / 1e9;
-      std::printf("%-12s %8.3f %8.3f %8.3f %9.1f %9.1f %9.1f %10.1f %9.4f %9.4f %6s\n", p->name,
-                  r->fwd_ms, r->bwd_ms, tot, fwd_tf, bwd_tf, tot_tf, r->saved_bytes / 1048576.0,
-                  r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO");
+      const int a = r->auto_path;
+      const double fwd = r->fwd_ms[a];
+      const double fwd_tf = flop / fwd / 1e9, bwd_tf = 2 * flop / r->bwd_ms / 1e9;
+      const double tot = fwd + r->bwd_ms, tot_tf = 3 * flop / tot / 1e9;
+      const double max_err = std::max(r->err_vs_unfused[1], r->err_vs_unfused[2]);
+      std::string cols[kNumPaths];
+      for (int v = 0; v < kNumPaths; ++v) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.3f%s", r->fwd_ms[v],
+                      r->ran[v] != kPaths[v] ? "!" : (v == a ? "*" : ""));
+        cols[v] = buf;
+      }
+      std::printf("%-12s %9s %9s %9s %8.3f %8.3f %8.3f %8.1f %8.1f%% %7.1e %10.1f %9.4f %9.4f %6s %9lld\n",
+                  p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), r->bwd_ms,
+                  r->fwd_ms[0] + r->bwd_ms, tot, tot_tf, 100.0 * tot_tf / *peak, max_err,
+                  r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms,
+                  r->dispatch_equal ? "yes" : "NO", static_cast<long long>(r->chunks));
       if (!r->dispatch_equal) ++failures;
       line = absl::StrCat(
           "{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
           ", \"d\": ", p->d, ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
-          ", \"fwd_ms\": ", r->fwd_ms, ", \"bwd_ms\": ", r->bwd_ms, ", \"fwdbwd_ms\": ", tot,
+          ", \"forward_path\": \"", cuda::ForwardKernelsName(r->ran[a]), "\"",
+          ", \"fwd_ms\": ", fwd, ", \"bwd_ms\": ", r->bwd_ms, ", \"fwdbwd_ms\": ", tot,
           ", \"fwd_tflops\": ", fwd_tf, ", \"bwd_tflops\": ", bwd_tf,
-          ", \"fwdbwd_tflops\": ", tot_tf, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
+          ", \"fwdbwd_tflops\": ", tot_tf, ", \"cublas_dense_tflops\": ", *peak);
+      for (int v = 0; v < kNumPaths; ++v) {
+        std::string key = cuda::ForwardKernelsName(kPaths[v]);
+        std::replace(key.begin(), key.end(), '-', '_');
+        absl::StrAppend(&line, ", \"fwd_", key, "_ms\": ", r->fwd_ms[v], ", \"fwdbwd_", key,
+                        "_ms\": ", r->fwd_ms[v] + r->bwd_ms, ", \"ran_", key, "\": \"",
+                        cuda::ForwardKernelsName(r->ran[v]), "\", \"err_", key,
+                        "\": ", r->err_vs_unfused[v]);
+      }
+      absl::StrAppend(
+          &line, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
           ", \"dispatch_ms\": ", r->dispatch_ms, ", \"cub_sort_ms\": ", r->cub_ms,
           ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",
           ", \"chunks\": ", r->chunks, ", \"gemm\": \"", mode_name,
