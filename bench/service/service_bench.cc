@@ -264,31 +264,41 @@ absl::Status InprocInferRound(Layer& layer, const std::vector<MicroBatch>& mbs, 
   return absl::OkStatus();
 }
 
-// Runs `warmup` untimed then `timed` timed repetitions of `once`, recording into `r`.
-template <typename Fn>
-absl::Status Timed(int warmup, int timed, int64_t tokens_per_rep, const std::string& metrics,
-                   ModeResult* r, Fn once) {
+// Runs `warmup` untimed then `timed` timed repetitions of the service side and the in-process
+// side, alternating rep by rep: on shared cores the load drifts, and alternating exposes both
+// sides to the same drift instead of giving one side the quiet minute. Each side's time is the
+// sum of its own reps. The server's metrics are scraped around the whole loop; the in-process
+// reps do not touch the server, so the differences are the service reps' alone.
+template <typename ServiceFn, typename InprocFn>
+absl::Status TimedPair(int warmup, int timed, int64_t tokens_per_rep, const std::string& metrics,
+                       ModeResult* service, ModeResult* inproc, ServiceFn service_once,
+                       InprocFn inproc_once) {
   for (int i = 0; i < warmup; ++i) {
-    if (auto s = once(nullptr); !s.ok()) return s;
+    if (auto s = service_once(nullptr); !s.ok()) return s;
+    if (auto s = inproc_once(nullptr); !s.ok()) return s;
   }
-  Scrape before, after;
+  Scrape before;
   if (!metrics.empty()) {
     auto s = ScrapeMetrics(metrics);
     if (!s.ok()) return s.status();
     before = std::move(*s);
   }
-  const Clock::time_point t0 = Clock::now();
   for (int i = 0; i < timed; ++i) {
-    if (auto s = once(r); !s.ok()) return s;
+    Clock::time_point t0 = Clock::now();
+    if (auto s = service_once(service); !s.ok()) return s;
+    service->seconds += Since(t0);
+    t0 = Clock::now();
+    if (auto s = inproc_once(inproc); !s.ok()) return s;
+    inproc->seconds += Since(t0);
   }
-  r->seconds = Since(t0);
-  r->tokens = tokens_per_rep * timed;
-  Finalize(r);
+  for (ModeResult* r : {service, inproc}) {
+    r->tokens = tokens_per_rep * timed;
+    Finalize(r);
+  }
   if (!metrics.empty()) {
-    auto s = ScrapeMetrics(metrics);
-    if (!s.ok()) return s.status();
-    after = std::move(*s);
-    FromMetrics(before, after, r);
+    auto after = ScrapeMetrics(metrics);
+    if (!after.ok()) return after.status();
+    FromMetrics(before, *after, service);
   }
   return absl::OkStatus();
 }
@@ -315,6 +325,20 @@ std::string CaseName(const BenchCase& c) {
 }
 
 }  // namespace
+
+double HostCopyGigabytesPerSecond(int64_t bytes) {
+  std::vector<char> src(static_cast<size_t>(bytes), 1), dst(static_cast<size_t>(bytes), 0);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    src[static_cast<size_t>(i)] = static_cast<char>(i);  // each copy moves different bytes
+    const Clock::time_point t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), src.size());
+    const double s = Since(t0);
+    if (dst[static_cast<size_t>(i)] != static_cast<char>(i)) return 0;  // keeps the copy alive
+    if (s > 0) best = std::max(best, static_cast<double>(bytes) / s / 1e9);
+  }
+  return best;
+}
 
 double Percentile(std::vector<double> v, double pct) {
   if (v.empty()) return 0;
@@ -415,20 +439,16 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       if (auto s = CheckSame(svc->out, loc->out, what); !s.ok()) return s;
     }
 
-    absl::Status st = Timed(options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics,
-                            &cr.service_infer,
-                            [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); });
+    absl::Status st = TimedPair(
+        options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics,
+        &cr.service_infer, &cr.inproc_infer,
+        [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); },
+        [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
     if (st.ok()) {
-      st = Timed(options.warmup_steps, options.inference_rounds, tokens_per_rep, "",
-                 &cr.inproc_infer, [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
-    }
-    if (st.ok()) {
-      st = Timed(options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
-                 [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, r); });
-    }
-    if (st.ok()) {
-      st = Timed(options.warmup_steps, options.steps, tokens_per_rep, "", &cr.inproc_train,
-                 [&](ModeResult* r) { return InprocTrainStep(**local, mbs, r); });
+      st = TimedPair(
+          options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
+          &cr.inproc_train, [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, r); },
+          [&](ModeResult* r) { return InprocTrainStep(**local, mbs, r); });
     }
     absl::Status del = (*conn)->DeleteLayer(name);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));

@@ -66,6 +66,10 @@ struct CaseResult {
 absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
                                                         std::string* server_description);
 
+// Host memcpy bandwidth, GB/s, best of a few copies of `bytes`: the price of one extra copy of
+// a tensor on the service's path, to read the stage times against.
+double HostCopyGigabytesPerSecond(int64_t bytes);
+
 // Percentile (0..100) of `v`, nearest rank; 0 for an empty vector.
 double Percentile(std::vector<double> v, double pct);
 
