@@ -1,6 +1,8 @@
 // MoEBlaze dispatch kernels (see dispatch.h for the algorithm and its invariants).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kernels/cuda/dispatch.h"
 
 namespace moe::kernels {
@@ -238,9 +240,204 @@ __global__ void __launch_bounds__(kTileTokens)
   }
 }
 
-}  // namespace
+// ---- Default path: tile ranks (see dispatch.h). ----
 
-size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
+constexpr int kRankMaxExperts = 256;  // shards up to this size take the default path
+constexpr int kPlaceThreads = 1024;
+constexpr int kMinRankTokens = 128;  // smallest sub-tile (4 warps): bounds the tile count
+
+// Shared memory of the rank kernel is words + prefixes for every expert, (warps + 1) columns
+// each (+1: a warp's lanes reading one column for different experts hit distinct banks); 32
+// warps fit the 48 KiB static limit only with 128 experts.
+__host__ __device__ constexpr int RankMaxExperts(int warps) {
+  return warps >= 32 ? 128 : kRankMaxExperts;
+}
+
+template <int kW>
+__global__ void __launch_bounds__(kW * 32)
+    dispatch_rank_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k, int first,
+                         int count, int64_t tile_tokens, int64_t num_tiles,
+                         int32_t* __restrict__ tile_counts, int32_t* __restrict__ slot_of) {
+  constexpr int kMaxE = RankMaxExperts(kW);
+  constexpr int kThreads = kW * 32;
+  __shared__ uint32_t words[kMaxE][kW + 1];
+  __shared__ int32_t prefix[kMaxE][kW + 1];
+  __shared__ int32_t running[kMaxE];  // the expert's tokens in the tile's earlier sub-tiles
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t tile = blockIdx.x;
+  const int64_t begin = tile * tile_tokens;
+  const int64_t end = min(num_tokens, begin + tile_tokens);
+  // running[] is next read after the first sub-tile's __syncthreads.
+  for (int e = threadIdx.x; e < count; e += kThreads) running[e] = 0;
+  const uint32_t below = (1u << lane) - 1u;
+  // Bits that name a local expert (0 for a one-expert shard).
+  const int nbits = count <= 1 ? 0 : 32 - __clz(count - 1);
+  for (int64_t sub = begin; sub < end; sub += kThreads) {
+    const int64_t t = sub + warp * 32 + lane;
+    const bool valid = t < end;
+    const int32_t* my_ids = ids + t * top_k;
+    // The warp's bitmap words, bit-sliced: per k, one ballot per bit of the expert id (and one
+    // for "in the shard"); lane j then assembles the words of experts j, j + 32, ... as the AND
+    // of those ballots or their complements. An expert appears at most once per token, so
+    // different k never set the same bit. (Ballots only: __match_any_sync, the obvious way,
+    // measured several times slower here, as it serialises within the SM.)
+    uint32_t acc[kMaxE / 32];
+#pragma unroll
+    for (int c = 0; c < kMaxE / 32; ++c) acc[c] = 0;
+    for (int k = 0; k < top_k; ++k) {
+      const int e = valid ? __ldg(my_ids + k) - first : -1;
+      const bool mine = e >= 0 && e < count;
+      const uint32_t in_shard = __ballot_sync(0xffffffffu, mine);
+      if (in_shard == 0) continue;  // warp-uniform
+      uint32_t slice[8];            // slice[b]: lanes whose expert has bit b set
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        slice[b] = b < nbits ? __ballot_sync(0xffffffffu, mine && ((e >> b) & 1)) : 0u;
+      }
+#pragma unroll
+      for (int c = 0; c < kMaxE / 32; ++c) {
+        const int ex = c * 32 + lane;
+        uint32_t w = in_shard;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          if (b < nbits) w &= ((ex >> b) & 1) ? slice[b] : ~slice[b];
+        }
+        acc[c] |= w;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kMaxE / 32; ++c) {
+      const int ex = c * 32 + lane;
+      // Rows from count up are never read (and may alias a real expert's low bits).
+      if (ex < count) words[ex][warp] = acc[c];
+    }
+    __syncthreads();
+    if constexpr (kW == 32) {
+      // Warp per expert, lane = word: a shuffle scan of the popcounts.
+      for (int e = warp; e < count; e += kW) {
+        const int32_t before = running[e];
+        const int32_t c = __popc(words[e][lane]);
+        int32_t incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        prefix[e][lane] = before + incl - c;
+        __syncwarp();
+        if (lane == 31) running[e] = before + incl;
+      }
+    } else {
+      // Thread per expert, over the few words of the sub-tile.
+      for (int e = threadIdx.x; e < count; e += kThreads) {
+        int32_t acc_e = running[e];
+#pragma unroll
+        for (int w = 0; w < kW; ++w) {
+          prefix[e][w] = acc_e;
+          acc_e += __popc(words[e][w]);
+        }
+        running[e] = acc_e;
+      }
+    }
+    __syncthreads();
+    if (valid) {
+      for (int k = 0; k < top_k; ++k) {
+        const int e = __ldg(my_ids + k) - first;
+        int32_t rank = -1;  // outside the shard: final value, the place pass skips it
+        if (e >= 0 && e < count) rank = prefix[e][warp] + __popc(words[e][warp] & below);
+        slot_of[t * top_k + k] = rank;
+      }
+    }
+    __syncthreads();  // the next sub-tile rewrites words and prefix
+  }
+  // The last sub-tile's scan wrote running[] before its closing __syncthreads.
+  for (int e = threadIdx.x; e < count; e += kThreads) {
+    tile_counts[static_cast<int64_t>(e) * num_tiles + tile] = running[e];
+  }
+}
+
+__global__ void __launch_bounds__(kPlaceThreads)
+    dispatch_place_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k, int first,
+                          int count, int64_t tile_tokens, int64_t num_tiles,
+                          const int32_t* __restrict__ tile_counts, int32_t* __restrict__ counts,
+                          int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
+                          int32_t* __restrict__ slot_of) {
+  __shared__ int32_t totals[kRankMaxExperts], before[kRankMaxExperts], base[kRankMaxExperts];
+  constexpr int kWarpsHere = kPlaceThreads / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t tile = blockIdx.x;
+  // Per expert: its total and its tokens in earlier tiles, by warp reductions in a fixed order.
+  for (int e = warp; e < count; e += kWarpsHere) {
+    const int32_t* row = tile_counts + static_cast<int64_t>(e) * num_tiles;
+    int32_t b = 0, total = 0;
+    for (int64_t j = lane; j < num_tiles; j += 32) {
+      const int32_t v = row[j];
+      total += v;
+      if (j < tile) b += v;
+    }
+    b = __reduce_add_sync(0xffffffffu, b);
+    total = __reduce_add_sync(0xffffffffu, total);
+    if (lane == 0) {
+      totals[e] = total;
+      before[e] = b;
+    }
+  }
+  __syncthreads();
+  const int32_t all = BlockExclusiveScan(totals, count, base);  // base = offsets for now
+  for (int e = threadIdx.x; e < count; e += kPlaceThreads) {
+    if (blockIdx.x == 0) {
+      counts[e] = totals[e];
+      offsets[e] = base[e];
+    }
+    base[e] += before[e];
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) offsets[count] = all;
+  __syncthreads();
+  // The tile's (t,k) in memory order: coalesced ids and slot_of; 4 independent loads in
+  // flight per thread before the dependent stores.
+  const int64_t i0 = tile * tile_tokens * top_k;
+  const int64_t i1 = min(num_tokens, (tile + 1) * tile_tokens) * top_k;
+  constexpr int kUnroll = 4;
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += kUnroll * kPlaceThreads) {
+    int32_t e[kUnroll], rank[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t at = i + j * kPlaceThreads;
+      e[j] = at < i1 ? __ldg(ids + at) - first : -1;
+      rank[j] = at < i1 ? slot_of[at] : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (e[j] < 0 || e[j] >= count) continue;  // outside the shard: slot_of is already -1
+      const int64_t at = i + j * kPlaceThreads;
+      const int32_t pos = base[e[j]] + rank[j];
+      entries[pos] = static_cast<int32_t>(at);
+      slot_of[at] = pos;
+    }
+  }
+}
+
+struct RankTiling {
+  int warps;
+  int64_t tile_tokens, tiles;
+};
+
+RankTiling MakeTiling(int64_t num_tokens, int32_t expert_count, const DispatchConfig& c) {
+  const int64_t sub = 32 * c.warps_per_tile;
+  const int64_t subtiles = (num_tokens + sub - 1) / sub;
+  const int64_t max_tiles = std::max<int64_t>(1, c.tile_cells / expert_count);
+  const int64_t per_tile = (subtiles + max_tiles - 1) / max_tiles;
+  const int64_t tile_tokens = std::max<int64_t>(1, per_tile) * sub;
+  return {c.warps_per_tile, tile_tokens, (num_tokens + tile_tokens - 1) / tile_tokens};
+}
+
+size_t RankWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
+  // The most tiles any tiling makes: one per smallest sub-tile.
+  const int64_t tiles = (num_tokens + kMinRankTokens - 1) / kMinRankTokens;
+  return AlignUp(static_cast<size_t>(expert_count) * std::max<int64_t>(tiles, 1) * 4);
+}
+
+size_t LegacyWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
   const int64_t tiles = NumTiles(num_tokens);
   const size_t bits = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
   const size_t prefix = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint16_t);
@@ -248,16 +445,46 @@ size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
   return AlignUp(bits) + AlignUp(prefix) + 2 * AlignUp(per_tile);
 }
 
-cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
-                           int32_t expert_first, int32_t expert_count, int32_t* counts,
-                           int32_t* offsets, int32_t* entries, int32_t* slot_of, void* workspace,
-                           size_t workspace_bytes, cudaStream_t stream) {
-  if (num_tokens < 0 || top_k < 1 || expert_count < 1 || num_tokens * top_k > int64_t{0x7fffffff}) {
+bool UsesLegacy(int32_t expert_count, const DispatchConfig& c) {
+  return c.legacy || expert_count > kRankMaxExperts;
+}
+
+cudaError_t LaunchRank(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
+                       int32_t expert_first, int32_t expert_count, int32_t* counts,
+                       int32_t* offsets, int32_t* entries, int32_t* slot_of,
+                       const DispatchConfig& config, void* workspace, cudaStream_t stream) {
+  if (expert_count > RankMaxExperts(config.warps_per_tile) || config.tile_cells < 1) {
     return cudaErrorInvalidValue;
   }
-  if (workspace_bytes < DispatchWorkspaceBytes(num_tokens, expert_count)) {
-    return cudaErrorInvalidValue;
+  const RankTiling tiling = MakeTiling(num_tokens, expert_count, config);
+  auto* tile_counts = static_cast<int32_t*>(workspace);
+  const unsigned grid = static_cast<unsigned>(tiling.tiles);
+  switch (config.warps_per_tile) {
+#define MOE_RANK_CASE(W)                                                                         \
+  case W:                                                                                        \
+    dispatch_rank_kernel<W>                                                                      \
+        <<<grid, W * 32, 0, stream>>>(expert_ids, num_tokens, top_k, expert_first, expert_count, \
+                                      tiling.tile_tokens, tiling.tiles, tile_counts, slot_of);   \
+    break;
+    MOE_RANK_CASE(4)
+    MOE_RANK_CASE(8)
+    MOE_RANK_CASE(16)
+    MOE_RANK_CASE(32)
+#undef MOE_RANK_CASE
+    default:  // no such sub-tile
+      return cudaErrorInvalidValue;
   }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  dispatch_place_kernel<<<grid, kPlaceThreads, 0, stream>>>(
+      expert_ids, num_tokens, top_k, expert_first, expert_count, tiling.tile_tokens, tiling.tiles,
+      tile_counts, counts, offsets, entries, slot_of);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchLegacy(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
+                         int32_t expert_first, int32_t expert_count, int32_t* counts,
+                         int32_t* offsets, int32_t* entries, int32_t* slot_of, void* workspace,
+                         cudaStream_t stream) {
   const int64_t tiles = NumTiles(num_tokens);
   const size_t bits_bytes = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint32_t);
   const size_t prefix_bytes = static_cast<size_t>(expert_count) * tiles * kWarps * sizeof(uint16_t);
@@ -306,6 +533,78 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
       expert_ids, num_tokens, top_k, expert_first, expert_count, tiles, bits, word_prefix,
       tile_counts, tile_base, counts, offsets, entries, slot_of);
   return cudaGetLastError();
+}
+}  // namespace
+
+DispatchConfig DispatchHeuristic(int64_t num_tokens, int32_t top_k, int32_t expert_count) {
+  (void)top_k;
+  DispatchConfig c;
+  if (expert_count > kRankMaxExperts) {
+    c.legacy = true;
+    return c;
+  }
+  // Enough blocks to fill the chip (132 SMs on an H100) with the largest sub-tile that has
+  // them; the place pass reads tiles x experts counts per block, so those stay bounded.
+  // Measured on an H100 (bench/dispatch_bench.cc --sweep): more tiles pay off at large T, where
+  // the rank pass's sub-tile loop would otherwise be long, and cost little elsewhere.
+  c.tile_cells = num_tokens >= (int64_t{1} << 20) ? 32768 : 16384;
+  c.warps_per_tile = 4;
+  for (int w : {32, 16, 8}) {
+    if (expert_count > RankMaxExperts(w)) continue;
+    if ((num_tokens + 32 * w - 1) / (32 * w) >= 100) {
+      c.warps_per_tile = w;
+      break;
+    }
+  }
+  return c;
+}
+
+size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count) {
+  return DispatchWorkspaceBytes(num_tokens, expert_count, DispatchConfig{});
+}
+
+size_t DispatchWorkspaceBytes(int64_t num_tokens, int32_t expert_count,
+                              const DispatchConfig& config) {
+  return UsesLegacy(expert_count, config) ? LegacyWorkspaceBytes(num_tokens, expert_count)
+                                          : RankWorkspaceBytes(num_tokens, expert_count);
+}
+
+cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
+                           int32_t expert_first, int32_t expert_count, int32_t* counts,
+                           int32_t* offsets, int32_t* entries, int32_t* slot_of, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  return LaunchDispatch(expert_ids, num_tokens, top_k, expert_first, expert_count, counts, offsets,
+                        entries, slot_of, DispatchConfig{}, workspace, workspace_bytes, stream);
+}
+
+cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_t top_k,
+                           int32_t expert_first, int32_t expert_count, int32_t* counts,
+                           int32_t* offsets, int32_t* entries, int32_t* slot_of,
+                           const DispatchConfig& config, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream) {
+  if (num_tokens < 0 || top_k < 1 || expert_count < 1 || num_tokens * top_k > int64_t{0x7fffffff}) {
+    return cudaErrorInvalidValue;
+  }
+  if (workspace_bytes < DispatchWorkspaceBytes(num_tokens, expert_count, config)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_tokens == 0) {  // no tokens: every expert is empty
+    if (cudaError_t err = cudaMemsetAsync(counts, 0, expert_count * sizeof(int32_t), stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    return cudaMemsetAsync(offsets, 0, (expert_count + 1) * sizeof(int32_t), stream);
+  }
+  if (UsesLegacy(expert_count, config)) {
+    return LaunchLegacy(expert_ids, num_tokens, top_k, expert_first, expert_count, counts, offsets,
+                        entries, slot_of, workspace, stream);
+  }
+  DispatchConfig c = config;
+  const DispatchConfig h = DispatchHeuristic(num_tokens, top_k, expert_count);
+  if (c.warps_per_tile == 0) c.warps_per_tile = h.warps_per_tile;
+  if (c.tile_cells == 0) c.tile_cells = h.tile_cells;
+  return LaunchRank(expert_ids, num_tokens, top_k, expert_first, expert_count, counts, offsets,
+                    entries, slot_of, c, workspace, stream);
 }
 
 }  // namespace moe::kernels
