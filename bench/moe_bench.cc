@@ -7,18 +7,18 @@
 // combine) and fused-up-down (sm90 up, sm90 down writing Y per (token, k), sm90 combine); a
 // fused path that the device or the sizes do not allow runs unfused, and the line says which
 // path really ran. Each fused forward's output is checked against the unfused one on the
-// first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms (everything down to dx, dp, dW1, dW3, dW2, as the
-// first backward after an optimizer step: fp32 gradients overwritten, not read), TFLOP/s
-// counting 6*T*K*d*h forward and 12*T*K*d*h backward, the bytes the forward keeps for the
-// backward (x, H and the index arrays), and the MoEBlaze dispatch against the CUB radix-sort
-// baseline (checked equal bit for bit; timed as 20 back-to-back calls per sample so that
-// device time, not host launch latency, is compared). fwd+bwd of a path is its forward
-// median plus the (shared) backward median: the backward does not depend on the forward path.
-// Before the presets it measures the cuBLAS dense bf16 GEMM rate (8192^3, fp32 accumulation),
-// the ceiling the TFLOP/s columns are compared against. Times are medians of CUDA-event
-// intervals after warm-up. Inputs come from a GPU-side generator; routing is top-K of
-// softmax(random logits), like the PyTorch reference. With --json FILE each preset is also appended
-// as one JSON line, which scripts/bench joins with the PyTorch numbers.
+// first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms (everything
+// down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
+// overwritten, not read), TFLOP/s counting 6*T*K*d*h forward and 12*T*K*d*h backward, the bytes the
+// forward keeps for the backward (x, H and the index arrays), and the MoEBlaze dispatch against the
+// CUB radix-sort baseline (checked equal bit for bit; timed as 20 back-to-back calls per sample so
+// that device time, not host launch latency, is compared). fwd+bwd of a path is its forward median
+// plus the (shared) backward median: the backward does not depend on the forward path. Before the
+// presets it measures the cuBLAS dense bf16 GEMM rate (8192^3, fp32 accumulation), the ceiling the
+// TFLOP/s columns are compared against. Times are medians of CUDA-event intervals after warm-up.
+// Inputs come from a GPU-side generator; routing is top-K of softmax(random logits), like the
+// PyTorch reference. With --json FILE each preset is also appended as one JSON line, which
+// scripts/bench joins with the PyTorch numbers.
 //
 //   moe_bench --preset olmoe sonic-7b      moe_bench --all [--reps 10] [--json out.jsonl]
 #include <cublas_v2.h>
@@ -183,8 +183,8 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     cuda::DispatchPlan plan;
     CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
     r.ran[v] = pipe.ChunkForwardKernels(plan.chunks.front());
-    MOE_CUDA_RETURN(cudaMemcpy(out_path.data(), out->get(), out_path.size() * 2,
-                               cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(
+        cudaMemcpy(out_path.data(), out->get(), out_path.size() * 2, cudaMemcpyDeviceToHost));
     if (v == 0) {
       out_unfused = out_path;
     } else {
@@ -196,9 +196,9 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
       }
       r.err_vs_unfused[v] = den > 0 ? std::sqrt(num / den) : (num == 0 ? 0 : INFINITY);
       if (!(r.err_vs_unfused[v] <= 2e-2)) {
-        return absl::InternalError(absl::StrCat(cuda::ForwardKernelsName(kPaths[v]),
-                                                " forward differs from the unfused one: ",
-                                                r.err_vs_unfused[v]));
+        return absl::InternalError(
+            absl::StrCat(cuda::ForwardKernelsName(kPaths[v]),
+                         " forward differs from the unfused one: ", r.err_vs_unfused[v]));
       }
     }
   }
@@ -380,11 +380,12 @@ int Main(int argc, char** argv) {
   std::printf("# moe_bench on %s, bf16 SwiGLU, expert GEMMs %s, medians of %d after %d warm-up\n",
               prop.name, mode_name.c_str(), reps, warmup);
   std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s\n", *peak);
-  std::printf("# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
-              "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
+  std::printf(
+      "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
+      "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
   std::printf("%-12s %9s %9s %9s %8s %8s %8s %8s %9s %7s %10s %9s %9s %6s %9s\n", "preset",
-              "fwd_unf", "fwd_up", "fwd_updn", "bwd_ms", "tot_unf", "tot_svc", "svcTF/s",
-              "%cuBLAS", "err", "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks");
+              "fwd_unf", "fwd_up", "fwd_updn", "bwd_ms", "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS",
+              "err", "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode);
@@ -414,19 +415,20 @@ int Main(int argc, char** argv) {
                       r->ran[v] != kPaths[v] ? "!" : (v == a ? "*" : ""));
         cols[v] = buf;
       }
-      std::printf("%-12s %9s %9s %9s %8.3f %8.3f %8.3f %8.1f %8.1f%% %7.1e %10.1f %9.4f %9.4f %6s %9lld\n",
-                  p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), r->bwd_ms,
-                  r->fwd_ms[0] + r->bwd_ms, tot, tot_tf, 100.0 * tot_tf / *peak, max_err,
-                  r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms,
-                  r->dispatch_equal ? "yes" : "NO", static_cast<long long>(r->chunks));
+      std::printf(
+          "%-12s %9s %9s %9s %8.3f %8.3f %8.3f %8.1f %8.1f%% %7.1e %10.1f %9.4f %9.4f %6s %9lld\n",
+          p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), r->bwd_ms,
+          r->fwd_ms[0] + r->bwd_ms, tot, tot_tf, 100.0 * tot_tf / *peak, max_err,
+          r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
+          static_cast<long long>(r->chunks));
       if (!r->dispatch_equal) ++failures;
-      line = absl::StrCat(
-          "{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
-          ", \"d\": ", p->d, ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
-          ", \"forward_path\": \"", cuda::ForwardKernelsName(r->ran[a]), "\"",
-          ", \"fwd_ms\": ", fwd, ", \"bwd_ms\": ", r->bwd_ms, ", \"fwdbwd_ms\": ", tot,
-          ", \"fwd_tflops\": ", fwd_tf, ", \"bwd_tflops\": ", bwd_tf,
-          ", \"fwdbwd_tflops\": ", tot_tf, ", \"cublas_dense_tflops\": ", *peak);
+      line =
+          absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
+                       ", \"d\": ", p->d, ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
+                       ", \"forward_path\": \"", cuda::ForwardKernelsName(r->ran[a]), "\"",
+                       ", \"fwd_ms\": ", fwd, ", \"bwd_ms\": ", r->bwd_ms, ", \"fwdbwd_ms\": ", tot,
+                       ", \"fwd_tflops\": ", fwd_tf, ", \"bwd_tflops\": ", bwd_tf,
+                       ", \"fwdbwd_tflops\": ", tot_tf, ", \"cublas_dense_tflops\": ", *peak);
       for (int v = 0; v < kNumPaths; ++v) {
         std::string key = cuda::ForwardKernelsName(kPaths[v]);
         std::replace(key.begin(), key.end(), '-', '_');
@@ -435,12 +437,11 @@ int Main(int argc, char** argv) {
                         cuda::ForwardKernelsName(r->ran[v]), "\", \"err_", key,
                         "\": ", r->err_vs_unfused[v]);
       }
-      absl::StrAppend(
-          &line, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
-          ", \"dispatch_ms\": ", r->dispatch_ms, ", \"cub_sort_ms\": ", r->cub_ms,
-          ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",
-          ", \"chunks\": ", r->chunks, ", \"gemm\": \"", mode_name,
-          "\", \"grouped_fallbacks\": ", r->grouped_fallbacks, "}");
+      absl::StrAppend(&line, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
+                      ", \"dispatch_ms\": ", r->dispatch_ms, ", \"cub_sort_ms\": ", r->cub_ms,
+                      ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",
+                      ", \"chunks\": ", r->chunks, ", \"gemm\": \"", mode_name,
+                      "\", \"grouped_fallbacks\": ", r->grouped_fallbacks, "}");
     }
     std::fflush(stdout);
     if (!json.empty()) {

@@ -250,13 +250,13 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
         // One persistent launch: rows of x gathered on load, [W1;W3] tiles, SwiGLU in the
         // epilogue; H lands directly in the saved-H rows of this chunk.
         const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
-        const int32_t* offsets = plan.counts.as<int32_t>() +
-                                 (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
+        const int32_t* offsets =
+            plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
         const uint16_t* w13 = Bf16At(w.w13, 0);
         MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
             prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
-            Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets,
-            entries, Bf16At(hb, 0), a->as<uint16_t>(), s));
+            Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets, entries, Bf16At(hb, 0),
+            a->as<uint16_t>(), s));
         if (kernels_used == ForwardKernels::kFusedUpDown) {
           h_tmp.Reset();
           // Y per (token, k) row of the chunk; rows of entries outside the shard stay unwritten
@@ -265,13 +265,10 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
           if (!yb.ok()) return yb.status();
           MOE_CUDA_RETURN(kernels::LaunchSm90ExpertDown(
               prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kDown, num_sms_),
-              a->as<uint16_t>(), Bf16At(w.w2, 0), offsets, entries,
-              yb->as<uint16_t>(), s));
+              a->as<uint16_t>(), Bf16At(w.w2, 0), offsets, entries, yb->as<uint16_t>(), s));
           a->Reset();
-          MOE_CUDA_RETURN(kernels::LaunchSm90Combine(prob, yb->as<uint16_t>(), p + ch.t0 * K,
-                                                     slots,
-                                                     Bf16At(out, ch.t0 * d * e),
-                                                     s));
+          MOE_CUDA_RETURN(kernels::LaunchSm90Combine(prob, yb->as<uint16_t>(), p + ch.t0 * K, slots,
+                                                     Bf16At(out, ch.t0 * d * e), s));
           continue;
         }
       }

@@ -391,42 +391,42 @@ INSTANTIATE_TEST_SUITE_P(
             // d, h multiples of 8 but not of 64; E = 9 with a shard [2, 7) and skewed routing,
             // so local experts receive no token.
             FusedCase{{37, 9, 3, 200, 136, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kClient, 2, 5, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
-                       true},
+                       RoutingMode::kClient, 2, 5, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0, true},
                       true},
             // A hot expert with several 128-row blocks and a ragged tail; k and column tails.
-            FusedCase{{700, 10, 4, 264, 72, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kClient, 0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
-                       true},
-                      true},
+            FusedCase{
+                {700, 10, 4, 264, 72, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient,
+                 0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0, true},
+                true},
             // T = 1, K = 1 (server routing).
             FusedCase{{1, 3, 1, 16, 8, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer},
                       true},
             // K = 1, most experts empty.
-            FusedCase{{40, 16, 1, 32, 48, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kClient, 0, -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0,
-                       true},
-                      true},
+            FusedCase{
+                {40, 16, 1, 32, 48, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient, 0,
+                 -1, OptimizerKind::kAdamW, 0.0, 0, 0, true, 0, true},
+                true},
             // A shard of 6 of 12 experts: out-of-shard (t, k) rows are neither written nor read.
             FusedCase{{64, 12, 3, 48, 32, Activation::kSwiGLU, DType::kBFloat16,
                        RoutingMode::kClient, 3, 6},
                       true},
             // Several dispatch chunks (each with its own offsets and chunk-local entries).
-            FusedCase{{300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kServer, 0, -1, OptimizerKind::kAdamW, 0.0, 0.01, 0.0, true,
-                       100},
-                      true},
+            FusedCase{
+                {300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer, 0,
+                 -1, OptimizerKind::kAdamW, 0.0, 0.01, 0.0, true, 100},
+                true},
             // Fallback: d = 38 is not a multiple of 8, so the fused kernels refuse it.
-            FusedCase{{29, 7, 3, 38, 24, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kClient},
-                      false}),
+            FusedCase{
+                {29, 7, 3, 38, 24, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},
+                false}),
         ::testing::Values(cuda::ForwardKernels::kUnfused, cuda::ForwardKernels::kFusedUp,
                           cuda::ForwardKernels::kFusedUpDown)),
     [](const ::testing::TestParamInfo<FusedForwardTest::ParamType>& info) {
       const Case& c = std::get<0>(info.param).c;
       std::string name = "T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +
                          std::to_string(c.top_k) + "_d" + std::to_string(c.d) + "_h" +
-                         std::to_string(c.h) + "_" + cuda::ForwardKernelsName(std::get<1>(info.param));
+                         std::to_string(c.h) + "_" +
+                         cuda::ForwardKernelsName(std::get<1>(info.param));
       for (char& ch : name) {
         if (ch == '-') ch = '_';
       }

@@ -47,17 +47,16 @@ bool EnvDisables() {
 }
 
 TEST(UseFusedForwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
-  for (ForwardKernels k : {ForwardKernels::kUnfused, ForwardKernels::kFusedUp,
-                           ForwardKernels::kFusedUpDown}) {
+  for (ForwardKernels k :
+       {ForwardKernels::kUnfused, ForwardKernels::kFusedUp, ForwardKernels::kFusedUpDown}) {
     const ExpertShape s = SwiGluBf16(200, 136, k);  // multiples of 8, not of 64
-    EXPECT_EQ(UseFusedForward(s, Problem(s, 37), /*device_sm90=*/true), k)
-        << ForwardKernelsName(k);
+    EXPECT_EQ(UseFusedForward(s, Problem(s, 37), /*device_sm90=*/true), k) << ForwardKernelsName(k);
   }
 }
 
 TEST(UseFusedForwardTest, FallsBackOffSm90) {
-  for (ForwardKernels k : {ForwardKernels::kAuto, ForwardKernels::kFusedUp,
-                           ForwardKernels::kFusedUpDown}) {
+  for (ForwardKernels k :
+       {ForwardKernels::kAuto, ForwardKernels::kFusedUp, ForwardKernels::kFusedUpDown}) {
     const ExpertShape s = SwiGluBf16(256, 128, k);
     EXPECT_EQ(UseFusedForward(s, Problem(s, 64), /*device_sm90=*/false), ForwardKernels::kUnfused)
         << ForwardKernelsName(k);
