@@ -15,10 +15,12 @@
 #include "bench/service/service_bench.h"
 
 // The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
-// sized so the CPU engine on two cores finishes it in about two minutes.
+// sized so the CPU engine on two cores finishes it in about a minute. The last two cases have
+// h = 8: little compute per byte moved, so they show the transport's cost, as a GPU would.
 ABSL_FLAG(std::string, cases,
           "512x256x256x1,512x256x256x4,2048x256x256x1,2048x256x256x2,2048x256x256x8,"
-          "8192x256x256x1,2048x512x256x4,2048x1024x256x1,2048x1024x256x4",
+          "8192x256x256x1,2048x512x256x4,2048x1024x256x1,2048x1024x256x4,8192x1024x8x1,"
+          "2048x1024x8x4",
           "Comma-separated TxDxHxN: tokens per micro-batch, d_model, d_hidden, micro-batches in "
           "flight");
 ABSL_FLAG(std::string, server, "", "host:port of a running moe-server; empty starts one here");
@@ -108,8 +110,19 @@ int main(int argc, char** argv) {
               options.steps, options.inference_rounds, options.warmup_steps,
               static_cast<long long>(options.chunk_bytes));
   std::printf("%s", moe::bench::FormatResults(*results).c_str());
-  // One 32 MiB memcpy: what each extra copy of a [8192, 1024] fp32 tensor costs on this host.
-  std::printf("\nhost memcpy: %.1f GB/s (32 MiB, best of 5)\n",
-              moe::bench::HostCopyGigabytesPerSecond(int64_t{32} << 20));
+  // The data path's hops for the largest x of the sweep, on the real wire code.
+  int64_t rows = 0, cols = 0;
+  for (const moe::bench::BenchCase& c : options.cases) {
+    if (c.tokens * c.d_model > rows * cols) rows = c.tokens, cols = c.d_model;
+  }
+  const moe::bench::CopyPathCost p =
+      moe::bench::MeasureCopyPath(rows, cols, options.chunk_bytes);
+  std::printf(
+      "\nData path of one [%lld, %lld] fp32 tensor (%.1f MiB, %lld-byte chunks), ms, best of 3:\n"
+      "memcpy warm %.2f | memcpy into new buffer %.2f | build chunk messages %.2f | "
+      "serialize %.2f | parse %.2f | TensorAssembler Add %.2f, Add+Finish %.2f\n",
+      static_cast<long long>(rows), static_cast<long long>(cols), p.bytes / 1048576.0,
+      static_cast<long long>(options.chunk_bytes), p.memcpy_warm_ms, p.memcpy_fresh_ms,
+      p.build_chunks_ms, p.serialize_ms, p.parse_ms, p.assemble_add_only_ms, p.assemble_ms);
   return 0;
 }

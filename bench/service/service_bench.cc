@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "server/options.h"
+#include "proto/wire.h"
 #include "server/server.h"
 
 namespace moe::bench {
@@ -326,18 +327,70 @@ std::string CaseName(const BenchCase& c) {
 
 }  // namespace
 
-double HostCopyGigabytesPerSecond(int64_t bytes) {
-  std::vector<char> src(static_cast<size_t>(bytes), 1), dst(static_cast<size_t>(bytes), 0);
-  double best = 0;
-  for (int i = 0; i < 5; ++i) {
-    src[static_cast<size_t>(i)] = static_cast<char>(i);  // each copy moves different bytes
-    const Clock::time_point t0 = Clock::now();
-    std::memcpy(dst.data(), src.data(), src.size());
-    const double s = Since(t0);
-    if (dst[static_cast<size_t>(i)] != static_cast<char>(i)) return 0;  // keeps the copy alive
-    if (s > 0) best = std::max(best, static_cast<double>(bytes) / s / 1e9);
-  }
-  return best;
+CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
+  CopyPathCost c;
+  Tensor src = Tensor::Zeros(DType::kFloat32, {rows, cols});
+  for (int64_t i = 0; i < rows * cols; ++i) src.as<float>()[i] = static_cast<float>(i % 977);
+  c.bytes = static_cast<int64_t>(src.bytes.size());
+  constexpr int kRuns = 3;
+  auto best = [&](double* slot, auto fn) {
+    *slot = 1e30;
+    for (int i = 0; i < kRuns; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      fn();
+      *slot = std::min(*slot, Since(t0) * 1e3);
+    }
+  };
+  std::vector<std::byte> warm(src.bytes.size());
+  best(&c.memcpy_warm_ms, [&] { std::memcpy(warm.data(), src.bytes.data(), warm.size()); });
+  best(&c.memcpy_fresh_ms, [&] {
+    std::vector<std::byte> fresh(src.bytes.size());  // value-initialised: touched once, as
+    std::memcpy(fresh.data(), src.bytes.data(), fresh.size());  // Tensor::Zeros does
+    if (fresh[1] != src.bytes[1]) std::abort();
+  });
+  // The same cutting the client and the server do (client.cc ChunkRequest, service.cc
+  // ChunkResponse): plan the pieces, one message per piece, header repeated, payload appended.
+  std::vector<v1::ForwardRequest> chunks;
+  best(&c.build_chunks_ms, [&] {
+    auto plan = wire::PlanChunks({src.bytes.size()}, static_cast<size_t>(chunk_bytes));
+    chunks.assign(plan.size(), v1::ForwardRequest());
+    for (size_t m = 0; m < plan.size(); ++m) {
+      chunks[m].set_layer("bench");
+      wire::SetTensorHeader(src.dtype, src.shape, chunks[m].mutable_x());
+      for (const wire::Piece& p : plan[m]) {
+        chunks[m].mutable_x()->mutable_data()->append(
+            reinterpret_cast<const char*>(src.bytes.data()) + p.offset, p.size);
+      }
+      chunks[m].set_last_chunk(m + 1 == plan.size());
+    }
+  });
+  std::vector<std::string> wire_bytes(chunks.size());
+  best(&c.serialize_ms, [&] {
+    for (size_t m = 0; m < chunks.size(); ++m) wire_bytes[m] = chunks[m].SerializeAsString();
+  });
+  std::vector<v1::ForwardRequest> parsed(chunks.size());
+  best(&c.parse_ms, [&] {
+    for (size_t m = 0; m < chunks.size(); ++m) {
+      if (!parsed[m].ParseFromString(wire_bytes[m])) std::abort();
+    }
+  });
+  best(&c.assemble_add_only_ms, [&] {
+    wire::TensorAssembler x("x");
+    for (const auto& m : parsed) {
+      if (!x.Add(m.x()).ok()) std::abort();
+    }
+  });
+  absl::StatusOr<Tensor> out;
+  best(&c.assemble_ms, [&] {
+    out = absl::StatusOr<Tensor>();  // freed outside the timed region, as the caller would
+    wire::TensorAssembler x("x");
+    for (const auto& m : parsed) {
+      if (!x.Add(m.x()).ok()) std::abort();
+    }
+    out = x.Finish();
+  });
+  if (!out.ok() || out->bytes != src.bytes) std::abort();  // the round trip must be exact
+  return c;
 }
 
 double Percentile(std::vector<double> v, double pct) {

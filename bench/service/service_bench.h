@@ -66,9 +66,20 @@ struct CaseResult {
 absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
                                                         std::string* server_description);
 
-// Host memcpy bandwidth, GB/s, best of a few copies of `bytes`: the price of one extra copy of
-// a tensor on the service's path, to read the stage times against.
-double HostCopyGigabytesPerSecond(int64_t bytes);
+// What each hop of the service's data path costs for one [rows, cols] fp32 tensor cut into
+// `chunk_bytes` messages, timed on the real code (protobuf, proto/wire.h); milliseconds, best
+// of a few runs. Read the server's receive/send stages and the client's share against these.
+struct CopyPathCost {
+  int64_t bytes = 0;
+  double memcpy_warm_ms = 0;      // memcpy into a buffer already touched
+  double memcpy_fresh_ms = 0;     // memcpy into a new allocation (page faults included)
+  double build_chunks_ms = 0;     // tensor -> chunk messages (what both sides do before sending)
+  double serialize_ms = 0;        // chunk messages -> wire bytes (gRPC's SerializeToZeroCopy)
+  double parse_ms = 0;            // wire bytes -> chunk messages
+  double assemble_ms = 0;         // wire::TensorAssembler::Add over the chunks, then Finish()
+  double assemble_add_only_ms = 0;  // the Add()s alone (the receiving server stops here)
+};
+CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes);
 
 // Percentile (0..100) of `v`, nearest rank; 0 for an empty vector.
 double Percentile(std::vector<double> v, double pct);
