@@ -65,7 +65,12 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
                                bool device_sm90) {
   ForwardKernels k = shape.forward;
   if (k == ForwardKernels::kAuto) {
-    k = FusedDisabledByEnv() ? ForwardKernels::kUnfused : kDefaultFusedForward;
+    const double routed = static_cast<double>(
+        problem.num_routed >= 0 ? problem.num_routed : problem.num_tokens * problem.top_k);
+    const double work = routed / std::max<int64_t>(shape.expert_count, 1) *
+                        static_cast<double>(shape.d_model) * static_cast<double>(shape.d_hidden);
+    k = FusedDisabledByEnv() || work > kFusedMaxWorkPerExpert ? ForwardKernels::kUnfused
+                                                              : kDefaultFusedForward;
   }
   if (k == ForwardKernels::kUnfused) return k;
   // SwiGLU is Activation::kSwiGLU == 0 (engine/layer.h); the kernels are bf16 only.

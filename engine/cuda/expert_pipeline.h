@@ -37,11 +37,11 @@
 
 namespace moe::cuda {
 
-// Which kernels run the expert forward. kAuto is what the service uses: the fused path that
-// measured fastest (kDefaultFusedForward) wherever UseFusedForward allows it, unless the
-// environment has MOE_DISABLE_FUSED=1 (read once per process). The others force a path (the
-// benchmark runs them side by side); a fused one still falls back to kUnfused where the
-// device or the problem does not allow it.
+// Which kernels run the expert forward. kAuto is what the service uses: kDefaultFusedForward
+// where UseFusedForward allows it and the per-expert GEMM work is at most
+// kFusedMaxWorkPerExpert, else kUnfused; MOE_DISABLE_FUSED=1 in the environment (read once per
+// process) makes it always kUnfused. The others force a path (the benchmark runs them side by
+// side); a fused one still falls back to kUnfused where the device or the sizes do not allow it.
 enum class ForwardKernels {
   kAuto = 0,
   kUnfused = 1,     // gather + cuBLAS grouped GEMM + activation pass + cuBLAS + combine
@@ -96,15 +96,26 @@ struct DispatchPlan {
   int64_t device_bytes() const { return entries.bytes() + slot_of.bytes() + counts.bytes(); }
 };
 
-// The one place that decides the forward's kernels for one chunk: `requested` resolved
-// (kAuto -> kDefaultFusedForward, or kUnfused under MOE_DISABLE_FUSED=1) and then reduced to
-// kUnfused unless the activation is SwiGLU, the storage bf16, the device sm_90
-// (`device_sm90`, Sm90DeviceSupported) and Sm90CanImplement(problem) accepts the sizes.
+// The one place that decides the forward's kernels for one chunk. `requested` (the shape's
+// `forward`) is resolved first: kAuto -> kUnfused under MOE_DISABLE_FUSED=1 or when the
+// average per-expert GEMM work (routed rows / experts * d * h) exceeds kFusedMaxWorkPerExpert,
+// else kDefaultFusedForward. A fused result is then reduced to kUnfused unless the activation is
+// SwiGLU, the storage bf16, the device sm_90 (`device_sm90`, Sm90DeviceSupported) and
+// Sm90CanImplement(problem) accepts the sizes.
 ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
                                bool device_sm90);
 
-// The fused variant kAuto stands for, chosen by measurement (docs/PERFORMANCE.md).
+// Chosen by measurement (H100, bench/results/2026-11-21-h100-942d63f, docs/PERFORMANCE.md):
+// the fused down-projection + combine beat cuBLAS down + the engine's combine wherever the fused
+// up-projection beat cuBLAS (sonic-7b 1.42 vs 1.78 ms forward, qwen3-a3b 2.74 vs 3.11, scale-8k
+// 1.08 vs 1.33). The fused path wins where per-expert cuBLAS calls are small and many (their
+// host launch cost dominates: sonic-7b 1.42 vs 3.24 ms unfused); with large per-expert GEMMs
+// cuBLAS runs closer to the tensor-core rate than the fused kernels (mixtral 8.51 unfused vs
+// 10.06 fused, scale-128k 12.95 vs 13.81, deepseek-v3 13.96 vs 14.47; olmoe and scale-32k, at
+// 4.3 G multiply-adds per expert, tie within 1%). The threshold sits between the largest
+// preset where fused won (qwen3-a3b, 1.6 G) and the smallest where it lost (deepseek-v3, 3.8 G).
 inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpDown;
+inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
 
 // Test hook: pipelines created afterwards take this as their shape's `forward` when it is not
 // kAuto (the engine tests force each path through the CUDA layer). kAuto restores the default.

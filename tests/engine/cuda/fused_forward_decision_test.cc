@@ -84,6 +84,39 @@ TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
   EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), ForwardKernels::kUnfused);
 }
 
+// kAuto on an sm_90 device for the benchmark presets (bench/moe_bench.cc): fused up + down
+// where it measured faster than the unfused path, unfused where cuBLAS measured faster or tied.
+TEST(UseFusedForwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
+  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
+  struct Preset {
+    const char* name;
+    int64_t T, d, h, E, K;
+    bool fused;
+  };
+  const Preset presets[] = {
+      {"sonic-7b", 24576, 1536, 256, 128, 8, true},
+      {"olmoe", 16384, 2048, 1024, 64, 8, false},
+      {"qwen3-a3b", 16384, 2048, 768, 128, 8, true},
+      {"mixtral", 8192, 4096, 14336, 8, 2, false},
+      {"deepseek-v3", 8192, 7168, 2048, 256, 8, false},
+      {"scale-8k", 8192, 2048, 1024, 64, 4, true},
+      {"scale-32k", 32768, 2048, 1024, 64, 4, false},
+      {"scale-128k", 131072, 2048, 1024, 64, 4, false},
+  };
+  for (const Preset& p : presets) {
+    ExpertShape s = SwiGluBf16(p.d, p.h, ForwardKernels::kAuto);
+    s.top_k = p.K;
+    s.expert_count = p.E;
+    const Sm90ExpertProblem prob = Problem(s, p.T);
+    EXPECT_EQ(UseFusedForward(s, prob, true),
+              p.fused ? kDefaultFusedForward : ForwardKernels::kUnfused)
+        << p.name;
+    // Forcing the fused path ignores the work rule.
+    s.forward = ForwardKernels::kFusedUpDown;
+    EXPECT_EQ(UseFusedForward(s, prob, true), ForwardKernels::kFusedUpDown) << p.name;
+  }
+}
+
 TEST(UseFusedForwardTest, EnvironmentSwitch) {
   const ExpertShape s = SwiGluBf16(64, 64, ForwardKernels::kAuto);
   const ForwardKernels want = EnvDisables() ? ForwardKernels::kUnfused : kDefaultFusedForward;
