@@ -112,7 +112,7 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
 // host launch cost dominates: sonic-7b 1.42 vs 3.24 ms unfused); with large per-expert GEMMs
 // cuBLAS runs closer to the tensor-core rate than the fused kernels (mixtral 8.51 unfused vs
 // 10.06 fused, scale-128k 12.95 vs 13.81, deepseek-v3 13.96 vs 14.47; olmoe and scale-32k, at
-// 4.3 G multiply-adds per expert, tie within 1%). The threshold sits between the largest
+// 4.3 G multiply-adds per expert, tie within 2%). The threshold sits between the largest
 // preset where fused won (qwen3-a3b, 1.6 G) and the smallest where it lost (deepseek-v3, 3.8 G).
 inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpDown;
 inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
