@@ -162,9 +162,10 @@ class ExpertPipeline {
                         const ExpertGrads& grads, void* dx, kernels::ElemType dx_type, float* dp,
                         bool grads_are_zero = false);
 
-  // Seam for architecture-specific expert kernels (engineer E's sm90_* grouped GEMM): computes
-  // H [rows, g] = Xg W13^T for every local expert of one chunk. Replace the body (behind a
-  // CanImplement check) to plug in a fused kernel; everything else stays as it is.
+  // The unfused up-projection: H [rows, g] = Xg W13^T for every local expert of one chunk by
+  // cuBLAS, on the already gathered Xg. The fused sm90 path does not come here: Forward calls
+  // LaunchSm90ExpertUp instead (gather, GEMM and SwiGLU in one launch) when
+  // ChunkForwardKernels says so.
   absl::Status ExpertUpProjection(const ChunkPlan& chunk, const void* xg, const void* w13, void* h);
 
   // What the forward of `chunk` runs (UseFusedForward on this pipeline's shape and device).
