@@ -103,20 +103,19 @@ int main(int argc, char** argv) {
   std::string where;
   auto results = moe::bench::RunServiceBench(options, &where);
   if (!results.ok()) return Fail(results.status().ToString());
-  std::printf("moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
-              "rounds, %d warmup, chunk %lld bytes\n\n",
-              where.c_str(), static_cast<long long>(layer.num_experts),
-              static_cast<long long>(layer.top_k), dtype.c_str(), routing.c_str(), act.c_str(),
-              options.steps, options.inference_rounds, options.warmup_steps,
-              static_cast<long long>(options.chunk_bytes));
+  std::printf(
+      "moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
+      "rounds, %d warmup, chunk %lld bytes\n\n",
+      where.c_str(), static_cast<long long>(layer.num_experts), static_cast<long long>(layer.top_k),
+      dtype.c_str(), routing.c_str(), act.c_str(), options.steps, options.inference_rounds,
+      options.warmup_steps, static_cast<long long>(options.chunk_bytes));
   std::printf("%s", moe::bench::FormatResults(*results).c_str());
   // The data path's hops for the largest x of the sweep, on the real wire code.
   int64_t rows = 0, cols = 0;
   for (const moe::bench::BenchCase& c : options.cases) {
     if (c.tokens * c.d_model > rows * cols) rows = c.tokens, cols = c.d_model;
   }
-  const moe::bench::CopyPathCost p =
-      moe::bench::MeasureCopyPath(rows, cols, options.chunk_bytes);
+  const moe::bench::CopyPathCost p = moe::bench::MeasureCopyPath(rows, cols, options.chunk_bytes);
   std::printf(
       "\nData path of one [%lld, %lld] fp32 tensor (%.1f MiB, %lld-byte chunks), ms, best of 3:\n"
       "memcpy warm %.2f | memcpy into new buffer %.2f | build chunk messages %.2f | "

@@ -23,8 +23,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "server/options.h"
 #include "proto/wire.h"
+#include "server/options.h"
 #include "server/server.h"
 
 namespace moe::bench {
@@ -41,7 +41,8 @@ using Scrape = std::map<std::string, double>;  // "name{labels}" -> value
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path) {
   const size_t colon = host_port.rfind(':');
   if (colon == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics: \"", host_port, "\" is not host:port"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics: \"", host_port, "\" is not host:port"));
   }
   const std::string host = host_port.substr(0, colon), port = host_port.substr(colon + 1);
   addrinfo hints{};
@@ -78,7 +79,8 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
   const size_t header_end = body.find("\r\n\r\n");
   if (body.rfind("HTTP/1.", 0) != 0 || header_end == std::string::npos ||
       body.find(" 200 ") > body.find("\r\n")) {
-    return absl::UnavailableError(absl::StrCat("metrics: ", host_port, path, " did not answer 200"));
+    return absl::UnavailableError(
+        absl::StrCat("metrics: ", host_port, path, " did not answer 200"));
   }
   return body.substr(header_end + 4);
 }
@@ -108,14 +110,14 @@ double Delta(const Scrape& before, const Scrape& after, const std::string& key) 
 // Fills wire bytes and stage means from two scrapes around a timed phase.
 void FromMetrics(const Scrape& before, const Scrape& after, ModeResult* r) {
   for (const char* m : {"Forward", "Backward"}) {
-    r->wire_bytes += Delta(before, after, absl::StrCat("moe_received_bytes_total{method=\"", m, "\"}"));
+    r->wire_bytes +=
+        Delta(before, after, absl::StrCat("moe_received_bytes_total{method=\"", m, "\"}"));
     r->wire_bytes += Delta(before, after, absl::StrCat("moe_sent_bytes_total{method=\"", m, "\"}"));
     for (const char* s : {"receive", "queue", "compute", "send"}) {
       // prometheus-cpp writes labels in the order they were declared; try both orders.
       double sum = 0, count = 0;
-      for (const std::string& labels :
-           {absl::StrCat("{method=\"", m, "\",stage=\"", s, "\"}"),
-            absl::StrCat("{stage=\"", s, "\",method=\"", m, "\"}")}) {
+      for (const std::string& labels : {absl::StrCat("{method=\"", m, "\",stage=\"", s, "\"}"),
+                                        absl::StrCat("{stage=\"", s, "\",method=\"", m, "\"}")}) {
         sum += Delta(before, after, "moe_stage_duration_seconds_sum" + labels);
         count += Delta(before, after, "moe_stage_duration_seconds_count" + labels);
       }
@@ -315,8 +317,8 @@ absl::Status CheckSame(const Tensor& service, const Tensor& inproc, const std::s
 
 absl::Status CheckThroughput(const ModeResult& r, const std::string& what) {
   if (!(r.tokens_per_second > 0) || !std::isfinite(r.tokens_per_second)) {
-    return absl::InternalError(absl::StrCat(what, ": zero throughput (", r.tokens, " tokens in ",
-                                            r.seconds, " s)"));
+    return absl::InternalError(
+        absl::StrCat(what, ": zero throughput (", r.tokens, " tokens in ", r.seconds, " s)"));
   }
   return absl::OkStatus();
 }
@@ -447,8 +449,8 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
     own_server = std::move(*s);
     target = absl::StrCat("127.0.0.1:", own_server->port());
     metrics = absl::StrCat("127.0.0.1:", own_server->metrics_port());
-    *server_description = absl::StrCat("in-process moe-server (", own_server->device(),
-                                       ") on loopback ", target);
+    *server_description =
+        absl::StrCat("in-process moe-server (", own_server->device(), ") on loopback ", target);
   } else {
     *server_description = absl::StrCat("moe-server at ", target);
   }
@@ -484,8 +486,9 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
 
     // Both fresh layers from the same config and seed: the outputs must be identical.
     {
-      auto svc = (*remote)->Forward(mbs[0].x.view(), mbs[0].ids.view(), mbs[0].weights.view(),
-                                    false).get();
+      auto svc = (*remote)
+                     ->Forward(mbs[0].x.view(), mbs[0].ids.view(), mbs[0].weights.view(), false)
+                     .get();
       if (!svc.ok()) return svc.status();
       auto loc = (*local)->Forward(Request(mbs[0], false));
       if (!loc.ok()) return loc.status();
@@ -493,9 +496,8 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
     }
 
     absl::Status st = TimedPair(
-        options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics,
-        &cr.service_infer, &cr.inproc_infer,
-        [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); },
+        options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics, &cr.service_infer,
+        &cr.inproc_infer, [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); },
         [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
     if (st.ok()) {
       st = TimedPair(
@@ -529,7 +531,9 @@ std::string FormatResults(const std::vector<CaseResult>& results) {
                                   std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
       const bool train = std::string(mode) == "train";
       absl::StrAppendFormat(
-          &out, "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | %s |\n",
+          &out,
+          "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | "
+          "%s |\n",
           r.c.tokens, r.c.d_model, r.c.d_hidden, r.c.in_flight, mode, svc->tokens_per_second,
           loc->tokens_per_second, svc->tokens_per_second / loc->tokens_per_second,
           svc->wire_bytes / svc->seconds / 1e6, svc->payload_bytes / svc->seconds / 1e6,

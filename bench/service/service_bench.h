@@ -35,22 +35,22 @@ struct BenchOptions {
   std::string device = "cpu";  // engine of the in-process server and of the in-process baseline
   LayerConfig layer;           // E, K, dtype, routing, activation, seed; d and h come per case
   std::vector<BenchCase> cases;
-  int warmup_steps = 1;        // training steps (and inference rounds) run before timing
-  int steps = 3;               // timed training steps
-  int inference_rounds = 3;    // timed inference rounds (N Forwards each)
+  int warmup_steps = 1;      // training steps (and inference rounds) run before timing
+  int steps = 3;             // timed training steps
+  int inference_rounds = 3;  // timed inference rounds (N Forwards each)
   int64_t chunk_bytes = int64_t{1} << 20;  // client chunk size (ClientOptions::chunk_bytes)
-  int timeout_seconds = 300;   // deadline of every call
+  int timeout_seconds = 300;               // deadline of every call
 };
 
 // Per-call latencies in seconds, and what went over the wire.
 struct ModeResult {
-  double seconds = 0;           // wall time of the timed steps/rounds
-  int64_t tokens = 0;           // tokens processed in that time (T * N * steps)
+  double seconds = 0;  // wall time of the timed steps/rounds
+  int64_t tokens = 0;  // tokens processed in that time (T * N * steps)
   double tokens_per_second = 0;
   std::vector<double> forward_latency;   // one per Forward call
   std::vector<double> backward_latency;  // one per Backward call (training)
-  double payload_bytes = 0;     // tensor bytes the client sent plus received
-  double wire_bytes = 0;        // serialized message bytes (server metrics); 0 when unknown
+  double payload_bytes = 0;              // tensor bytes the client sent plus received
+  double wire_bytes = 0;  // serialized message bytes (server metrics); 0 when unknown
   // Server stage means per micro-batch, seconds: "<method>/<stage>" -> mean (server metrics).
   std::map<std::string, double> stage_mean;
 };
@@ -71,12 +71,12 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
 // of a few runs. Read the server's receive/send stages and the client's share against these.
 struct CopyPathCost {
   int64_t bytes = 0;
-  double memcpy_warm_ms = 0;      // memcpy into a buffer already touched
-  double memcpy_fresh_ms = 0;     // memcpy into a new allocation (page faults included)
-  double build_chunks_ms = 0;     // tensor -> chunk messages (what both sides do before sending)
-  double serialize_ms = 0;        // chunk messages -> wire bytes (gRPC's SerializeToZeroCopy)
-  double parse_ms = 0;            // wire bytes -> chunk messages
-  double assemble_ms = 0;         // wire::TensorAssembler::Add over the chunks, then Finish()
+  double memcpy_warm_ms = 0;        // memcpy into a buffer already touched
+  double memcpy_fresh_ms = 0;       // memcpy into a new allocation (page faults included)
+  double build_chunks_ms = 0;       // tensor -> chunk messages (what both sides do before sending)
+  double serialize_ms = 0;          // chunk messages -> wire bytes (gRPC's SerializeToZeroCopy)
+  double parse_ms = 0;              // wire bytes -> chunk messages
+  double assemble_ms = 0;           // wire::TensorAssembler::Add over the chunks, then Finish()
   double assemble_add_only_ms = 0;  // the Add()s alone (the receiving server stops here)
 };
 CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes);

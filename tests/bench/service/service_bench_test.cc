@@ -32,8 +32,8 @@ TEST(ServiceBenchTest, TinySweepMeasuresBothSidesThroughARealServer) {
     EXPECT_NE(where.find("loopback"), std::string::npos) << where;
     ASSERT_EQ(results->size(), 1u);
     const CaseResult& r = (*results)[0];
-    for (const ModeResult* m : {&r.service_train, &r.inproc_train, &r.service_infer,
-                                &r.inproc_infer}) {
+    for (const ModeResult* m :
+         {&r.service_train, &r.inproc_train, &r.service_infer, &r.inproc_infer}) {
       EXPECT_GT(m->tokens_per_second, 0);
       EXPECT_EQ(m->tokens, 48 * 2 * 2);
     }
