@@ -16,6 +16,7 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
+# shellcheck disable=SC2054  # the commas separate cases inside one flag value
 tiny=(--cases=64x32x16x1,32x16x8x3 --steps=2 --inference_rounds=2 --chunk_bytes=1024)
 
 # Rows: | T | d | h | N | mode | service tok/s | in-process tok/s | ... ; both must be > 0.
