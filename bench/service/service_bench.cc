@@ -532,12 +532,15 @@ std::string FormatResults(const std::vector<CaseResult>& results) {
       const bool train = std::string(mode) == "train";
       absl::StrAppendFormat(
           &out,
-          "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %.1f | %.1f | %s | %s | %s | %s | %s | "
+          "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %s | %.1f | %s | %s | %s | %s | %s | "
           "%s |\n",
           r.c.tokens, r.c.d_model, r.c.d_hidden, r.c.in_flight, mode, svc->tokens_per_second,
           loc->tokens_per_second, svc->tokens_per_second / loc->tokens_per_second,
-          svc->wire_bytes / svc->seconds / 1e6, svc->payload_bytes / svc->seconds / 1e6,
-          ms(Percentile(svc->forward_latency, 50)), ms(Percentile(svc->forward_latency, 99)),
+          // No metrics endpoint (--server without --metrics): the wire bytes are unknown.
+          svc->wire_bytes > 0 ? absl::StrFormat("%.1f", svc->wire_bytes / svc->seconds / 1e6)
+                              : std::string("-"),
+          svc->payload_bytes / svc->seconds / 1e6, ms(Percentile(svc->forward_latency, 50)),
+          ms(Percentile(svc->forward_latency, 99)),
           train ? ms(Percentile(svc->backward_latency, 50)) : "-",
           train ? ms(Percentile(svc->backward_latency, 99)) : "-",
           ms(Percentile(loc->forward_latency, 50)),
