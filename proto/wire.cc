@@ -179,7 +179,8 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
   }
-  bytes_.append(chunk.data());
+  const auto* data = reinterpret_cast<const std::byte*>(chunk.data().data());
+  bytes_.insert(bytes_.end(), data, data + chunk.data().size());
   return absl::OkStatus();
 }
 
@@ -214,8 +215,8 @@ absl::StatusOr<Tensor> TensorAssembler::Finish() {
   Tensor t;
   t.dtype = dtype;
   t.shape = shape_;
-  t.bytes.resize(bytes_.size());
-  std::copy(bytes_.begin(), bytes_.end(), reinterpret_cast<char*>(t.bytes.data()));
+  t.bytes = std::move(bytes_);
+  bytes_.clear();  // moved-from: make "no bytes collected" explicit
   return t;
 }
 

@@ -10,6 +10,7 @@
 #ifndef MOE_PROTO_WIRE_H_
 #define MOE_PROTO_WIRE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +44,8 @@ class TensorAssembler {
   absl::Status Add(const v1::Tensor& chunk);
   bool seen() const { return seen_; }
   // The complete tensor. Checks the dtype is known and the byte count matches the shape.
+  // Hands the collected bytes over without copying them (received tensors are the largest
+  // buffers on the hot path): afterwards the assembler holds no bytes.
   absl::StatusOr<Tensor> Finish();
   // A view of the bytes collected so far, valid while this object lives (no copy).
   absl::StatusOr<TensorView> FinishView();
@@ -54,7 +57,7 @@ class TensorAssembler {
   bool seen_ = false;
   int dtype_ = 0;
   std::vector<int64_t> shape_;
-  std::string bytes_;
+  std::vector<std::byte> bytes_;  // Tensor's own byte type, so Finish() can move it out
 };
 
 // A piece of a tensor to put into one message.
