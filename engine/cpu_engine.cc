@@ -4,7 +4,9 @@
 // expert order):   X = x[rows]; H = [X W1_e^T | X W3_e^T]; A = act(H1) * H3; Y = A W2_e^T;
 // then out[t] = sum_k p[t,k] Y[slot(t,k)], k ascending. Only x and H are saved for the backward
 // (SonicMoE): A is recomputed from H, and dp[t,k] = <dout[t], Y> is computed as <dout W2_e, A>,
-// so expert outputs are never stored. Backward, per expert:
+// so expert outputs are never stored. With LayerConfig::recompute_h only x is saved and the
+// backward recomputes H per expert by UpProject, the very function the forward ran, on the same
+// rows in the same order: H is bitwise the forward's, so every result is too. Backward, per expert:
 //   G = dO W2_e; dp = rowdot(G, A); dW2 += (p dO)^T A; dA = p G;
 //   dH1 = dA * act'(H1) * H3, dH3 = dA * act(H1); dW1 += dH1^T X; dW3 += dH3^T X;
 //   dX = dH1 W1_e + dH3 W3_e, summed per token over k in ascending order.
@@ -134,6 +136,7 @@ class CpuContext : public SavedContext {
   std::vector<int32_t> counts, offsets, entries, slot_of;  // dispatch
   std::vector<float> h32;                                  // [N, hw] with fp32 storage
   std::vector<uint16_t> h16;                               // [N, hw] with bf16 storage
+  bool recompute_h = false;  // h32 and h16 empty: the backward recomputes H
 };
 
 class CpuLayer : public Layer {
@@ -181,6 +184,10 @@ class CpuLayer : public Layer {
                                               const TensorView& dout);
   void RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, double* aux, double* z);
   void RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf);
+  // H [n, hw] = [X W1_l^T | X W3_l^T] for local expert l on the gathered rows xl [n, d],
+  // rounded to bf16 with bf16 storage. Forward and recompute-mode Backward both call this, which
+  // is what makes the two modes bitwise equal.
+  void UpProject(int64_t l, const float* xl, int64_t n, float* hb);
   // A = act(H1) (* H3), rounded to bf16 with bf16 storage.
   void Activate(const float* h, int64_t n, float* a);
   Param* Find(const std::string& name);
@@ -243,6 +250,15 @@ Param* CpuLayer::Find(const std::string& name) {
   for (Param& p : params_)
     if (p.name == name) return &p;
   return nullptr;
+}
+
+void CpuLayer::UpProject(int64_t l, const float* xl, int64_t n, float* hb) {
+  const int64_t d = cfg_.d_model, h = cfg_.d_hidden, w = hw();
+  Sgemm(false, true, n, h, d, 1.0f, xl, d, w1_->w.data() + l * h * d, d, 0.0f, hb, w, pool_);
+  if (w3_ != nullptr) {
+    Sgemm(false, true, n, h, d, 1.0f, xl, d, w3_->w.data() + l * h * d, d, 0.0f, hb + h, w, pool_);
+  }
+  if (bf16()) RoundBf16InPlace(pool_, hb, n * w);
 }
 
 void CpuLayer::Activate(const float* h, int64_t n, float* a) {
@@ -323,7 +339,10 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
     ctx = std::make_unique<CpuContext>();
     ctx->owner = this;
     ctx->t = t;
-    if (bf16()) {
+    ctx->recompute_h = cfg_.recompute_h;
+    if (cfg_.recompute_h) {
+      // Keep x and the index arrays only; the backward recomputes H.
+    } else if (bf16()) {
       ctx->h16.resize(n_routed * w);
     } else {
       ctx->h32.resize(n_routed * w);
@@ -332,8 +351,10 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
 
   const int64_t max_rows = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
   std::vector<float> xl(max_rows * d), a(max_rows * h), y(n_routed * d);
+  // H goes straight into the saved fp32 buffer when there is one; else through a scratch.
+  const bool h_into_ctx = ctx && !cfg_.recompute_h && !bf16();
   std::vector<float> hs;
-  if (!ctx || bf16()) hs.resize(max_rows * w);
+  if (!h_into_ctx) hs.resize(max_rows * w);
   for (int64_t l = 0; l < count; ++l) {
     const int64_t n = counts[l], s0 = offsets[l];
     if (n == 0) continue;
@@ -341,16 +362,10 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
       for (int64_t r = b; r < e; ++r)
         std::memcpy(&xl[r * d], &xf[(entries[s0 + r] / k) * d], d * sizeof(float));
     });
-    float* hb = (ctx && !bf16()) ? ctx->h32.data() + s0 * w : hs.data();
-    Sgemm(false, true, n, h, d, 1.0f, xl.data(), d, w1_->w.data() + l * h * d, d, 0.0f, hb, w,
-          pool_);
-    if (w3_ != nullptr) {
-      Sgemm(false, true, n, h, d, 1.0f, xl.data(), d, w3_->w.data() + l * h * d, d, 0.0f, hb + h, w,
-            pool_);
-    }
+    float* hb = h_into_ctx ? ctx->h32.data() + s0 * w : hs.data();
+    UpProject(l, xl.data(), n, hb);
     if (bf16()) {
-      RoundBf16InPlace(pool_, hb, n * w);
-      if (ctx) {
+      if (ctx && !cfg_.recompute_h) {
         uint16_t* dst = ctx->h16.data() + s0 * w;
         ParallelChunks(pool_, n * w, 1 << 16, [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i) dst[i] = FloatToBFloat16(hb[i]);
@@ -472,8 +487,9 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
   std::vector<float> dp(t * k, 0.0f), dxe(n_routed * d);
   std::vector<float> xl(max_rows * d), dol(max_rows * d), a(max_rows * h), g(max_rows * h),
       dh(max_rows * w), pl(max_rows);
+  const bool recompute = ctx->recompute_h;
   std::vector<float> hs;
-  if (bf16()) hs.resize(max_rows * w);
+  if (bf16() || recompute) hs.resize(max_rows * w);
   const bool gated = cfg_.gated(), round = bf16();
   const ActKind kind = act();
 
@@ -489,7 +505,11 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
       }
     });
     const float* hb;
-    if (bf16()) {
+    if (recompute) {
+      // Recompute mode: the forward's H, bit for bit (same gathered rows, same UpProject).
+      UpProject(l, xl.data(), n, hs.data());
+      hb = hs.data();
+    } else if (bf16()) {
       const uint16_t* src = ctx->h16.data() + s0 * w;
       ParallelChunks(pool_, n * w, 1 << 16, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) hs[i] = BFloat16ToFloat(src[i]);

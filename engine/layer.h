@@ -77,6 +77,12 @@ struct LayerConfig {
   bool renormalize = true;      // server routing: p /= sum_k p
   double aux_loss_coef = 0.0;   // server routing: Switch load-balancing loss coefficient
   double z_loss_coef = 0.0;     // server routing: router z-loss coefficient
+  // Memory mode of a training Forward. false: keep x and H = [W1 x, W3 x] per routed (t,k)
+  // for the Backward. true: keep only x (and the routing/dispatch index arrays) and recompute H
+  // in the Backward with the same kernels, so outputs and gradients are bitwise those of the
+  // keep-H mode on the same engine, for one more up-projection GEMM per Backward. For very long
+  // batches: H is K*(2h)/d times the size of x (SwiGLU).
+  bool recompute_h = false;
   OptimizerConfig optimizer;
 
   int64_t local_experts() const { return expert_count < 0 ? num_experts : expert_count; }
