@@ -10,7 +10,9 @@
 // moe_bench; median over --reps samples after warm-up.
 //
 //   moe_dispatch_bench [--preset NAME]... [--reps N] [--sweep]
-// Prints one line per preset: cub_ms, legacy_ms, ms of the default path, and cub / default.
+// Prints one line per preset: cub_ms, legacy_ms, ms of the default path, and cub / default;
+// then per preset the default tiling four ways (plain, staged entries, PDL, both; see
+// DispatchConfig), each timed and checked in the same run.
 // With --sweep also one line per (preset, tiling). Exit status 1 if any result differs.
 #include <cuda_runtime.h>
 
@@ -146,7 +148,7 @@ int main(int argc, char** argv) {
   cudaStream_t s;
   CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int failures = 0;
-  std::vector<std::string> table;
+  std::vector<std::string> table, ab;
   for (const Shape* p : todo) {
     const int64_t n = p->T * p->K;
     std::vector<int32_t> ids(n);
@@ -214,6 +216,24 @@ int main(int argc, char** argv) {
     std::printf("%s\n", line);
     std::fflush(stdout);
     failures += !eq_default + !eq_legacy;
+    {
+      // A/B of the default tiling with and without PDL and staged entries, same call.
+      char ab_line[256];
+      int n_ab = std::snprintf(ab_line, sizeof ab_line, "%-12s", p->name);
+      for (int pdl : {1, 2}) {
+        for (int staged : {1, 2}) {
+          bool eq = false;
+          const double ms =
+              run(DispatchConfig{h.warps_per_tile, h.tile_cells, false, pdl, staged}, false, &eq);
+          failures += !eq;
+          n_ab += std::snprintf(ab_line + n_ab, sizeof ab_line - n_ab, " %9.4f %6.2fx%s", ms,
+                                cub_ms / ms, eq ? "" : " NO");
+        }
+      }
+      ab.push_back(ab_line);
+      std::printf("ab %s\n", ab_line);
+      std::fflush(stdout);
+    }
     if (sweep) {
       for (int w : {4, 8, 16, 32}) {
         if (w == 32 && p->E > 128) continue;
@@ -233,6 +253,9 @@ int main(int argc, char** argv) {
   std::printf("\n%-12s %8s %4s %2s %9s %9s %9s %8s %8s  %s\n", "preset", "T", "E", "K", "cub_ms",
               "legacy_ms", "disp_ms", "cub/disp", "cub/leg", "default tiling, equal");
   for (const std::string& l : table) std::printf("%s\n", l.c_str());
+  std::printf("\n%-12s %17s %17s %17s %17s   (ms, cub/this)\n", "preset", "plain", "staged", "pdl",
+              "pdl+staged");
+  for (const std::string& l : ab) std::printf("%s\n", l.c_str());
   std::printf("moe_dispatch_bench: %s\n", failures == 0 ? "all equal to CUB" : "MISMATCH");
   return failures == 0 ? 0 : 1;
 }

@@ -22,6 +22,21 @@ int64_t NumTiles(int64_t num_tokens) { return (num_tokens + kTileTokens - 1) / k
 
 size_t AlignUp(size_t v) { return (v + 255) & ~size_t{255}; }
 
+// Programmatic dependent launch (sm_90+). Wait: block until the grids this one depends on
+// have finished and their writes are visible; a no-op for a kernel launched the usual way.
+// Allow: let the next grid, if launched as a dependent, be scheduled now; it still waits for
+// this whole grid before touching memory, so calling this early is safe.
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlAllowNext() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Phase 1: bitmap words and per-(expert, tile) counts. bits is expert-major:
 // bits[e * W + word], W = num_tiles * 32 words; bit b of a word is token word*32 + b.
 __global__ void __launch_bounds__(kTileTokens)
@@ -245,6 +260,9 @@ __global__ void __launch_bounds__(kTileTokens)
 constexpr int kRankMaxExperts = 256;  // shards up to this size take the default path
 constexpr int kPlaceThreads = 1024;
 constexpr int kMinRankTokens = 128;  // smallest sub-tile (4 warps): bounds the tile count
+// Largest staging buffer of the place pass (tile_tokens * top_k ints): 24576 (t,k) per tile,
+// leaving room on the SM for a rank block of the next dispatch.
+constexpr size_t kMaxStageBytes = 96 * 1024;
 
 // Shared memory of the rank kernel is words + prefixes for every expert, (warps + 1) columns
 // each (+1: a warp's lanes reading one column for different experts hit distinct banks); 32
@@ -267,6 +285,10 @@ __global__ void __launch_bounds__(kW * 32)
   const int64_t tile = blockIdx.x;
   const int64_t begin = tile * tile_tokens;
   const int64_t end = min(num_tokens, begin + tile_tokens);
+  // The kernel before may still be writing ids (the router) or reading slot_of (the last
+  // dispatch's place pass): nothing is touched before the wait.
+  PdlWait();
+  PdlAllowNext();
   // running[] is next read after the first sub-tile's __syncthreads.
   for (int e = threadIdx.x; e < count; e += kThreads) running[e] = 0;
   const uint32_t below = (1u << lane) - 1u;
@@ -356,6 +378,12 @@ __global__ void __launch_bounds__(kW * 32)
   }
 }
 
+// kStaged: the tile's entries go first to shared memory (dynamic, tile_tokens * top_k ints),
+// grouped by expert (expert e's run starts at local[e], the exclusive scan of the tile's
+// per-expert counts) in rank order; then the block copies that buffer out flat, position i
+// belonging to the last expert whose local start is <= i, so consecutive threads store
+// consecutive slots of one expert's run: whole lines instead of one sector per store.
+template <bool kStaged>
 __global__ void __launch_bounds__(kPlaceThreads)
     dispatch_place_kernel(const int32_t* __restrict__ ids, int64_t num_tokens, int top_k, int first,
                           int count, int64_t tile_tokens, int64_t num_tiles,
@@ -363,9 +391,13 @@ __global__ void __launch_bounds__(kPlaceThreads)
                           int32_t* __restrict__ offsets, int32_t* __restrict__ entries,
                           int32_t* __restrict__ slot_of) {
   __shared__ int32_t totals[kRankMaxExperts], before[kRankMaxExperts], base[kRankMaxExperts];
+  __shared__ int32_t local[kStaged ? kRankMaxExperts + 1 : 1];
+  extern __shared__ int32_t stage[];
   constexpr int kWarpsHere = kPlaceThreads / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile = blockIdx.x;
+  PdlWait();  // tile_counts and slot_of come from the rank pass
+  PdlAllowNext();
   // Per expert: its total and its tokens in earlier tiles, by warp reductions in a fixed order.
   for (int e = warp; e < count; e += kWarpsHere) {
     const int32_t* row = tile_counts + static_cast<int64_t>(e) * num_tiles;
@@ -393,26 +425,68 @@ __global__ void __launch_bounds__(kPlaceThreads)
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) offsets[count] = all;
   __syncthreads();
-  // The tile's (t,k) in memory order: coalesced ids and slot_of; 4 independent loads in
-  // flight per thread before the dependent stores.
   const int64_t i0 = tile * tile_tokens * top_k;
   const int64_t i1 = min(num_tokens, (tile + 1) * tile_tokens) * top_k;
   constexpr int kUnroll = 4;
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += kUnroll * kPlaceThreads) {
-    int32_t e[kUnroll], rank[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t at = i + j * kPlaceThreads;
-      e[j] = at < i1 ? __ldg(ids + at) - first : -1;
-      rank[j] = at < i1 ? slot_of[at] : -1;
+  if constexpr (kStaged) {
+    // totals[] is free again: reuse it for the tile's own per-expert counts.
+    __syncthreads();
+    for (int e = threadIdx.x; e < count; e += kPlaceThreads) {
+      totals[e] = tile_counts[static_cast<int64_t>(e) * num_tiles + tile];
     }
+    __syncthreads();
+    const int32_t routed = BlockExclusiveScan(totals, count, local);
+    if (threadIdx.x == 0) local[count] = routed;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += kUnroll * kPlaceThreads) {
+      int32_t e[kUnroll], rank[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      if (e[j] < 0 || e[j] >= count) continue;  // outside the shard: slot_of is already -1
-      const int64_t at = i + j * kPlaceThreads;
-      const int32_t pos = base[e[j]] + rank[j];
-      entries[pos] = static_cast<int32_t>(at);
-      slot_of[at] = pos;
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t at = i + j * kPlaceThreads;
+        e[j] = at < i1 ? __ldg(ids + at) - first : -1;
+        rank[j] = at < i1 ? slot_of[at] : -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (e[j] < 0 || e[j] >= count) continue;
+        const int64_t at = i + j * kPlaceThreads;
+        stage[local[e[j]] + rank[j]] = static_cast<int32_t>(at);
+        slot_of[at] = base[e[j]] + rank[j];
+      }
+    }
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < routed; i += kPlaceThreads) {
+      // Last e with local[e] <= i (empty experts share their start with the next one, and
+      // the search lands on the non-empty expert that owns i).
+      int lo = 0, hi = count - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (local[mid] <= i) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      entries[base[lo] + (i - local[lo])] = stage[i];
+    }
+  } else {
+    // The tile's (t,k) in memory order: coalesced ids and slot_of; 4 independent loads in
+    // flight per thread before the dependent stores.
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += kUnroll * kPlaceThreads) {
+      int32_t e[kUnroll], rank[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t at = i + j * kPlaceThreads;
+        e[j] = at < i1 ? __ldg(ids + at) - first : -1;
+        rank[j] = at < i1 ? slot_of[at] : -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (e[j] < 0 || e[j] >= count) continue;  // outside the shard: slot_of is already -1
+        const int64_t at = i + j * kPlaceThreads;
+        const int32_t pos = base[e[j]] + rank[j];
+        entries[pos] = static_cast<int32_t>(at);
+        slot_of[at] = pos;
+      }
     }
   }
 }
@@ -453,18 +527,30 @@ cudaError_t LaunchRank(const int32_t* expert_ids, int64_t num_tokens, int32_t to
                        int32_t expert_first, int32_t expert_count, int32_t* counts,
                        int32_t* offsets, int32_t* entries, int32_t* slot_of,
                        const DispatchConfig& config, void* workspace, cudaStream_t stream) {
-  if (expert_count > RankMaxExperts(config.warps_per_tile) || config.tile_cells < 1) {
+  if (expert_count > RankMaxExperts(config.warps_per_tile) || config.tile_cells < 1 ||
+      config.pdl < 1 || config.pdl > 2 || config.staged < 1 || config.staged > 2) {
     return cudaErrorInvalidValue;
   }
   const RankTiling tiling = MakeTiling(num_tokens, expert_count, config);
   auto* tile_counts = static_cast<int32_t*>(workspace);
   const unsigned grid = static_cast<unsigned>(tiling.tiles);
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(grid);
+  launch.stream = stream;
+  launch.attrs = config.pdl == 2 ? pdl : nullptr;
+  launch.numAttrs = config.pdl == 2 ? 1 : 0;
+  cudaError_t err = cudaErrorInvalidValue;
   switch (config.warps_per_tile) {
-#define MOE_RANK_CASE(W)                                                                         \
-  case W:                                                                                        \
-    dispatch_rank_kernel<W>                                                                      \
-        <<<grid, W * 32, 0, stream>>>(expert_ids, num_tokens, top_k, expert_first, expert_count, \
-                                      tiling.tile_tokens, tiling.tiles, tile_counts, slot_of);   \
+#define MOE_RANK_CASE(W)                                                                       \
+  case W:                                                                                      \
+    launch.blockDim = dim3(W * 32);                                                            \
+    err = cudaLaunchKernelEx(&launch, dispatch_rank_kernel<W>, expert_ids, num_tokens,         \
+                             static_cast<int>(top_k), static_cast<int>(expert_first),          \
+                             static_cast<int>(expert_count), tiling.tile_tokens, tiling.tiles, \
+                             tile_counts, slot_of);                                            \
     break;
     MOE_RANK_CASE(4)
     MOE_RANK_CASE(8)
@@ -474,10 +560,31 @@ cudaError_t LaunchRank(const int32_t* expert_ids, int64_t num_tokens, int32_t to
     default:  // no such sub-tile
       return cudaErrorInvalidValue;
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  dispatch_place_kernel<<<grid, kPlaceThreads, 0, stream>>>(
-      expert_ids, num_tokens, top_k, expert_first, expert_count, tiling.tile_tokens, tiling.tiles,
-      tile_counts, counts, offsets, entries, slot_of);
+  if (err != cudaSuccess) return err;
+  if (err = cudaGetLastError(); err != cudaSuccess) return err;
+  // Staging needs the tile's (t,k) in shared memory; larger tiles scatter directly.
+  const size_t stage_bytes = static_cast<size_t>(tiling.tile_tokens) * top_k * sizeof(int32_t);
+  const bool staged = config.staged == 2 && stage_bytes <= kMaxStageBytes;
+  launch.blockDim = dim3(kPlaceThreads);
+  launch.dynamicSmemBytes = staged ? stage_bytes : 0;
+  if (staged) {
+    if (stage_bytes > 48 * 1024) {
+      err = cudaFuncSetAttribute(dispatch_place_kernel<true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kMaxStageBytes));
+      if (err != cudaSuccess) return err;
+    }
+    err = cudaLaunchKernelEx(
+        &launch, dispatch_place_kernel<true>, expert_ids, num_tokens, static_cast<int>(top_k),
+        static_cast<int>(expert_first), static_cast<int>(expert_count), tiling.tile_tokens,
+        tiling.tiles, static_cast<const int32_t*>(tile_counts), counts, offsets, entries, slot_of);
+  } else {
+    err = cudaLaunchKernelEx(
+        &launch, dispatch_place_kernel<false>, expert_ids, num_tokens, static_cast<int>(top_k),
+        static_cast<int>(expert_first), static_cast<int>(expert_count), tiling.tile_tokens,
+        tiling.tiles, static_cast<const int32_t*>(tile_counts), counts, offsets, entries, slot_of);
+  }
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
@@ -537,7 +644,6 @@ cudaError_t LaunchLegacy(const int32_t* expert_ids, int64_t num_tokens, int32_t 
 }  // namespace
 
 DispatchConfig DispatchHeuristic(int64_t num_tokens, int32_t top_k, int32_t expert_count) {
-  (void)top_k;
   DispatchConfig c;
   if (expert_count > kRankMaxExperts) {
     c.legacy = true;
@@ -556,6 +662,16 @@ DispatchConfig DispatchHeuristic(int64_t num_tokens, int32_t top_k, int32_t expe
       break;
     }
   }
+  // Staged entries and PDL only for large tiles (at least 4096 (t,k) each). Measured on an
+  // H100 (bench/results/2026-11-21-h100-dispatch-i): with tiles of 4096-16384 (t,k)
+  // (scale-128k, -512k, -2m) both together cut the dispatch by 26-33%; with tiles of 512-1024
+  // (t,k) (scale-8k, olmoe, deepseek-v3) staging cost up to 15%, and PDL, though 12% faster
+  // on deepseek-v3, was 50% slower on olmoe, for a reason not yet found.
+  const int64_t tile_entries =
+      expert_count < 1 ? 0 : MakeTiling(num_tokens, expert_count, c).tile_tokens * top_k;
+  const bool large_tiles = tile_entries >= 4096;
+  c.pdl = large_tiles ? 2 : 1;
+  c.staged = large_tiles ? 2 : 1;
   return c;
 }
 
@@ -603,6 +719,8 @@ cudaError_t LaunchDispatch(const int32_t* expert_ids, int64_t num_tokens, int32_
   const DispatchConfig h = DispatchHeuristic(num_tokens, top_k, expert_count);
   if (c.warps_per_tile == 0) c.warps_per_tile = h.warps_per_tile;
   if (c.tile_cells == 0) c.tile_cells = h.tile_cells;
+  if (c.pdl == 0) c.pdl = h.pdl;
+  if (c.staged == 0) c.staged = h.staged;
   return LaunchRank(expert_ids, num_tokens, top_k, expert_first, expert_count, counts, offsets,
                     entries, slot_of, c, workspace, stream);
 }

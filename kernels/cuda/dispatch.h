@@ -15,15 +15,20 @@
 //   2. place  one block per tile again: warp reductions over the tile counts give each expert
 //             its total and its tokens in earlier tiles, a block scan the offsets (block 0
 //             publishes counts and offsets); then, over the tile's (t,k) in memory order,
-//             slot = offsets[e] + earlier tiles + rank; entry t*K+k goes straight to it and
-//             slot_of[t*K+k] to the entry. Ascending tokens within an expert is exactly the CPU
-//             order, so the result is deterministic and bitwise equal.
+//             slot = offsets[e] + earlier tiles + rank, written to slot_of[t*K+k]. Entry t*K+k
+//             goes to that slot either directly (small tiles) or, staged (large tiles), first
+//             to shared memory, grouped by expert in rank order, from where the block copies
+//             the tile's runs out flat, so that consecutive threads store consecutive slots.
+//             Ascending tokens within an expert is exactly the CPU order, so the result is
+//             deterministic and bitwise equal.
+//   Large tiles also launch both kernels as programmatic dependent launches: each is set up
+//   while the kernel before it drains and waits (griddepcontrol.wait) before touching memory.
 //   Nothing of size E x T goes through device memory (the bitmap lives in shared memory only),
-//   and every read and write of the place pass except the entries scatter is coalesced.
-//   Measured on an H100 (bench/dispatch_bench.cc; bench/results/2026-11-21-h100-dispatch-g):
-//   2-4x faster than the CUB radix sort up to T = 128k; at 512k and 2M tokens about 1.3x and
-//   1.2x, where the legacy path, this one and the sort's own scatter all land on the same
-//   time, which points at the scattered entries stores as what is left to fix.
+//   and with staging every global read and write is coalesced.
+//   Measured on an H100 (bench/dispatch_bench.cc; bench/results/2026-11-21-h100-dispatch-g
+//   and -dispatch-i): 2-4x faster than the CUB radix sort on the small presets (scale-8k,
+//   olmoe, deepseek-v3); with staging and PDL 2.6x at 128k, 1.9x at 512k and 1.8x at 2M
+//   tokens (1.97x, 1.3x and 1.2x when the entries were scattered).
 //
 // Legacy path (the first version; shards over 256 experts, or DispatchConfig::legacy), two or
 // three launches:
@@ -60,6 +65,16 @@ struct DispatchConfig {
                            // a sub-tile is 32 * warps_per_tile tokens
   int64_t tile_cells = 0;  // bound on tiles x experts: what each place block reads
   bool legacy = false;     // the global-bitmap path (always taken above 256 experts)
+  // Default-path options, each 0 = heuristic (on for tiles of at least 4096 (t,k)), 1 = off,
+  // 2 = on (so that the benchmark can A/B them in one run); other values are refused:
+  //   pdl     both launches are programmatic dependent launches (cudaLaunchKernelEx with
+  //           programmatic stream serialization): a launch is set up while the kernel before
+  //           it drains, and waits (griddepcontrol.wait) before touching memory.
+  //   staged  the place pass stages the tile's entries in shared memory grouped by expert and
+  //           writes each expert's run contiguously (coalesced stores) instead of scattering
+  //           them; tiles too large for the staging buffer scatter as before.
+  int pdl = 0;
+  int staged = 0;
 };
 
 // The tiling LaunchDispatch uses when given no config.

@@ -6,7 +6,9 @@
 // preset). Every shape runs under several tilings: the heuristic's, each sub-tile size of the
 // tile-rank path with tiles of many sub-tiles (the running per-expert count across sub-tiles),
 // and the legacy global-bitmap path with each of its three ways to the offsets (fused scan,
-// shared offsets, global offsets). A tiling a shape cannot take must be refused with
+// shared offsets, global offsets), and the place-pass options (programmatic dependent launch,
+// entries staged in shared memory; one tile of the whole problem for the staging fallback
+// where the tile is too large to stage). A tiling a shape cannot take must be refused with
 // cudaErrorInvalidValue. Needs a GPU (ctest label "gpu"); skips itself without one.
 #include "kernels/cuda/dispatch.h"
 
@@ -169,13 +171,18 @@ INSTANTIATE_TEST_SUITE_P(
                           Case{4097, 256, 8, 0, 256, false},    // the rank path's expert limit
                           Case{8192, 256, 8, 0, 256, false},    // deepseek-v3
                           Case{2097152, 64, 4, 0, 64, false}),  // scale-2m
-        ::testing::Values(Tiling{"heuristic", DispatchConfig{}},
-                          Tiling{"legacy", DispatchConfig{0, 0, true}},
-                          Tiling{"w4", DispatchConfig{4, 8192, false}},
-                          Tiling{"w8_two_tiles", DispatchConfig{8, 512, false}},
-                          Tiling{"w16_one_cell", DispatchConfig{16, 1, false}},
-                          Tiling{"w32", DispatchConfig{32, 16384, false}},
-                          Tiling{"w32_few_tiles", DispatchConfig{32, 600, false}})),
+        ::testing::Values(
+            Tiling{"heuristic", DispatchConfig{}}, Tiling{"legacy", DispatchConfig{0, 0, true}},
+            Tiling{"w4", DispatchConfig{4, 8192, false}},
+            Tiling{"w8_two_tiles", DispatchConfig{8, 512, false}},
+            Tiling{"w16_one_cell", DispatchConfig{16, 1, false}},
+            Tiling{"w32", DispatchConfig{32, 16384, false}},
+            Tiling{"w32_few_tiles", DispatchConfig{32, 600, false}},
+            Tiling{"w32_pdl_staged", DispatchConfig{32, 16384, false, 2, 2}},
+            Tiling{"w4_staged", DispatchConfig{4, 8192, false, 1, 2}},
+            Tiling{"w8_two_tiles_pdl", DispatchConfig{8, 512, false, 2, 1}},
+            Tiling{"w16_one_cell_staged", DispatchConfig{16, 1, false, 1, 2}},
+            Tiling{"w8_many_tiles_pdl_staged", DispatchConfig{8, 1 << 30, false, 2, 2}})),
     [](const ::testing::TestParamInfo<DispatchTest::ParamType>& info) {
       return std::to_string(info.index) + "_" + std::get<1>(info.param).name;
     });
