@@ -97,6 +97,7 @@ absl::StatusOr<LayerConfig> LayerConfigFromProto(const v1::LayerConfig& p) {
   c.renormalize = !p.no_renormalize();
   c.aux_loss_coef = p.aux_loss_coef();
   c.z_loss_coef = p.z_loss_coef();
+  c.recompute_h = p.recompute_h();
   const v1::OptimizerConfig& o = p.optimizer();
   switch (o.kind()) {
     case v1::OPTIMIZER_UNSPECIFIED:
@@ -151,6 +152,7 @@ v1::LayerConfig LayerConfigToProto(const LayerConfig& c) {
   p.set_no_renormalize(!c.renormalize);
   p.set_aux_loss_coef(c.aux_loss_coef);
   p.set_z_loss_coef(c.z_loss_coef);
+  p.set_recompute_h(c.recompute_h);
   v1::OptimizerConfig* o = p.mutable_optimizer();
   o->set_kind(c.optimizer.kind == OptimizerKind::kSgd ? v1::OPTIMIZER_SGD : v1::OPTIMIZER_ADAMW);
   o->set_learning_rate(c.optimizer.learning_rate);

@@ -37,6 +37,9 @@ ABSL_FLAG(double, lr, 1e-3, "create: learning rate");
 ABSL_FLAG(double, weight_decay, 0, "create: weight decay");
 ABSL_FLAG(double, momentum, 0, "create: SGD momentum");
 ABSL_FLAG(double, max_grad_norm, 0, "create: clip gradients to this global norm (0 = off)");
+ABSL_FLAG(bool, recompute_h, false,
+          "create: keep only x per training forward and recompute H in the backward "
+          "(less memory for long batches, same results)");
 
 namespace {
 
@@ -97,6 +100,7 @@ absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
   c.set_expert_count(absl::GetFlag(FLAGS_expert_count));
   c.set_seed(absl::GetFlag(FLAGS_seed));
   c.set_init_scale(absl::GetFlag(FLAGS_init_scale));
+  c.set_recompute_h(absl::GetFlag(FLAGS_recompute_h));
   const std::string opt = absl::GetFlag(FLAGS_optimizer);
   auto* o = c.mutable_optimizer();
   if (opt == "adamw")
@@ -121,7 +125,7 @@ int main(int argc, char** argv) {
       "  list                 layers on the server\n"
       "  stats                device memory, saved contexts, sessions, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
-      "               --expert_first --expert_count --seed --init_scale --optimizer --lr ...]\n"
+      "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer --lr ...]\n"
       "  delete NAME\n"
       "  save NAME PATH       checkpoint to PATH under the server's --checkpoint_dir\n"
       "  load NAME PATH       load a checkpoint into NAME (created if absent)");

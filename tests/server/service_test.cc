@@ -709,5 +709,55 @@ TEST(ServiceTest, ServesReflectionAndHealth) {
   EXPECT_NE(call.text().find("grpc.health.v1.Health"), std::string::npos) << call.text();
 }
 
+// --- Recompute memory mode ------------------------------------------------------------------
+// LayerConfig::recompute_h crosses the wire both ways (create, then the layer info), and a layer
+// created with it keeps fewer saved-context bytes (exactly the H rows) for bitwise the same
+// results as a keep-H layer.
+TEST(ServiceTest, RecomputeHRoundTripsAndShrinksSavedContexts) {
+  LayerConfig keep = SmallConfig(RoutingMode::kClient);
+  LayerConfig recompute = keep;
+  recompute.recompute_h = true;
+  auto back = wire::LayerConfigFromProto(wire::LayerConfigToProto(recompute));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->recompute_h);
+  EXPECT_FALSE(wire::LayerConfigToProto(keep).recompute_h());
+
+  Loopback lb = Start();
+  ASSERT_TRUE(lb.conn);
+  auto rk = RemoteLayer::Create(lb.conn, "keep-h", keep);
+  auto rr = RemoteLayer::Create(lb.conn, "recompute-h", recompute);
+  ASSERT_TRUE(rk.ok()) << rk.status();
+  ASSERT_TRUE(rr.ok()) << rr.status();
+  auto ik = lb.conn->GetLayer("keep-h");
+  auto ir = lb.conn->GetLayer("recompute-h");
+  ASSERT_TRUE(ik.ok() && ir.ok());
+  EXPECT_FALSE(ik->config().recompute_h());
+  EXPECT_TRUE(ir->config().recompute_h());
+
+  std::mt19937 rng(17);
+  const int64_t tokens = 29;
+  Tensor x = RandomFloat(rng, {tokens, keep.d_model}), ids, w;
+  RandomRouting(rng, tokens, keep, &ids, &w);
+  Tensor dout = RandomFloat(rng, {tokens, keep.d_model});
+  auto fk = (*rk)->Forward(x.view(), ids.view(), w.view()).get();
+  auto fr = (*rr)->Forward(x.view(), ids.view(), w.view()).get();
+  ASSERT_TRUE(fk.ok()) << fk.status();
+  ASSERT_TRUE(fr.ok()) << fr.status();
+  EXPECT_EQ(fk->out.bytes, fr->out.bytes);
+  ik = lb.conn->GetLayer("keep-h");
+  ir = lb.conn->GetLayer("recompute-h");
+  ASSERT_TRUE(ik.ok() && ir.ok());
+  EXPECT_EQ(ir->saved_contexts(), 1);
+  // Every (t,k) lands on a local expert (no shard): H is T*K rows of [W1 x, W3 x], fp32.
+  EXPECT_EQ(ik->saved_context_bytes() - ir->saved_context_bytes(),
+            tokens * keep.top_k * 2 * keep.d_hidden * 4);
+  auto bk = (*rk)->Backward(fk->context_id, dout.view()).get();
+  auto br = (*rr)->Backward(fr->context_id, dout.view()).get();
+  ASSERT_TRUE(bk.ok()) << bk.status();
+  ASSERT_TRUE(br.ok()) << br.status();
+  EXPECT_EQ(bk->dx.bytes, br->dx.bytes);
+  EXPECT_EQ(bk->dweights.bytes, br->dweights.bytes);
+}
+
 }  // namespace
 }  // namespace moe
