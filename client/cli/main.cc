@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
       "  list                 layers on the server\n"
       "  stats                device memory, saved contexts, sessions, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
-      "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer --lr ...]\n"
+      "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer "
+      "--lr ...]\n"
       "  delete NAME\n"
       "  save NAME PATH       checkpoint to PATH under the server's --checkpoint_dir\n"
       "  load NAME PATH       load a checkpoint into NAME (created if absent)");

@@ -129,9 +129,9 @@ class RecomputeTest : public ::testing::TestWithParam<Param> {
   std::string Describe(const LayerConfig& c) const {
     return absl::StrCat("act=", static_cast<int>(c.activation),
                         " routing=", static_cast<int>(c.routing),
-                        " dtype=", static_cast<int>(c.dtype), " E=", c.num_experts,
-                        " K=", c.top_k, " d=", c.d_model, " h=", c.d_hidden,
-                        " shard=[", c.expert_first, ",+", c.local_experts(), ")");
+                        " dtype=", static_cast<int>(c.dtype), " E=", c.num_experts, " K=", c.top_k,
+                        " d=", c.d_model, " h=", c.d_hidden, " shard=[", c.expert_first, ",+",
+                        c.local_experts(), ")");
   }
 };
 
@@ -179,8 +179,7 @@ INSTANTIATE_TEST_SUITE_P(
     Modes, RecomputeTest,
     ::testing::Combine(::testing::Values(Activation::kSwiGLU, Activation::kGeLUTanh),
                        ::testing::Values(RoutingMode::kClient, RoutingMode::kServer),
-                       ::testing::Values(DType::kFloat32, DType::kBFloat16),
-                       ::testing::Bool()));
+                       ::testing::Values(DType::kFloat32, DType::kBFloat16), ::testing::Bool()));
 
 }  // namespace
 }  // namespace moe::testing
