@@ -294,7 +294,8 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
   res.tokens_per_local_expert = ctx->plan.tokens_per_expert;
 
   const int64_t g = cfg_.gated() ? 2 * cfg_.d_hidden : cfg_.d_hidden;
-  if (request.training) {
+  // Recompute mode keeps no H: ctx->h stays empty and the backward recomputes it per chunk.
+  if (request.training && !cfg_.recompute_h) {
     absl::StatusOr<DeviceBuffer> hb = Alloc(ctx->plan.total_routed * g * elem(), "saved H");
     if (!hb.ok()) return hb.status();
     ctx->h = std::move(*hb);
@@ -302,8 +303,8 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
   absl::StatusOr<DeviceBuffer> out = Alloc(t * d * elem(), "out");
   if (!out.ok()) return out.status();
   ExpertWeights w{Weights(0), Weights(n_w13_)};
-  MOE_RETURN_IF_ERROR(pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w,
-                                         request.training ? ctx->h.get() : nullptr, out->get()));
+  MOE_RETURN_IF_ERROR(
+      pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w, ctx->h.get(), out->get()));
   res.out = Tensor::Zeros(cfg_.dtype, {t, d});
   MOE_CUDA_RETURN(cudaMemcpyAsync(res.out.bytes.data(), out->get(), res.out.bytes.size(),
                                   cudaMemcpyDeviceToHost, s));

@@ -217,6 +217,38 @@ absl::Status ExpertPipeline::ExpertUpProjection(const ChunkPlan& chunk, const vo
   return gemm_->Run({CUBLAS_OP_T, CUBLAS_OP_N, shape_.type, shape_.type, 0.f}, probs);
 }
 
+absl::Status ExpertPipeline::ChunkUp(const DispatchPlan& plan, const ChunkPlan& ch,
+                                     ForwardKernels kernels_used, const void* x,
+                                     const ExpertWeights& w, void* hb, void* a) {
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(shape_.type));
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, K = shape_.top_k, n = ch.routed;
+  const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+  cudaStream_t s = stream_->get();
+  if (kernels_used == ForwardKernels::kUnfused) {
+    absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+    if (!xg.ok()) return xg.status();
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, xg->get(), s));
+    MOE_RETURN_IF_ERROR(ExpertUpProjection(ch, xg->get(), w.w13, hb));
+    xg->Reset();
+    if (a == nullptr) return absl::OkStatus();
+    MOE_CUDA_RETURN(
+        kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h, a, s));
+    return absl::OkStatus();
+  }
+  // One persistent launch: rows of x gathered on load, [W1;W3] tiles, SwiGLU in the epilogue;
+  // H lands directly in `hb` (the saved-H rows of this chunk when H is kept).
+  const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
+  const int32_t* offsets =
+      plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
+  const uint16_t* w13 = Bf16At(w.w13, 0);
+  MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
+      prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
+      Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets, entries, Bf16At(hb, 0),
+      static_cast<uint16_t*>(a), s));
+  return absl::OkStatus();
+}
+
 absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, const float* p,
                                      const ExpertWeights& w, void* h_saved, void* out) {
   const int64_t e = static_cast<int64_t>(kernels::ElemSize(shape_.type));
@@ -242,26 +274,11 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
       }
       absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "A");
       if (!a.ok()) return a.status();
-      if (kernels_used == ForwardKernels::kUnfused) {
-        absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-        if (!xg.ok()) return xg.status();
-        MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                                  static_cast<int32_t>(K), n, xg->get(), s));
-        MOE_RETURN_IF_ERROR(ExpertUpProjection(ch, xg->get(), w.w13, hb));
-        xg->Reset();
-        MOE_CUDA_RETURN(kernels::LaunchActivationForward(hb, shape_.type, shape_.activation, n, h,
-                                                         a->get(), s));
-      } else {
-        // One persistent launch: rows of x gathered on load, [W1;W3] tiles, SwiGLU in the
-        // epilogue; H lands directly in the saved-H rows of this chunk.
+      MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, hb, a->get()));
+      if (kernels_used != ForwardKernels::kUnfused) {
         const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
         const int32_t* offsets =
             plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
-        const uint16_t* w13 = Bf16At(w.w13, 0);
-        MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
-            prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
-            Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets, entries, Bf16At(hb, 0),
-            a->as<uint16_t>(), s));
         if (kernels_used == ForwardKernels::kFusedUpDown) {
           h_tmp.Reset();
           // Y per (token, k) row of the chunk; rows of entries outside the shard stay unwritten
@@ -321,7 +338,27 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
     const float beta = grads_are_zero && &ch == &plan.chunks.front() ? 0.f : 1.f;
     DeviceBuffer dxg;
     if (n > 0) {
-      const void* hb = Offset(h_saved, ch.row_base * g * e);
+      DeviceBuffer h_tmp;
+      const void* hb;
+      if (h_saved != nullptr) {
+        hb = Offset(h_saved, ch.row_base * g * e);
+      } else {
+        // Recompute mode: this chunk's H by the forward's own kernels on the same plan, so it
+        // is the forward's H bit for bit. The fused kernel also writes A; that scratch is
+        // dropped at once (the activation backward recomputes A from H anyway).
+        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e, "recomputed H");
+        if (!t.ok()) return t.status();
+        h_tmp = std::move(*t);
+        const ForwardKernels kernels_used = ChunkForwardKernels(ch);
+        DeviceBuffer a_tmp;
+        if (kernels_used != ForwardKernels::kUnfused) {
+          absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "recomputed A");
+          if (!a.ok()) return a.status();
+          a_tmp = std::move(*a);
+        }
+        MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_tmp.get(), a_tmp.get()));
+        hb = h_tmp.get();
+      }
       absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
       if (!gbuf.ok()) return gbuf.status();
       MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
@@ -346,6 +383,7 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
                                                         type, shape_.activation, n, h, dh->get(),
                                                         ap->get(), dp + ch.t0 * K, s));
       dau->Reset();
+      h_tmp.Reset();
       probs.clear();
       for (size_t l = 0; l < nl; ++l) {
         const int64_t off = ch.offsets[l];

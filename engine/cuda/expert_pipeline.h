@@ -5,7 +5,9 @@
 //
 // Forward, per token chunk:  Xg = x[entries]; H = Xg [W1;W3]^T (grouped GEMM, the seam
 //   ExpertUpProjection below); A = act(H1) (* H3) (one fused pass); Y = A W2^T (grouped GEMM);
-//   out = sum_k p Y[slot_of] (per-token gather-sum). Only x and H are kept for the backward.
+//   out = sum_k p Y[slot_of] (per-token gather-sum). Only x and H are kept for the backward;
+//   in recompute mode (LayerConfig::recompute_h) only x, and the backward reruns the chunk's
+//   up-projection (ChunkUp) to get H back.
 //   On an sm_90 GPU, for bf16 SwiGLU problems the fused Hopper kernels take (see
 //   UseFusedForward), the gather, up-projection and SwiGLU are one persistent launch that
 //   writes H (into the saved-H buffer) and A; with ForwardKernels::kFusedUpDown the
@@ -148,12 +150,19 @@ class ExpertPipeline {
   absl::Status Dispatch(const int32_t* ids, int64_t num_tokens, DispatchPlan* plan);
 
   // x [T, d], out [T, d] of the storage type; p [T, K] fp32. h_saved: [total_routed, g] to
-  // keep H for the backward, or null (inference).
+  // keep H for the backward, or null (inference, or training in recompute mode).
   absl::Status Forward(const DispatchPlan& plan, const void* x, const float* p,
                        const ExpertWeights& w, void* h_saved, void* out);
 
   // dout [T, d] storage type; dx [T, d] of dx_type (storage type, or fp32 when the router
   // path is added afterwards); dp [T, K] fp32, fully written (0 for (t,k) outside the shard).
+  // h_saved null: recompute mode; each chunk's H is recomputed from x by ChunkUp, the
+  // forward's own kernels on the same plan, so the results equal the keep-H backward's bit for
+  // bit (weights unchanged since the forward). Costs one up-projection GEMM per chunk and an
+  // [routed rows, g] temporary, live until the activation backward has read it. Chunking is
+  // the same in both modes (it must be, for the weight-gradient sums to match bitwise), so this
+  // temporary is not in ChunkTokens' budget: the recompute backward peaks at e (d + 2h + 2g) per
+  // routed row against the budgeted e (2d + 2h + g), over it by e (g - d) where g > d.
   // grads_are_zero: the caller knows the gradient buffers hold zeros (first backward after a
   // step), so the first chunk's weight-gradient GEMMs write instead of read-add-write: the
   // fp32 gradients are the largest tensors this touches.
@@ -173,6 +182,11 @@ class ExpertPipeline {
 
  private:
   kernels::Sm90ExpertProblem Sm90Problem(const ChunkPlan& chunk) const;
+  // The forward's up-projection of one chunk by `kernels_used`: H [routed, g] into hb and, when
+  // `a` is not null, A [routed, h] (the fused kernel always needs `a`). Forward and the
+  // recompute-mode Backward both run this.
+  absl::Status ChunkUp(const DispatchPlan& plan, const ChunkPlan& ch, ForwardKernels kernels_used,
+                       const void* x, const ExpertWeights& w, void* hb, void* a);
 
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what);
 
