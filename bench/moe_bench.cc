@@ -425,18 +425,21 @@ int MaxTokens(bool recompute, double budget_s) {
   int64_t lo = 0, hi = 0;  // largest T that fitted; smallest that did not (0: none yet)
   FitResult best;
   int errors = 0;
-  auto attempt = [&](int64_t T) -> bool {
+  auto attempt = [&](int64_t T) {
     absl::StatusOr<FitResult> r = TryTokens(T, recompute);
     cudaDeviceSynchronize();
     cudaMemPool_t pool;
     cudaDeviceGetDefaultMemPool(&pool, 0);
     cudaMemPoolTrimTo(pool, 0);
     if (!r.ok()) {
+      // Not an allocation failure (cuBLAS may report its own out-of-memory as an internal
+      // error): counted as a failure of the run, and T as not fitting, so the search goes on.
       ++errors;
       std::printf("%-10lld error: %s\n", static_cast<long long>(T),
                   std::string(r.status().message()).c_str());
       std::fflush(stdout);
-      return false;
+      hi = T;
+      return;
     }
     if (r->fits) {
       std::printf("%-10lld %-5s %9.1f %9.1f %9.1f %10.2f %9.2f\n", static_cast<long long>(T), "yes",
@@ -449,14 +452,14 @@ int MaxTokens(bool recompute, double budget_s) {
       hi = T;
     }
     std::fflush(stdout);
-    return true;
   };
   for (int64_t T = 2 * kMi; hi == 0 && elapsed() < budget_s; T += kMi) {
-    if (!attempt(T)) return errors;
+    attempt(T);
   }
   while (hi != 0 && hi - lo > kStep && elapsed() < budget_s) {
     const int64_t mid = (lo + (hi - lo) / 2) / kStep * kStep;
-    if (mid <= lo || !attempt(mid)) break;
+    if (mid <= lo) break;
+    attempt(mid);
   }
   if (lo == 0) {
     std::printf("# largest T: none of the tried T fitted\n");
