@@ -267,10 +267,13 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
       if (h_saved != nullptr) {
         hb = Offset(h_saved, ch.row_base * g * e);
       } else {
-        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e, "H");
+        // Skewed to the address modulo 256 the rows would have in a saved-H buffer, as in the
+        // recompute backward (see there): the same cuBLAS kernels whether H is kept or not.
+        const int64_t skew = (ch.row_base * g * e) % 256;
+        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e + skew, "H");
         if (!t.ok()) return t.status();
         h_tmp = std::move(*t);
-        hb = h_tmp.get();
+        hb = Offset(h_tmp.get(), skew);
       }
       absl::StatusOr<DeviceBuffer> a = Alloc(n * h * e, "A");
       if (!a.ok()) return a.status();
@@ -345,8 +348,12 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
       } else {
         // Recompute mode: this chunk's H by the forward's own kernels on the same plan, so it
         // is the forward's H bit for bit. The fused kernel also writes A; that scratch is
-        // dropped at once (the activation backward recomputes A from H anyway).
-        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e, "recomputed H");
+        // dropped at once (the activation backward recomputes A from H anyway). The rows start
+        // at the same address modulo 256 as this chunk's rows in a saved-H buffer would (both
+        // buffers come 256-byte aligned from the pool), so that cuBLAS, whose kernel choice may
+        // depend on pointer alignment, picks what it picked in the keep-H forward.
+        const int64_t skew = (ch.row_base * g * e) % 256;
+        absl::StatusOr<DeviceBuffer> t = Alloc(n * g * e + skew, "recomputed H");
         if (!t.ok()) return t.status();
         h_tmp = std::move(*t);
         const ForwardKernels kernels_used = ChunkForwardKernels(ch);
@@ -356,8 +363,9 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
           if (!a.ok()) return a.status();
           a_tmp = std::move(*a);
         }
-        MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_tmp.get(), a_tmp.get()));
-        hb = h_tmp.get();
+        void* h_rows = Offset(h_tmp.get(), skew);
+        MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_rows, a_tmp.get()));
+        hb = h_rows;
       }
       absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
       if (!gbuf.ok()) return gbuf.status();

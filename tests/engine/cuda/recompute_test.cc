@@ -12,7 +12,8 @@
 // atomics, fixed cuBLAS problems) from a recompute bug: such a tensor is reported and held to
 // the CPU tolerance instead. The forward paths (unfused, sm90 fused-up, fused-up-down) are
 // forced through the pipeline's test hook, with several dispatch chunks; the saved context
-// must shrink by exactly routed rows * g * element size.
+// must shrink by exactly routed rows * g * element size. Odd widths put H rows off 16-byte
+// alignment, where cuBLAS's kernel choice could differ if the recomputed rows sat elsewhere.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -255,6 +256,12 @@ INSTANTIATE_TEST_SUITE_P(
               cuda::ForwardKernels::kAuto, 64},
         RCase{97, 6, 3, 40, 24, Activation::kGeLUTanh, DType::kFloat32, RoutingMode::kClient,
               cuda::ForwardKernels::kAuto, 0, 2, 3},
+        // Rows not 16-byte aligned (g * elem = 152 and 88 bytes) across several chunks: the
+        // recomputed H rows must sit at the keep-H rows' alignment for cuBLAS to match.
+        RCase{150, 7, 3, 37, 19, Activation::kSwiGLU, DType::kFloat32, RoutingMode::kClient,
+              cuda::ForwardKernels::kAuto, 61},
+        RCase{150, 7, 3, 38, 22, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient,
+              cuda::ForwardKernels::kAuto, 61},
         // bf16 SwiGLU through each forward path (fused ones need sm_90 and fall back elsewhere,
         // which the recompute must follow), several chunks.
         RCase{300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient,
