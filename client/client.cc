@@ -20,6 +20,16 @@ namespace {
 
 constexpr char kSessionMetadataKey[] = "moe-session-id";
 
+// Moves the tensor `assembler` collected into `*out`. A tensor no response carried is an error
+// when `required`, and leaves `*out` empty otherwise (e.g. no dweights under server routing).
+absl::Status FinishInto(wire::TensorAssembler& assembler, bool required, Tensor* out) {
+  if (!required && !assembler.seen()) return absl::OkStatus();
+  absl::StatusOr<Tensor> t = assembler.Finish();
+  if (!t.ok()) return t.status();
+  *out = std::move(*t);
+  return absl::OkStatus();
+}
+
 // Request chunks for `views` (in the order the header lambda returns proto tensors for).
 template <typename Req, typename Header>
 std::vector<Req> ChunkRequest(const std::vector<const TensorView*>& views, int64_t chunk,
@@ -312,19 +322,9 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
         o.context_id = rs.front().context_id();
         o.aux_loss = rs.front().aux_loss();
         o.z_loss = rs.front().z_loss();
-        auto t = out.Finish();
-        if (!t.ok()) return t.status();
-        o.out = std::move(*t);
-        if (ids.seen()) {
-          auto v = ids.Finish();
-          if (!v.ok()) return v.status();
-          o.expert_ids = std::move(*v);
-        }
-        if (w.seen()) {
-          auto v = w.Finish();
-          if (!v.ok()) return v.status();
-          o.weights = std::move(*v);
-        }
+        if (auto s = FinishInto(out, /*required=*/true, &o.out); !s.ok()) return s;
+        if (auto s = FinishInto(ids, /*required=*/false, &o.expert_ids); !s.ok()) return s;
+        if (auto s = FinishInto(w, /*required=*/false, &o.weights); !s.ok()) return s;
         return o;
       });
   Prepare(call->context());
@@ -357,14 +357,8 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
           }
         }
         BackwardOutput o;
-        auto t = dx.Finish();
-        if (!t.ok()) return t.status();
-        o.dx = std::move(*t);
-        if (dw.seen()) {
-          auto v = dw.Finish();
-          if (!v.ok()) return v.status();
-          o.dweights = std::move(*v);
-        }
+        if (auto s = FinishInto(dx, /*required=*/true, &o.dx); !s.ok()) return s;
+        if (auto s = FinishInto(dw, /*required=*/false, &o.dweights); !s.ok()) return s;
         return o;
       });
   Prepare(call->context());
