@@ -20,6 +20,21 @@ namespace {
 
 constexpr char kSessionMetadataKey[] = "moe-session-id";
 
+// One unary ExpertService call with the connection's deadline and session metadata; the
+// server's status comes back as absl::Status carrying its message.
+template <typename Req, typename Resp>
+absl::StatusOr<Resp> CallUnary(const Connection& conn, v1::ExpertService::Stub* stub,
+                               grpc::Status (v1::ExpertService::Stub::*method)(grpc::ClientContext*,
+                                                                               const Req&, Resp*),
+                               const Req& req) {
+  grpc::ClientContext ctx;
+  conn.Prepare(&ctx);
+  Resp resp;
+  absl::Status st = FromGrpcStatus((stub->*method)(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  return resp;
+}
+
 // Moves the tensor `assembler` collected into `*out`. A tensor no response carried is an error
 // when `required`, and leaves `*out` empty otherwise (e.g. no dweights under server routing).
 absl::Status FinishInto(wire::TensorAssembler& assembler, bool required, Tensor* out) {
@@ -240,50 +255,30 @@ absl::StatusOr<v1::LayerInfo> Connection::CreateLayer(const std::string& name,
   req.set_name(name);
   *req.mutable_config() = wire::LayerConfigToProto(config);
   req.set_attach_if_exists(attach_if_exists);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::LayerInfo info;
-  absl::Status st = FromGrpcStatus(stub_->CreateLayer(&ctx, req, &info));
-  if (!st.ok()) return st;
-  return info;
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::CreateLayer, req);
 }
 
 absl::StatusOr<v1::LayerInfo> Connection::GetLayer(const std::string& name) {
   v1::GetLayerRequest req;
   req.set_name(name);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::LayerInfo info;
-  absl::Status st = FromGrpcStatus(stub_->GetLayer(&ctx, req, &info));
-  if (!st.ok()) return st;
-  return info;
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::GetLayer, req);
 }
 
 absl::StatusOr<std::vector<v1::LayerInfo>> Connection::ListLayers() {
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::ListLayersResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->ListLayers(&ctx, {}, &resp));
-  if (!st.ok()) return st;
-  return std::vector<v1::LayerInfo>(resp.layers().begin(), resp.layers().end());
+  auto resp =
+      CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::ListLayers, v1::ListLayersRequest());
+  if (!resp.ok()) return resp.status();
+  return std::vector<v1::LayerInfo>(resp->layers().begin(), resp->layers().end());
 }
 
 absl::Status Connection::DeleteLayer(const std::string& name) {
   v1::DeleteLayerRequest req;
   req.set_name(name);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::DeleteLayerResponse resp;
-  return FromGrpcStatus(stub_->DeleteLayer(&ctx, req, &resp));
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::DeleteLayer, req).status();
 }
 
 absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::StatsResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
-  if (!st.ok()) return st;
-  return resp;
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::GetStats, v1::GetStatsRequest());
 }
 
 std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
@@ -371,26 +366,20 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
 absl::StatusOr<StepOutput> Connection::Step(const std::string& layer) {
   v1::StepRequest req;
   req.set_layer(layer);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::StepResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->Step(&ctx, req, &resp));
-  if (!st.ok()) return st;
+  auto resp = CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::Step, req);
+  if (!resp.ok()) return resp.status();
   StepOutput o;
-  o.step = resp.step();
-  o.grad_norm = resp.grad_norm();
-  o.expert_first = resp.expert_first();
-  o.tokens_per_expert.assign(resp.tokens_per_expert().begin(), resp.tokens_per_expert().end());
+  o.step = resp->step();
+  o.grad_norm = resp->grad_norm();
+  o.expert_first = resp->expert_first();
+  o.tokens_per_expert.assign(resp->tokens_per_expert().begin(), resp->tokens_per_expert().end());
   return o;
 }
 
 absl::Status Connection::ZeroGrad(const std::string& layer) {
   v1::ZeroGradRequest req;
   req.set_layer(layer);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::ZeroGradResponse resp;
-  return FromGrpcStatus(stub_->ZeroGrad(&ctx, req, &resp));
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::ZeroGrad, req).status();
 }
 
 absl::StatusOr<std::map<std::string, Tensor>> Connection::ExportWeights(const std::string& layer,
@@ -456,12 +445,7 @@ absl::StatusOr<v1::SaveCheckpointResponse> Connection::SaveCheckpoint(const std:
   v1::SaveCheckpointRequest req;
   req.set_layer(layer);
   req.set_path(path);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::SaveCheckpointResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->SaveCheckpoint(&ctx, req, &resp));
-  if (!st.ok()) return st;
-  return resp;
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::SaveCheckpoint, req);
 }
 
 absl::StatusOr<v1::LayerInfo> Connection::LoadCheckpoint(const std::string& layer,
@@ -469,12 +453,9 @@ absl::StatusOr<v1::LayerInfo> Connection::LoadCheckpoint(const std::string& laye
   v1::LoadCheckpointRequest req;
   req.set_layer(layer);
   req.set_path(path);
-  grpc::ClientContext ctx;
-  Prepare(&ctx);
-  v1::LoadCheckpointResponse resp;
-  absl::Status st = FromGrpcStatus(stub_->LoadCheckpoint(&ctx, req, &resp));
-  if (!st.ok()) return st;
-  return resp.layer();
+  auto resp = CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::LoadCheckpoint, req);
+  if (!resp.ok()) return resp.status();
+  return resp->layer();
 }
 
 // --- RemoteLayer -----------------------------------------------------------------------------
