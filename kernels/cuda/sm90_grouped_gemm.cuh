@@ -152,7 +152,22 @@ __device__ __forceinline__ uint64_t MakeSmemDesc(uint32_t addr) {
   return desc;
 }
 
-// D[64x128] (+)= A[64x16] * B[128x16]^T, both operands K-major in 128-byte-swizzled shared memory.
+// The same descriptor in the 128-byte swizzle with both byte offsets explicit, for layouts
+// where the leading offset matters (MN-major operands read with wgmma's transpose flag, whose
+// 64-element-wide swizzle atoms repeat along M/N): lbo and sbo in bytes, multiples of 16.
+__device__ __forceinline__ uint64_t MakeSmemDescSw128(uint32_t addr, uint32_t lbo_bytes,
+                                                      uint32_t sbo_bytes) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+// D[64x128] (+)= A[64x16] * B[128x16]^T from 128-byte-swizzled shared memory. kTransA/kTransB
+// = 1 reads that operand MN-major (the wgmma transpose flag, bf16 only); 0 is K-major.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                 int scale_d) {
   asm volatile(
@@ -164,7 +179,7 @@ __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a,
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}, %64, %65, p, 1, 1, %67, %68;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
@@ -176,10 +191,11 @@ __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a,
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
-// D[64x256] (+)= A[64x16] * B[256x16]^T, both operands K-major in 128-byte-swizzled shared memory.
+// D[64x256] (+)= A[64x16] * B[256x16]^T; operand majors as for the 64x128 form.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                 int scale_d) {
   asm volatile(
@@ -196,7 +212,7 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
       "%127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
@@ -217,7 +233,7 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a
         "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
 template <int kN>
