@@ -3,6 +3,7 @@
 # target is built for 90a whatever CMAKE_CUDA_ARCHITECTURES says; the engine checks
 # Sm90DeviceSupported() before calling them and falls back to the unfused path elsewhere.
 add_library(moe_kernels_sm90
+  ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_backward.cu
   ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_forward.cu
 )
 add_library(moe::kernels_sm90 ALIAS moe_kernels_sm90)
@@ -19,4 +20,8 @@ if(MOE_BUILD_BENCH)
   add_executable(moe_sm90_bench ${PROJECT_SOURCE_DIR}/bench/sm90_bench.cu)
   target_link_libraries(moe_sm90_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu CUDA::cublas)
   set_target_properties(moe_sm90_bench PROPERTIES CUDA_ARCHITECTURES 90a)
+  add_executable(moe_sm90_backward_bench ${PROJECT_SOURCE_DIR}/bench/sm90_backward_bench.cu)
+  target_link_libraries(moe_sm90_backward_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu
+                        CUDA::cublas)
+  set_target_properties(moe_sm90_backward_bench PROPERTIES CUDA_ARCHITECTURES 90a)
 endif()

@@ -40,7 +40,18 @@ struct Sm90ExpertProblem {
   int64_t w13_expert_stride = -1;
 };
 
-enum class Sm90Projection { kUpSwiGLU = 0, kDown = 1 };
+// The GEMMs whose tiles Sm90ChooseConfig picks: the forward's two projections, the backward's
+// data gradients (sm90_expert_backward.h: dA_u = dout W2_e, dXg = dH W13_e) and its weight
+// gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n is chosen: 256 when the
+// gradient has more than 128 columns, else 128).
+enum class Sm90Projection {
+  kUpSwiGLU = 0,
+  kDown = 1,
+  kBackwardDA = 2,
+  kBackwardDX = 3,
+  kWeightGradW2 = 4,
+  kWeightGradW13 = 5,
+};
 
 // Tile choice. Tiles are 128 rows (two consumer warpgroups of 64); block_n is the wgmma N
 // (128 or 256): for the up-projection half of it are W1 rows and half the matching W3 rows.

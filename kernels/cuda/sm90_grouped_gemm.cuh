@@ -19,6 +19,14 @@
 // producer warpgroup feeding two consumers through full/empty mbarriers), whose producer still
 // blocks on cp.async completion (docs/FUSED.md).
 //
+// The same kernel serves the backward's data gradients, through three compile-time choices
+// independent of the epilogue: A gathered through the index or read in slot order; B K-major
+// (rows of the weight run along the reduction) or MN-major (the weight read in its stored
+// layout with the reduction dimension as its ROW, as the backward needs: dA_u = dout W2_e with
+// W2_e [d, h], dXg = dH [W1_e; W3_e] with [2h, d]); and output rows scattered to entries[slot]
+// or written in slot order. An MN-major B stage is kN/64 blocks of 64 k-rows x 64 n (8 KB,
+// 128-byte swizzle, one TMA box each), read by wgmma with its transpose flag; the descriptor
+// then needs both byte offsets (see MakeMnMajorDesc).
 // Epilogues, from the fp32 accumulators, staged through padded shared memory so that global
 // stores are 16-byte and row-contiguous:
 //   kSwiGLU: B holds kN/2 rows of W1 then the same kN/2 rows of W3, so each thread owns H1 and
@@ -26,7 +34,8 @@
 //     A = silu(H1) * H3 computed from the bf16-ROUNDED H, so a backward that recomputes A from H
 //     gets bit-identical values.
 //   kPlain: writes the row to Y[entries[slot]], i.e. each (token, k) row contiguously in
-//     [T*K, n] order, so the combine is a contiguous per-token weighted sum.
+//     [T*K, n] order, so the combine is a contiguous per-token weighted sum; or, with kSlotOut,
+//     to out[slot] (the backward's dA_u and dXg, which later stages read in slot order).
 // No Abseil, gRPC or protobuf here (house style): raw pointers and cudaError_t only.
 #ifndef MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
 #define MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
@@ -46,14 +55,16 @@ constexpr int kMaxExperts = 512;  // the tile prefix and offsets live in shared 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
 struct GemmParams {
-  CUtensorMap tmap_b0;      // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim],
+  CUtensorMap tmap_b0;      // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim] (K-major)
+                            // or [experts][k_dim][n_dim] (kTransB, boxes of 64 n x 64 k),
   CUtensorMap tmap_b1;      // W3 (kSwiGLU only); experts b_expert_stride elements apart
-  const __nv_bfloat16* a;   // kSwiGLU: x [T, k_dim]; kPlain: act [N, k_dim] in slot order
+  const __nv_bfloat16* a;   // gathered: x [T, k_dim] (row entries[s] / top_k); else [N, k_dim]
   const __nv_bfloat16* b0;  // same tensors as the maps, for the cp.async fallback
   const __nv_bfloat16* b1;
   const int32_t* offsets;  // [experts + 1]
   const int32_t* entries;  // [N]: t * top_k + k
-  __nv_bfloat16* out0;     // kSwiGLU: H [N, 2 * n_dim]; kPlain: Y [T * top_k, n_dim]
+  __nv_bfloat16* out0;     // kSwiGLU: H [N, 2 * n_dim]; kPlain: Y [T * top_k, n_dim], or
+                           // [N, n_dim] with kSlotOut
   __nv_bfloat16* out1;     // kSwiGLU: A [N, n_dim]
   int32_t num_experts;
   int32_t k_dim;
@@ -165,6 +176,21 @@ __device__ __forceinline__ uint64_t MakeSmemDescSw128(uint32_t addr, uint32_t lb
   return desc;
 }
 
+// An MN-major operand stored as consecutive blocks of 64 k-rows x 64 MN elements (8 KB, each
+// 128-byte line one k-row of 64 consecutive MN elements, 16-byte chunk c of k-row r at chunk
+// c ^ (r % 8), which is what a TMA box {64, 64} in SWIZZLE_128B writes). In the PTX ISA's
+// canonical MN-major 128-byte-swizzle layout, the leading byte offset is the step between
+// 64-element MN blocks and the stride byte offset the step between groups of 8 k-rows; a k16
+// step is 16 whole lines (2048 bytes), which keeps the 1024-byte swizzle phase, so no base
+// offset is needed as long as the block base is 1024-byte aligned.
+constexpr uint32_t kMnBlockBytes = 64 * kBlockK * 2;  // one 64 x 64 bf16 block
+constexpr uint32_t kMnLbo = kMnBlockBytes;
+constexpr uint32_t kMnSbo = 8 * 128;
+constexpr uint32_t kMnK16Bytes = 16 * 128;
+__device__ __forceinline__ uint64_t MakeMnMajorDesc(uint32_t addr) {
+  return MakeSmemDescSw128(addr, kMnLbo, kMnSbo);
+}
+
 // D[64x128] (+)= A[64x16] * B[128x16]^T from 128-byte-swizzled shared memory. kTransA/kTransB
 // = 1 reads that operand MN-major (the wgmma transpose flag, bf16 only); 0 is K-major.
 template <int kTransA = 0, int kTransB = 0>
@@ -236,18 +262,19 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
-template <int kN>
+// kTransB: B MN-major (A is always K-major here).
+template <int kN, int kTransB = 0>
 struct Wgmma;
-template <>
-struct Wgmma<128> {
+template <int kTransB>
+struct Wgmma<128, kTransB> {
   __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a, uint64_t b) {
-    WgmmaM64N128K16(d, a, b, 1);
+    WgmmaM64N128K16<0, kTransB>(d, a, b, 1);
   }
 };
-template <>
-struct Wgmma<256> {
+template <int kTransB>
+struct Wgmma<256, kTransB> {
   __device__ __forceinline__ static void Run(float (&d)[128], uint64_t a, uint64_t b) {
-    WgmmaM64N256K16(d, a, b, 1);
+    WgmmaM64N256K16<0, kTransB>(d, a, b, 1);
   }
 };
 
@@ -423,7 +450,11 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
 // kWarpgroups: consumer warpgroups, 64 tile rows each. The launcher instantiates 2 (128-row
 // tiles); 3 (192 rows, 25% fewer bytes per flop through L2, but only 3 stages and 168
 // registers) measured slower on every preset and is left out.
-template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB>
+// kGatherA: A row r of a tile is a[entries[slot] / top_k] (else a[slot]). kTransB: B is stored
+// [k_dim][n_dim] per expert and staged MN-major (kPlain only). kSlotOut: kPlain rows go to
+// out0[slot] instead of out0[entries[slot]]. The defaults are the forward's two projections.
+template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, bool kGatherA = kSwiGLU,
+          bool kTransB = false, bool kSlotOut = false>
 __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kThreads = kWarpgroups * 128;
@@ -436,6 +467,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   constexpr int kAcc = kN / 2;                    // fp32 accumulators per thread
   static_assert(kAhead >= 1, "need at least 3 stages");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+  static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -479,7 +511,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = (tid >> 3) + j * (kThreads / 8);
-      raw[j] = (kSwiGLU && r < info.rows) ? p.entries[info.slot0 + r] : 0;
+      raw[j] = (kGatherA && r < info.rows) ? p.entries[info.slot0 + r] : 0;
     }
   };
   auto set_rows = [&](const int(&raw)[kRowsPerThread]) {
@@ -488,7 +520,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
       const int r = (tid >> 3) + j * (kThreads / 8);
       a_ok[j] = r < ld.rows;
       int src = 0;
-      if (a_ok[j]) src = kSwiGLU ? raw[j] / p.top_k : ld.slot0 + r;
+      if (a_ok[j]) src = kGatherA ? raw[j] / p.top_k : ld.slot0 + r;
       a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
     }
   };
@@ -520,7 +552,17 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
         const bool ok = a_ok[j] && k_ok;
         CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
       }
-      if constexpr (kTmaB) {
+      if constexpr (kTmaB && kTransB) {
+        // MN-major: one {64 n, 64 k} box per 8 KB block; the map zero-fills n and k past the end.
+        if (tid == 0) {
+          const uint32_t bar = SmemAddr(&bars[stage]);
+          MbarArriveExpectTx(bar, kTileBBytes);
+#pragma unroll
+          for (int q = 0; q < kN / 64; ++q) {
+            TmaLoad3d(s_b + q * kMnBlockBytes, &p.tmap_b0, bar, ld.n0 + 64 * q, k0, ld.expert);
+          }
+        }
+      } else if constexpr (kTmaB) {
         if (tid == 0) {
           const uint32_t bar = SmemAddr(&bars[stage]);
           MbarArriveExpectTx(bar, kTileBBytes);
@@ -528,6 +570,21 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
           if constexpr (kSwiGLU) {
             TmaLoad3d(s_b + kTileBBytes / 2, &p.tmap_b1, bar, k0, ld.n0, ld.expert);
           }
+        }
+      } else if constexpr (kTransB) {
+        // MN-major by cp.async, the same bytes the boxes above would write: 16-byte piece
+        // (block q, k-row r, chunk c) holds n = n0 + 64 q + 8 c .. +7 of k = k0 + r.
+#pragma unroll
+        for (int j = 0; j < kN * 8 / kThreads; ++j) {
+          const int piece = tid + j * kThreads;
+          const int c = piece & 7;
+          const int r = (piece >> 3) & 63;
+          const int q = piece >> 9;
+          const int n = ld.n0 + 64 * q + 8 * c;
+          const bool ok = k0 + r < p.k_dim && n < p.n_dim;
+          const __nv_bfloat16* src = p.b0 + ld.expert * p.b_expert_stride +
+                                     static_cast<int64_t>(k0 + r) * p.n_dim + n;
+          CpAsync16(s_b + q * kMnBlockBytes + r * 128 + ((c ^ (r & 7)) << 4), ok ? src : p.b0, ok);
         }
       } else {
 #pragma unroll
@@ -573,7 +630,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = wg * 64 + ((tid & 127) >> 3) + 16 * j;
-        if (r < ti.rows) y_row[j] = p.entries[ti.slot0 + r];
+        if (r < ti.rows) y_row[j] = kSlotOut ? ti.slot0 + r : p.entries[ti.slot0 + r];
       }
     }
 #pragma unroll
@@ -589,12 +646,14 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
       const uint32_t s_a = base + stage * kStageBytes + wg * 64 * 128;
       const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
       const uint64_t desc_a = MakeSmemDesc(s_a);
-      const uint64_t desc_b = MakeSmemDesc(s_b);
+      const uint64_t desc_b = kTransB ? MakeMnMajorDesc(s_b) : MakeSmemDesc(s_b);
+      // A start address +32 bytes per k16 step; B's +32 (K-major) or +2048 (MN-major).
+      constexpr int kStepB = (kTransB ? kMnK16Bytes : 32) >> 4;
       FenceOperands(acc);
       WgmmaFence();
 #pragma unroll
       for (int j = 0; j < kBlockK / 16; ++j) {
-        Wgmma<kN>::Run(acc, desc_a + 2 * j, desc_b + 2 * j);  // +32 bytes per k16 step
+        Wgmma<kN, kTransB ? 1 : 0>::Run(acc, desc_a + 2 * j, desc_b + kStepB * j);
       }
       WgmmaCommit();
       FenceOperands(acc);
@@ -774,41 +833,6 @@ __global__ void __launch_bounds__(384, 1)
       StoreTile<kN, kSwiGLU>(p, ti, acc, y_row, epi + cw * 64 * EpiRowBytes<kSwiGLU>(), t_wg, cw,
                              1 + cw);
     }
-  }
-}
-
-// out[t] = sum over k with slot_of[t*K+k] >= 0 of w[t*K+k] * y[t*K+k]; 8 columns a thread,
-// 16-byte loads and stores, fp32 sums. Tokens with no local entry get zeros.
-__global__ void sm90_combine_kernel(const __nv_bfloat16* __restrict__ y,
-                                    const float* __restrict__ w,
-                                    const int32_t* __restrict__ slot_of,
-                                    __nv_bfloat16* __restrict__ out, int64_t num_tokens, int top_k,
-                                    int d) {
-  const int chunks = d / 8;
-  const int64_t total = num_tokens * chunks;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / chunks;
-    const int c = static_cast<int>(i - t * chunks);
-    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < top_k; ++k) {
-      const int64_t e = t * top_k + k;
-      if (slot_of[e] < 0) continue;
-      const float pw = w[e];
-      const uint4 v = *reinterpret_cast<const uint4*>(y + e * d + c * 8);
-      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(v2[q]);
-        sum[2 * q] += pw * f.x;
-        sum[2 * q + 1] += pw * f.y;
-      }
-    }
-    uint4 o;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(sum[2 * q], sum[2 * q + 1]);
-    *reinterpret_cast<uint4*>(out + t * d + c * 8) = o;
   }
 }
 

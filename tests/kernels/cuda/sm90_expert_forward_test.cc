@@ -22,36 +22,21 @@
 #include <vector>
 
 #include "kernels/cpu/dispatch.h"
+#include "tests/kernels/cuda/sm90_test_util.h"
 
 namespace moe::kernels {
 namespace {
 
-constexpr uint16_t kPoison = 0x7FA5;  // a bf16 NaN no kernel produces
+using testing::DeviceBuffer;
+using testing::FromBf16;
+using testing::kPoison;
+using testing::NormalisedError;
+using testing::RandomBf16;
+using testing::RandomRouting;
+
+#define CHECK_CUDA SM90_TEST_CHECK_CUDA
+
 constexpr double kTolerance = 1e-2;
-
-uint16_t ToBf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-float FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      return false;                                                      \
-    }                                                                    \
-  } while (0)
 
 struct Case {
   const char* name;
@@ -65,38 +50,6 @@ struct Case {
   int32_t empty_global;  // a global expert no token picks (-1: none)
   int32_t hot_global;    // a global expert picked far more often (ragged multi-block groups)
 };
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) !=
-        cudaSuccess)
-      ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-std::vector<uint16_t> RandomBf16(size_t n, float scale, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = ToBf16(normal(rng));
-  return v;
-}
-
-// ||a - b|| / ||b||; any non-finite a makes it infinite.
-double NormalisedError(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - ref[i]) * (got[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
@@ -118,21 +71,9 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
 
   // Routing: K distinct global experts per token, skewed toward `hot_global`, never
   // `empty_global`; some land outside the shard.
-  std::vector<int32_t> idx(TK);
-  std::uniform_int_distribution<int32_t> pick(0, c.experts_global - 1);
+  const std::vector<int32_t> idx =
+      RandomRouting(T, K, c.experts_global, c.empty_global, c.hot_global, rng);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int32_t k = 0; k < K; ++k) {
-      int32_t e;
-      bool again;
-      do {
-        e = (unit(rng) < 0.3f && c.hot_global >= 0) ? c.hot_global : pick(rng);
-        again = e == c.empty_global;
-        for (int32_t j = 0; j < k; ++j) again |= idx[t * K + j] == e;
-      } while (again);
-      idx[t * K + k] = e;
-    }
-  }
   std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
   DispatchCpu(idx.data(), T, K, c.expert_first, E, counts.data(), offsets.data(), entries.data(),
               slot_of.data());

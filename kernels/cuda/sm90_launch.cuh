@@ -1,0 +1,175 @@
+// Host-side launch plumbing of the persistent grouped GEMM (sm90_grouped_gemm.cuh), shared by
+// the fused forward (sm90_expert_forward.cu) and the fused backward's data gradients
+// (sm90_expert_backward.cu): tensor-map encoding, and the one switch that turns a runtime
+// Sm90GemmConfig into the kernel's template constants.
+//
+// Tensor maps are encoded on every launch (a few microseconds of host work, no device sync)
+// rather than cached, because the weights' addresses belong to the caller and may move between
+// calls; cuTensorMapEncodeTiled is reached through the runtime's driver entry point so nothing
+// here links libcuda directly. Only .cu files include this (it instantiates kernels).
+#ifndef MOE_KERNELS_CUDA_SM90_LAUNCH_CUH_
+#define MOE_KERNELS_CUDA_SM90_LAUNCH_CUH_
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/sm90_expert_forward.h"
+#include "kernels/cuda/sm90_grouped_gemm.cuh"
+
+namespace moe::kernels::sm90 {
+
+inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A 3-D map over weights [experts][rows][inner] (bf16, experts `expert_stride` elements apart),
+// boxes of 64 inner x box_rows rows, in the 128-byte swizzle the kernel's descriptors expect;
+// reads past rows or inner fill zeros (so W1's map never reads into a stacked W3 block). For
+// a K-major operand inner is the reduction; for an MN-major one (kTransB) inner is the output
+// column and the rows are the reduction (box 64 x 64).
+inline cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_t experts,
+                                   int64_t rows, int64_t inner, int64_t expert_stride,
+                                   int box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2,
+                                 static_cast<cuuint64_t>(expert_stride) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows),
+                             1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(weights), dims, strides,
+             box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+inline int SmCount() {
+  int device = 0;
+  int sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return sms;
+}
+
+// The compile-time choices of one use of the grouped GEMM (see sm90_grouped_gemm_kernel).
+// The forward's up-projection is <true, true, false, false>, its down-projection
+// <false, false, false, false>.
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+struct GemmVariant {
+  static constexpr bool kSwiGLUEpilogue = kSwiGLU;
+  static constexpr bool kForward = kGatherA == kSwiGLU && !kTransB && !kSlotOut;
+};
+
+template <int kWarpgroups, int kN, int kStages, bool kTmaB, bool kSwiGLU, bool kGatherA,
+          bool kTransB, bool kSlotOut>
+cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>, const GemmParams& params,
+                       cudaStream_t stream) {
+  auto* kernel = sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kGatherA,
+                                          kTransB, kSlotOut>;
+  constexpr int kSmem = SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  kernel<<<sms, kWarpgroups * 128, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <int kN, int kStages, bool kSwiGLU>
+cudaError_t LaunchGemmWs(const GemmParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU>;
+  constexpr int kSmem = SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8;
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  kernel<<<sms, 384, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// The one place runtime config becomes template constants. The ring fills ~192 KB of shared
+// memory: 4 stages of 128x256 tiles or 6 of 128x128. The warp-specialised kernel serves the
+// forward's two variants only.
+template <bool kTmaB, typename Variant>
+cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const GemmParams& params,
+                       cudaStream_t stream) {
+  constexpr bool kSwiGLU = Variant::kSwiGLUEpilogue;
+  if (config.warp_specialized) {
+    if constexpr (!kTmaB || !Variant::kForward) {
+      return cudaErrorInvalidValue;  // TMA weights and the forward's operand layouts only
+    } else {
+      switch (config.block_n) {
+        case 256:
+          return LaunchGemmWs<256, 4, kSwiGLU>(params, stream);
+        case 128:
+          return LaunchGemmWs<128, 6, kSwiGLU>(params, stream);
+        default:
+          return cudaErrorInvalidValue;  // unsupported block_n
+      }
+    }
+  }
+  switch (config.block_n) {
+    case 256:
+      return LaunchGemm<2, 256, 4, kTmaB>(variant, params, stream);
+    case 128:
+      return LaunchGemm<2, 128, 6, kTmaB>(variant, params, stream);
+    default:
+      return cudaErrorInvalidValue;  // unsupported block_n
+  }
+}
+
+// Validates the config, encodes the weight maps (b1 only for kSwiGLU) and launches. For
+// kTransB the weights are [experts][k_dim][n_dim] and the map's boxes are 64 n x 64 k.
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut> variant,
+                         const Sm90GemmConfig& config, GemmParams& params, const void* b0,
+                         const void* b1, cudaStream_t stream) {
+  if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
+  if (config.group_m < 1) return cudaErrorInvalidValue;
+  params.group_m = config.group_m;
+  if (!config.tma_weights) return LaunchTile<false>(variant, config, params, stream);
+  cudaError_t err;
+  if constexpr (kTransB) {
+    err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.k_dim, params.n_dim,
+                          params.b_expert_stride, 64);
+  } else {
+    const int box_rows = kSwiGLU ? config.block_n / 2 : config.block_n;
+    err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.n_dim, params.k_dim,
+                          params.b_expert_stride, box_rows);
+    if (err == cudaSuccess && kSwiGLU) {
+      err = EncodeWeightMap(&params.tmap_b1, b1, params.num_experts, params.n_dim, params.k_dim,
+                            params.b_expert_stride, box_rows);
+    }
+  }
+  if (err != cudaSuccess) return err;
+  return LaunchTile<true>(variant, config, params, stream);
+}
+
+}  // namespace moe::kernels::sm90
+
+#endif  // MOE_KERNELS_CUDA_SM90_LAUNCH_CUH_

@@ -1,0 +1,105 @@
+// Helpers shared by the fused Hopper kernels' tests (sm90_expert_forward_test.cc,
+// sm90_expert_backward_test.cc): bf16 conversion, a device buffer, random inputs and routing,
+// and the normalised error the checks are judged by.
+//
+// Header-only and free of GoogleTest and Abseil, like the tests themselves, so each test stays
+// one self-contained binary that runs on a bare GPU machine.
+#ifndef MOE_TESTS_KERNELS_CUDA_SM90_TEST_UTIL_H_
+#define MOE_TESTS_KERNELS_CUDA_SM90_TEST_UTIL_H_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace moe::kernels::testing {
+
+constexpr uint16_t kPoison = 0x7FA5;  // a bf16 NaN no kernel produces
+
+inline uint16_t ToBf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// Inside a function returning bool: prints the failing call and returns false.
+#define SM90_TEST_CHECK_CUDA(call)                                       \
+  do {                                                                   \
+    const cudaError_t err_ = (call);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(err_));                            \
+      return false;                                                      \
+    }                                                                    \
+  } while (0)
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) !=
+        cudaSuccess)
+      ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+inline std::vector<uint16_t> RandomBf16(size_t n, float scale, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = ToBf16(normal(rng));
+  return v;
+}
+
+// ||a - b|| / ||b||; any non-finite a makes it infinite.
+inline double NormalisedError(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Expert ids [tokens, top_k]: K distinct global experts per token, 30% of picks going to
+// `hot` (>= 0) so that its group spans several ragged row blocks, none to `empty` (>= 0).
+inline std::vector<int32_t> RandomRouting(int64_t tokens, int32_t top_k, int32_t experts,
+                                          int32_t empty, int32_t hot, std::mt19937_64& rng) {
+  std::vector<int32_t> idx(tokens * top_k);
+  std::uniform_int_distribution<int32_t> pick(0, experts - 1);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int32_t k = 0; k < top_k; ++k) {
+      int32_t e;
+      bool again;
+      do {
+        e = (unit(rng) < 0.3f && hot >= 0) ? hot : pick(rng);
+        again = e == empty;
+        for (int32_t j = 0; j < k; ++j) again |= idx[t * top_k + j] == e;
+      } while (again);
+      idx[t * top_k + k] = e;
+    }
+  }
+  return idx;
+}
+
+}  // namespace moe::kernels::testing
+
+#endif  // MOE_TESTS_KERNELS_CUDA_SM90_TEST_UTIL_H_
