@@ -8,10 +8,9 @@
 // ever made. dA_u's A rows are dout gathered through the dispatch index as they are loaded
 // (the up-projection's path); dXg's are dH in slot order. Both write rows in slot order, the
 // order the SwiGLU backward and the combine read them in.
-#include "kernels/cuda/sm90_expert_backward.h"
-
 #include <cstdint>
 
+#include "kernels/cuda/sm90_expert_backward.h"
 #include "kernels/cuda/sm90_grouped_gemm.cuh"
 #include "kernels/cuda/sm90_launch.cuh"
 
@@ -69,8 +68,8 @@ cudaError_t LaunchSm90BackwardDX(const Sm90ExpertProblem& problem, const Sm90Gem
   params.top_k = problem.top_k;
   params.b_expert_stride = stride;
   // A in slot order, B MN-major, rows out in slot order.
-  return sm90::DispatchGemm(sm90::GemmVariant<false, false, true, true>{}, config, params, w13,
-                            w13, stream);
+  return sm90::DispatchGemm(sm90::GemmVariant<false, false, true, true>{}, config, params, w13, w13,
+                            stream);
 }
 
 }  // namespace moe::kernels

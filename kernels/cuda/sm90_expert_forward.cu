@@ -104,8 +104,7 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   const int64_t d = problem.d_model, h = problem.d_hidden;
   // Weight gradients: the output tile spans the gradient's columns (dW2 [d, h]: h; dW13
   // [2h, d]: d), and a 256-wide tile needs more than 128 of them to be worth its registers.
-  if (projection == Sm90Projection::kWeightGradW2 ||
-      projection == Sm90Projection::kWeightGradW13) {
+  if (projection == Sm90Projection::kWeightGradW2 || projection == Sm90Projection::kWeightGradW13) {
     const int64_t cols = projection == Sm90Projection::kWeightGradW2 ? h : d;
     config.block_n = cols > 128 ? 256 : 128;
     return config;

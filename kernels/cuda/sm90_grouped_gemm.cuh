@@ -582,8 +582,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
           const int q = piece >> 9;
           const int n = ld.n0 + 64 * q + 8 * c;
           const bool ok = k0 + r < p.k_dim && n < p.n_dim;
-          const __nv_bfloat16* src = p.b0 + ld.expert * p.b_expert_stride +
-                                     static_cast<int64_t>(k0 + r) * p.n_dim + n;
+          const __nv_bfloat16* src =
+              p.b0 + ld.expert * p.b_expert_stride + static_cast<int64_t>(k0 + r) * p.n_dim + n;
           CpAsync16(s_b + q * kMnBlockBytes + r * 128 + ((c ^ (r & 7)) << 4), ok ? src : p.b0, ok);
         }
       } else {

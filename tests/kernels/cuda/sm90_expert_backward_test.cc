@@ -50,9 +50,9 @@ struct Case {
   int32_t expert_count;
   int32_t d;
   int32_t h;
-  int32_t empty_global;     // a global expert no token picks (-1: none)
-  int32_t hot_global;       // a global expert picked far more often (-1: none)
-  int64_t w13_pad;          // extra elements between experts' [W1; W3] blocks (0: packed)
+  int32_t empty_global;  // a global expert no token picks (-1: none)
+  int32_t hot_global;    // a global expert picked far more often (-1: none)
+  int64_t w13_pad;       // extra elements between experts' [W1; W3] blocks (0: packed)
 };
 
 // The fixed inputs of one case, with the fp64 references computed once for all configs.
@@ -108,8 +108,7 @@ Inputs MakeInputs(const Case& c, uint64_t seed) {
   return in;
 }
 
-bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double err,
-            int64_t stray) {
+bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double err, int64_t stray) {
   const bool ok = err < kTolerance && stray == 0;
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d w13_pad=%lld block_n=%d tma=%d group_m=%d "
@@ -128,8 +127,8 @@ bool Poison(DeviceBuffer<uint16_t>& out) {
 }
 
 // Compares rows [kGuardRows, kGuardRows + n) with ref and counts guard elements not poison.
-bool Judge(const DeviceBuffer<uint16_t>& out, int64_t n, int32_t cols, const std::vector<double>& ref,
-           double* err, int64_t* stray) {
+bool Judge(const DeviceBuffer<uint16_t>& out, int64_t n, int32_t cols,
+           const std::vector<double>& ref, double* err, int64_t* stray) {
   std::vector<uint16_t> got(out.n);
   CHECK_CUDA(cudaMemcpy(got.data(), out.ptr, out.n * 2, cudaMemcpyDeviceToHost));
   std::vector<double> g(n * cols);
@@ -154,10 +153,10 @@ bool RunCase(const Case& c, const Inputs& in, const std::vector<Sm90GemmConfig>&
       dw13(in.w13.size());
   DeviceBuffer<uint16_t> dda((n + 2 * kGuardRows) * h), ddx((n + 2 * kGuardRows) * d);
   DeviceBuffer<int32_t> doff(E + 1), dent(in.entries.size());
-  for (void* ptr : {static_cast<void*>(ddout.ptr), static_cast<void*>(dw2.ptr),
-                    static_cast<void*>(ddh.ptr), static_cast<void*>(dw13.ptr),
-                    static_cast<void*>(dda.ptr), static_cast<void*>(ddx.ptr),
-                    static_cast<void*>(doff.ptr), static_cast<void*>(dent.ptr)}) {
+  for (void* ptr :
+       {static_cast<void*>(ddout.ptr), static_cast<void*>(dw2.ptr), static_cast<void*>(ddh.ptr),
+        static_cast<void*>(dw13.ptr), static_cast<void*>(dda.ptr), static_cast<void*>(ddx.ptr),
+        static_cast<void*>(doff.ptr), static_cast<void*>(dent.ptr)}) {
     if (ptr == nullptr) {
       std::fprintf(stderr, "cudaMalloc failed\n");
       return false;
@@ -279,8 +278,8 @@ int Main() {
     prob.num_routed = in.n;
     // {block_n, tma_weights, group_m}: both tile widths, TMA and cp.async weights, bands that
     // do and do not divide the row-block counts, and the heuristic's own choice.
-    std::vector<Sm90GemmConfig> da = {{256, true, 3}, {128, true, 16}, {256, false, 1},
-                                      {128, false, 2}, {256, true, 1}};
+    std::vector<Sm90GemmConfig> da = {
+        {256, true, 3}, {128, true, 16}, {256, false, 1}, {128, false, 2}, {256, true, 1}};
     std::vector<Sm90GemmConfig> dx = da;
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));
