@@ -297,6 +297,16 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
   dx_alt.block_n = dx_cfg.block_n == 256 ? 128 : 256;
   const float da_alt_ms = MedianMs([&] { fused_da(da_alt); });
   const float dx_alt_ms = MedianMs([&] { fused_dx(dx_alt); });
+  // And the warp-specialised kernel at the heuristic's tile width.
+  Sm90GemmConfig da_ws = da_cfg, dx_ws = dx_cfg;
+  da_ws.warp_specialized = dx_ws.warp_specialized = true;
+  const float da_ws_ms = MedianMs([&] { fused_da(da_ws); });
+  const float dx_ws_ms = MedianMs([&] { fused_dx(dx_ws); });
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const double err_ws = std::max(RelError(da, da_ref, N * h, scratch),  // ws wrote both last
+                                 RelError(dx, dx_ref, N * d, scratch));
+  const bool ws_close = err_ws < 1e-2;
+  *all_close &= ws_close;
   const double flop = 2.0 * N * d * h;  // dA; dX's reduction is 2h, twice the work
   const double flop_dx = 2.0 * flop;
   std::printf(
@@ -305,7 +315,8 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       "\"err_da_vs_shifted_rows\":%.2f,"
       "\"da_block_n\":%d,\"da_group_m\":%d,\"da_ms\":%.4f,\"da_tflops\":%.1f,"
       "\"da_alt_block_n\":%d,\"da_alt_ms\":%.4f,\"cublas_da_ms\":%.4f,"
-      "\"cublas4_da_ms\":%.4f,\"gather_ms\":%.4f,"
+      "\"cublas4_da_ms\":%.4f,\"gather_ms\":%.4f,\"ws_check\":\"%s\",\"da_ws_ms\":%.4f,"
+      "\"dx_ws_ms\":%.4f,"
       "\"dx_block_n\":%d,\"dx_group_m\":%d,\"dx_ms\":%.4f,\"dx_tflops\":%.1f,"
       "\"dx_alt_block_n\":%d,\"dx_alt_ms\":%.4f,\"cublas_dx_ms\":%.4f,\"cublas4_dx_ms\":%.4f,"
       "\"speedup_da\":%.2f,\"speedup_da_incl_gather\":%.2f,\"speedup_dx\":%.2f,"
@@ -313,10 +324,10 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
       close ? "PASS" : "FAIL", err_da, err_dx, err_shifted, da_cfg.block_n, da_cfg.group_m, da_ms,
       flop / da_ms / 1e9, da_alt.block_n, da_alt_ms, blas_da_ms, lanes_da_ms, gather_ms,
-      dx_cfg.block_n, dx_cfg.group_m, dx_ms, flop_dx / dx_ms / 1e9, dx_alt.block_n, dx_alt_ms,
-      blas_dx_ms, lanes_dx_ms, blas_da_ms / da_ms, (blas_da_ms + gather_ms) / da_ms,
-      blas_dx_ms / dx_ms, std::min(blas_da_ms, lanes_da_ms) / da_ms,
-      std::min(blas_dx_ms, lanes_dx_ms) / dx_ms);
+      ws_close ? "PASS" : "FAIL", da_ws_ms, dx_ws_ms, dx_cfg.block_n, dx_cfg.group_m, dx_ms,
+      flop_dx / dx_ms / 1e9, dx_alt.block_n, dx_alt_ms, blas_dx_ms, lanes_dx_ms, blas_da_ms / da_ms,
+      (blas_da_ms + gather_ms) / da_ms, blas_dx_ms / dx_ms,
+      std::min(blas_da_ms, lanes_da_ms) / da_ms, std::min(blas_dx_ms, lanes_dx_ms) / dx_ms);
   std::fflush(stdout);
   for (void* p : {static_cast<void*>(dout), static_cast<void*>(w2), static_cast<void*>(dh),
                   static_cast<void*>(w13), static_cast<void*>(da), static_cast<void*>(dx),

@@ -324,6 +324,33 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_
   return ti;
 }
 
+// One stage's weight tile by TMA, completing on `bar` (armed here with the tile's bytes, which
+// count the zero fill past n_dim or k_dim too). K-major: one box of kN rows (kSwiGLU: kN/2 of
+// W1 then kN/2 of W3); MN-major: kN/64 boxes of 64 n x 64 k, one per 8 KB block.
+template <int kN, bool kSwiGLU, bool kTransB>
+__device__ __forceinline__ void TmaLoadWeights(const GemmParams& p, uint32_t s_b, uint32_t bar,
+                                               int k0, int n0, int expert) {
+  MbarArriveExpectTx(bar, kN * kBlockK * 2);
+  if constexpr (kTransB) {
+#pragma unroll
+    for (int q = 0; q < kN / 64; ++q) {
+      TmaLoad3d(s_b + q * kMnBlockBytes, &p.tmap_b0, bar, n0 + 64 * q, k0, expert);
+    }
+  } else {
+    TmaLoad3d(s_b, &p.tmap_b0, bar, k0, n0, expert);
+    if constexpr (kSwiGLU) TmaLoad3d(s_b + kN * kBlockK, &p.tmap_b1, bar, k0, n0, expert);
+  }
+}
+
+// The weight tile's descriptor and its start-address step per k16 (in 16-byte units): +32
+// bytes K-major, +2048 (16 lines) MN-major. A is always K-major: MakeSmemDesc, +32 bytes.
+template <bool kTransB>
+__device__ __forceinline__ uint64_t WeightDesc(uint32_t s_b) {
+  return kTransB ? MakeMnMajorDesc(s_b) : MakeSmemDesc(s_b);
+}
+template <bool kTransB>
+constexpr int kWeightK16Step = (kTransB ? kMnK16Bytes : 32) >> 4;
+
 // Epilogue staging: each warpgroup stages 64 rows x one column chunk of its tile, rows padded
 // by 16 bytes so that the fragment writes (8 rows x 4 column pairs per warp) and the 16-byte
 // row reads are both free of bank conflicts. kSwiGLU chunks hold 32 columns each of H1, H3
@@ -552,24 +579,10 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
         const bool ok = a_ok[j] && k_ok;
         CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
       }
-      if constexpr (kTmaB && kTransB) {
-        // MN-major: one {64 n, 64 k} box per 8 KB block; the map zero-fills n and k past the end.
+      if constexpr (kTmaB) {
         if (tid == 0) {
-          const uint32_t bar = SmemAddr(&bars[stage]);
-          MbarArriveExpectTx(bar, kTileBBytes);
-#pragma unroll
-          for (int q = 0; q < kN / 64; ++q) {
-            TmaLoad3d(s_b + q * kMnBlockBytes, &p.tmap_b0, bar, ld.n0 + 64 * q, k0, ld.expert);
-          }
-        }
-      } else if constexpr (kTmaB) {
-        if (tid == 0) {
-          const uint32_t bar = SmemAddr(&bars[stage]);
-          MbarArriveExpectTx(bar, kTileBBytes);
-          TmaLoad3d(s_b, &p.tmap_b0, bar, k0, ld.n0, ld.expert);
-          if constexpr (kSwiGLU) {
-            TmaLoad3d(s_b + kTileBBytes / 2, &p.tmap_b1, bar, k0, ld.n0, ld.expert);
-          }
+          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&bars[stage]), k0, ld.n0,
+                                               ld.expert);
         }
       } else if constexpr (kTransB) {
         // MN-major by cp.async, the same bytes the boxes above would write: 16-byte piece
@@ -646,14 +659,12 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
       const uint32_t s_a = base + stage * kStageBytes + wg * 64 * 128;
       const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
       const uint64_t desc_a = MakeSmemDesc(s_a);
-      const uint64_t desc_b = kTransB ? MakeMnMajorDesc(s_b) : MakeSmemDesc(s_b);
-      // A start address +32 bytes per k16 step; B's +32 (K-major) or +2048 (MN-major).
-      constexpr int kStepB = (kTransB ? kMnK16Bytes : 32) >> 4;
+      const uint64_t desc_b = WeightDesc<kTransB>(s_b);
       FenceOperands(acc);
       WgmmaFence();
 #pragma unroll
       for (int j = 0; j < kBlockK / 16; ++j) {
-        Wgmma<kN, kTransB ? 1 : 0>::Run(acc, desc_a + 2 * j, desc_b + kStepB * j);
+        Wgmma<kN, kTransB ? 1 : 0>::Run(acc, desc_a + 2 * j, desc_b + kWeightK16Step<kTransB> * j);
       }
       WgmmaCommit();
       FenceOperands(acc);
@@ -685,7 +696,9 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
 //     step's wgmmas have retired, one lane per warp arrives on its `empty` (8 warps).
 //     The epilogue is StoreTile, synchronised per warpgroup with named barriers 1 and 2.
 // All kStages slots can be in flight (no "-2" rule), since slots are released explicitly.
-template <int kN, int kStages, bool kSwiGLU>
+// kGatherA, kTransB, kSlotOut as for sm90_grouped_gemm_kernel (weights by TMA only).
+template <int kN, int kStages, bool kSwiGLU, bool kGatherA = kSwiGLU, bool kTransB = false,
+          bool kSlotOut = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_grouped_gemm_ws_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kBlockM = 128;
@@ -696,6 +709,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
   constexpr int kAcc = kN / 2;
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+  static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -742,7 +756,7 @@ __global__ void __launch_bounds__(384, 1)
         const int r = (t_wg >> 3) + 16 * j;
         a_ok[j] = r < ti.rows;
         int src = 0;
-        if (a_ok[j]) src = kSwiGLU ? p.entries[ti.slot0 + r] / p.top_k : ti.slot0 + r;
+        if (a_ok[j]) src = kGatherA ? p.entries[ti.slot0 + r] / p.top_k : ti.slot0 + r;
         a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
       }
       for (int kt = 0; kt < num_k; ++kt) {
@@ -751,12 +765,8 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t s_b = s_a + kTileABytes;
         const int k0 = kt * kBlockK;
         if (t_wg == 0) {
-          const uint32_t bar = SmemAddr(&full[stage]);
-          MbarArriveExpectTx(bar, kTileBBytes);
-          TmaLoad3d(s_b, &p.tmap_b0, bar, k0, ti.n0, ti.expert);
-          if constexpr (kSwiGLU) {
-            TmaLoad3d(s_b + kTileBBytes / 2, &p.tmap_b1, bar, k0, ti.n0, ti.expert);
-          }
+          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
+                                               ti.expert);
         }
         const int kk = k0 + chunk * 8;
         const bool k_ok = kk < p.k_dim;
@@ -791,7 +801,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int r = cw * 64 + (t_wg >> 3) + 16 * j;
-          if (r < ti.rows) y_row[j] = p.entries[ti.slot0 + r];
+          if (r < ti.rows) y_row[j] = kSlotOut ? ti.slot0 + r : p.entries[ti.slot0 + r];
         }
       }
 #pragma unroll
@@ -803,12 +813,13 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t s_a = base + stage * kStageBytes + cw * 64 * 128;
         const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
         const uint64_t desc_a = MakeSmemDesc(s_a);
-        const uint64_t desc_b = MakeSmemDesc(s_b);
+        const uint64_t desc_b = WeightDesc<kTransB>(s_b);
         FenceOperands(acc);
         WgmmaFence();
 #pragma unroll
         for (int j = 0; j < kBlockK / 16; ++j) {
-          Wgmma<kN>::Run(acc, desc_a + 2 * j, desc_b + 2 * j);
+          Wgmma<kN, kTransB ? 1 : 0>::Run(acc, desc_a + 2 * j,
+                                          desc_b + kWeightK16Step<kTransB> * j);
         }
         WgmmaCommit();
         FenceOperands(acc);

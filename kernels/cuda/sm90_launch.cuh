@@ -76,10 +76,7 @@ inline int SmCount() {
 // The forward's up-projection is <true, true, false, false>, its down-projection
 // <false, false, false, false>.
 template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
-struct GemmVariant {
-  static constexpr bool kSwiGLUEpilogue = kSwiGLU;
-  static constexpr bool kForward = kGatherA == kSwiGLU && !kTransB && !kSlotOut;
-};
+struct GemmVariant {};
 
 template <int kWarpgroups, int kN, int kStages, bool kTmaB, bool kSwiGLU, bool kGatherA,
           bool kTransB, bool kSlotOut>
@@ -98,9 +95,10 @@ cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>, const 
   return cudaGetLastError();
 }
 
-template <int kN, int kStages, bool kSwiGLU>
-cudaError_t LaunchGemmWs(const GemmParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU>;
+template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>,
+                         const GemmParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut>;
   constexpr int kSmem = SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8;
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
@@ -113,21 +111,19 @@ cudaError_t LaunchGemmWs(const GemmParams& params, cudaStream_t stream) {
 }
 
 // The one place runtime config becomes template constants. The ring fills ~192 KB of shared
-// memory: 4 stages of 128x256 tiles or 6 of 128x128. The warp-specialised kernel serves the
-// forward's two variants only.
+// memory: 4 stages of 128x256 tiles or 6 of 128x128.
 template <bool kTmaB, typename Variant>
 cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const GemmParams& params,
                        cudaStream_t stream) {
-  constexpr bool kSwiGLU = Variant::kSwiGLUEpilogue;
   if (config.warp_specialized) {
-    if constexpr (!kTmaB || !Variant::kForward) {
-      return cudaErrorInvalidValue;  // TMA weights and the forward's operand layouts only
+    if constexpr (!kTmaB) {
+      return cudaErrorInvalidValue;  // the producer's weights come by TMA
     } else {
       switch (config.block_n) {
         case 256:
-          return LaunchGemmWs<256, 4, kSwiGLU>(params, stream);
+          return LaunchGemmWs<256, 4>(variant, params, stream);
         case 128:
-          return LaunchGemmWs<128, 6, kSwiGLU>(params, stream);
+          return LaunchGemmWs<128, 6>(variant, params, stream);
         default:
           return cudaErrorInvalidValue;  // unsupported block_n
       }

@@ -112,10 +112,11 @@ bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double e
   const bool ok = err < kTolerance && stray == 0;
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d w13_pad=%lld block_n=%d tma=%d group_m=%d "
-      "%-3s err=%.3g stray=%lld\n",
+      "ws=%d %-3s err=%.3g stray=%lld\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, static_cast<long long>(c.w13_pad), cfg.block_n,
-      cfg.tma_weights ? 1 : 0, cfg.group_m, what, err, static_cast<long long>(stray));
+      cfg.tma_weights ? 1 : 0, cfg.group_m, cfg.warp_specialized ? 1 : 0, what, err,
+      static_cast<long long>(stray));
   return ok;
 }
 
@@ -204,7 +205,7 @@ bool RunCase(const Case& c, const Inputs& in, const std::vector<Sm90GemmConfig>&
 }
 
 // What the launchers must refuse before any launch: a misaligned pointer, a [W1; W3] stride
-// shorter than one block, the warp-specialised kernel (forward layouts only), a bad block_n.
+// shorter than one block, the warp-specialised kernel with cp.async weights, a bad block_n.
 bool GuardChecks() {
   Sm90ExpertProblem good;
   good.num_tokens = 64;
@@ -231,7 +232,9 @@ bool GuardChecks() {
          LaunchSm90BackwardDX(short_stride, cfg, buf, buf, idx, buf, nullptr));
   Sm90GemmConfig ws = cfg;
   ws.warp_specialized = true;
-  expect("DA warp_specialized", LaunchSm90BackwardDA(good, ws, buf, buf, idx, idx, buf, nullptr));
+  ws.tma_weights = false;
+  expect("DA warp_specialized without TMA",
+         LaunchSm90BackwardDA(good, ws, buf, buf, idx, idx, buf, nullptr));
   Sm90GemmConfig wide = cfg;
   wide.block_n = 192;
   expect("DX block_n=192", LaunchSm90BackwardDX(good, wide, buf, buf, idx, buf, nullptr));
@@ -276,10 +279,12 @@ int Main() {
     prob.d_model = c.d;
     prob.d_hidden = c.h;
     prob.num_routed = in.n;
-    // {block_n, tma_weights, group_m}: both tile widths, TMA and cp.async weights, bands that
-    // do and do not divide the row-block counts, and the heuristic's own choice.
-    std::vector<Sm90GemmConfig> da = {
-        {256, true, 3}, {128, true, 16}, {256, false, 1}, {128, false, 2}, {256, true, 1}};
+    // {block_n, tma_weights, group_m, warp_specialized}: both tile widths, TMA and cp.async
+    // weights, bands that do and do not divide the row-block counts, both kernels, and the
+    // heuristic's own choice.
+    std::vector<Sm90GemmConfig> da = {{256, true, 3},       {128, true, 16}, {256, false, 1},
+                                      {128, false, 2},      {256, true, 1},  {256, true, 5, true},
+                                      {128, true, 16, true}};
     std::vector<Sm90GemmConfig> dx = da;
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));
