@@ -1,5 +1,5 @@
 // Hopper (sm_90a) building blocks for the fused expert kernels: wgmma, cp.async, TMA, mbarrier,
-// and the persistent grouped GEMM that the forward launchers instantiate.
+// and the persistent grouped GEMM that the forward and backward launchers instantiate.
 //
 // One kernel serves both projections of an expert MLP. Each CTA (two consumer warpgroups,
 // 256 threads) loops over output tiles of ALL experts (persistent grid, one CTA per SM), so
