@@ -4,6 +4,7 @@
 # Sm90DeviceSupported() before calling them and falls back to the unfused path elsewhere.
 add_library(moe_kernels_sm90
   ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_forward.cu
+  ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad.cu
 )
 add_library(moe::kernels_sm90 ALIAS moe_kernels_sm90)
 target_include_directories(moe_kernels_sm90 PUBLIC ${PROJECT_SOURCE_DIR})
@@ -19,4 +20,8 @@ if(MOE_BUILD_BENCH)
   add_executable(moe_sm90_bench ${PROJECT_SOURCE_DIR}/bench/sm90_bench.cu)
   target_link_libraries(moe_sm90_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu CUDA::cublas)
   set_target_properties(moe_sm90_bench PROPERTIES CUDA_ARCHITECTURES 90a)
+  add_executable(moe_sm90_weight_grad_bench ${PROJECT_SOURCE_DIR}/bench/sm90_weight_grad_bench.cu)
+  target_link_libraries(moe_sm90_weight_grad_bench
+    PRIVATE moe::kernels_sm90 moe::kernels_cpu CUDA::cublas)
+  set_target_properties(moe_sm90_weight_grad_bench PROPERTIES CUDA_ARCHITECTURES 90a)
 endif()

@@ -6,3 +6,8 @@ add_executable(sm90_expert_forward_test ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_fo
 target_link_libraries(sm90_expert_forward_test PRIVATE moe::kernels_sm90 moe::kernels_cpu)
 add_test(NAME Sm90ExpertForward COMMAND sm90_expert_forward_test)
 set_tests_properties(Sm90ExpertForward PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300)
+
+add_executable(sm90_weight_grad_test ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad_test.cc)
+target_link_libraries(sm90_weight_grad_test PRIVATE moe::kernels_sm90 moe::kernels_cpu)
+add_test(NAME Sm90WeightGrad COMMAND sm90_weight_grad_test)
+set_tests_properties(Sm90WeightGrad PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300)

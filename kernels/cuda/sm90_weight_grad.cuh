@@ -1,0 +1,322 @@
+// Hopper (sm_90a) weight-gradient grouped GEMM of the fused expert backward: for every local
+// expert e, C_e[M, N] (+)= sum over its routed rows s of A[row_a(s)]^T (outer) B[row_b(s)],
+// with fp32 C stored row-major, experts contiguous.
+//
+// Unlike the forward's grouped GEMM, the REDUCTION runs over the expert's routed rows (a
+// per-expert length known only on the device), while M and N are the fixed weight sizes. So
+// the tile grid is (experts with rows) x M/128 x N/kN and each tile walks its expert's rows 64
+// at a time. Both operands arrive row by row with the output's dimension contiguous in memory,
+// i.e. MN-major for wgmma: each 64-row slab is stored as 8 KB blocks of 64 rows x 64 elements
+// (one 128-byte line per row, 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte
+// swizzle) and read with wgmma's transpose flags. One operand's rows are GATHERED through the
+// dispatch index (token = entries[s] / top_k) while loading, the other is read in slot order;
+// rows past the expert's count are zero-filled by cp.async, so ragged counts need no masking
+// in the math. The load ring, the kStages-2 look-ahead across tile boundaries and the 256
+// threads that both load and multiply follow sm90_grouped_gemm.cuh, whose PTX wrappers this
+// reuses. Each output element belongs to exactly one tile and is summed in a fixed order, so
+// results are deterministic without atomics; the epilogue stores (or adds) fp32 pairs straight
+// from the accumulator fragments, where each quad of lanes covers one full 32-byte sector.
+// No Abseil, gRPC or protobuf here (house style).
+#ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+#define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/sm90_grouped_gemm.cuh"
+
+namespace moe::kernels::sm90 {
+
+// Everything the kernel reads (by value, __grid_constant__).
+struct WeightGradParams {
+  const __nv_bfloat16* a;  // [rows, m_dim]: columns become C's rows
+  const __nv_bfloat16* b;  // [rows, n_dim]: columns become C's columns
+  const int32_t* offsets;  // [experts + 1]
+  const int32_t* entries;  // [N]: t * top_k + k
+  float* c;                // [experts, m_dim, n_dim] fp32
+  int32_t num_experts;
+  int32_t m_dim;
+  int32_t n_dim;
+  int32_t top_k;
+  int32_t accumulate;  // 0: C = sum, 1: C += sum
+};
+
+constexpr int kWgradThreads = 256;  // two consumer warpgroups, 64 C rows each
+constexpr int kWgradBlockM = 128;
+constexpr int kMnBlockBytes = kBlockK * 128;  // 64 reduction rows x 64 bf16 columns
+// wgmma descriptor offsets for the layout above: the next 8-row group of the reduction is
+// 1024 bytes on (stride byte offset), the next 64-column block 8 KB on (leading byte offset).
+constexpr uint32_t kMnLbo = kMnBlockBytes;
+constexpr uint32_t kMnSbo = 1024;
+// A k16 step moves 16 rows = 2048 bytes down every block; descriptors count 16-byte units.
+constexpr uint64_t kMnK16DescStep = (16 * 128) >> 4;
+
+template <int kN>
+struct WgmmaMnMajor;
+template <>
+struct WgmmaMnMajor<128> {
+  __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a, uint64_t b) {
+    WgmmaM64N128K16<1, 1>(d, a, b, 1);
+  }
+};
+template <>
+struct WgmmaMnMajor<256> {
+  __device__ __forceinline__ static void Run(float (&d)[128], uint64_t a, uint64_t b) {
+    WgmmaM64N256K16<1, 1>(d, a, b, 1);
+  }
+};
+
+// How the 256 threads share one 64-row x kCols slab: each thread copies one 16-byte chunk
+// of kRows rows, kRowStep rows apart (so a thread's rows all have the same r % 8).
+template <int kCols>
+struct SlabShape {
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kRowStep = kWgradThreads / kChunksPerRow;
+  static constexpr int kRows = kBlockK / kRowStep;
+  static_assert(kWgradThreads % kChunksPerRow == 0 && kBlockK % kRowStep == 0, "slab split");
+  __device__ __forceinline__ static int Row(int tid, int j) {
+    return tid / kChunksPerRow + j * kRowStep;
+  }
+};
+
+// Copies this thread's share of one slab: rows src_row[j] (element rows of `src`, whose row
+// length is `ld`), columns col0.. of it, into the swizzled MN-major layout at `dst`. Rows at
+// or past `rows_valid` and columns at or past `col_lim` are zero-filled without reading.
+template <int kCols>
+__device__ __forceinline__ void LoadSlab(uint32_t dst, const __nv_bfloat16* src, int ld, int col0,
+                                         int col_lim, const int (&src_row)[SlabShape<kCols>::kRows],
+                                         int rows_valid, int tid) {
+  using S = SlabShape<kCols>;
+  const int q = tid % S::kChunksPerRow;  // chunk within the slab's row
+  const int col = col0 + q * 8;
+  const bool col_ok = col < col_lim;
+  const uint32_t block = dst + (q >> 3) * kMnBlockBytes;
+#pragma unroll
+  for (int j = 0; j < S::kRows; ++j) {
+    const int r = S::Row(tid, j);
+    const bool ok = col_ok && r < rows_valid;
+    const __nv_bfloat16* g = ok ? src + static_cast<int64_t>(src_row[j]) * ld + col : src;
+    CpAsync16(block + r * 128 + (((q & 7) ^ (r & 7)) << 4), g, ok);
+  }
+}
+
+// One output tile: its expert, that expert's first slot and row count, the tile's first C row
+// and column, and the number of 64-row reduction steps.
+struct WgradTile {
+  int expert;
+  int slot0;
+  int count;
+  int m0;
+  int n0;
+  int num_k;
+};
+
+// Tiles are numbered expert-major over the experts that have rows (`active`), then column
+// block, then row block, so the CTAs running at one time share a few experts' operand rows in
+// L2.
+__device__ __forceinline__ WgradTile DecodeWgradTile(int tile, int m_tiles, int n_tiles,
+                                                     const int* active, const int* offs,
+                                                     int block_n) {
+  const int per_expert = m_tiles * n_tiles;
+  const int j = tile / per_expert;
+  const int rem = tile - j * per_expert;
+  const int nt = rem / m_tiles;
+  WgradTile ti;
+  ti.expert = active[j];
+  ti.slot0 = offs[ti.expert];
+  ti.count = offs[ti.expert + 1] - ti.slot0;
+  ti.m0 = (rem - nt * m_tiles) * kWgradBlockM;
+  ti.n0 = nt * block_n;
+  ti.num_k = (ti.count + kBlockK - 1) / kBlockK;
+  return ti;
+}
+
+template <int kN, int kStages>
+__host__ __device__ constexpr int WgradSmemBytes() {
+  return kStages * (kWgradBlockM + kN) * kBlockK * 2 + 1024 /* alignment */ +
+         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+}
+
+// Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
+// lane/4 and lane/4 + 8 of its warp's 16 (the wgmma fragment), stored as float2. With
+// accumulate, all old values are read first so the loads overlap.
+template <int kN>
+__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
+                                               float (&acc)[kN / 2], int tid) {
+  const int lane = tid & 31;
+  const int row0 = ti.m0 + (tid >> 7) * 64 + ((tid & 127) >> 5) * 16 + (lane >> 2);
+  const int col0 = ti.n0 + 2 * (lane & 3);
+  float* c = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim;
+  if (p.accumulate) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + 8 * hr;
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        const int col = col0 + 8 * i;
+        if (row < p.m_dim && col < p.n_dim) {
+          const float2 old =
+              *reinterpret_cast<const float2*>(c + static_cast<int64_t>(row) * p.n_dim + col);
+          acc[4 * i + 2 * hr] += old.x;
+          acc[4 * i + 2 * hr + 1] += old.y;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    if (row >= p.m_dim) continue;
+    float* crow = c + static_cast<int64_t>(row) * p.n_dim;
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) {
+      const int col = col0 + 8 * i;
+      if (col < p.n_dim) {
+        *reinterpret_cast<float2*>(crow + col) =
+            make_float2(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+      }
+    }
+  }
+}
+
+// kN: wgmma N (C columns per tile, 128 or 256). kStages: ring depth; loads run kStages-2
+// steps ahead. kGatherA: A's rows are gathered through entries (dW2: dout) and B's are in slot
+// order, or the other way round (dW13: B = x).
+template <int kN, int kStages, bool kGatherA>
+__global__ void __launch_bounds__(kWgradThreads, 1)
+    sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
+  using ShapeA = SlabShape<kWgradBlockM>;
+  using ShapeB = SlabShape<kN>;
+  using ShapeG = SlabShape<kGatherA ? kWgradBlockM : kN>;  // the gathered operand's split
+  constexpr int kTileABytes = kWgradBlockM * kBlockK * 2;
+  constexpr int kStageBytes = (kWgradBlockM + kN) * kBlockK * 2;
+  constexpr int kAhead = kStages - 2;
+  constexpr int kAcc = kN / 2;
+  static_assert(kAhead >= 1, "need at least 3 stages");
+  static_assert(kStageBytes % 1024 == 0, "swizzled slabs must stay 1024-byte aligned");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  int* offs = reinterpret_cast<int*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
+  int* active = offs + (kMaxExperts + 1);
+  int* num_active = active + kMaxExperts;
+
+  const int tid = threadIdx.x;
+  const int num_experts = p.num_experts;
+
+  // ---- Phase 0: offsets cached in shared memory; warp 0 lists the experts with rows, in
+  // order (experts with none get no tile, so their C blocks are never touched).
+  for (int e = tid; e <= num_experts; e += kWgradThreads) offs[e] = p.offsets[e];
+  __syncthreads();
+  if (tid < 32) {
+    int n = 0;
+    for (int e0 = 0; e0 < num_experts; e0 += 32) {
+      const int e = e0 + tid;
+      const bool has_rows = e < num_experts && offs[e + 1] > offs[e];
+      const uint32_t mask = __ballot_sync(0xffffffffu, has_rows);
+      if (has_rows) active[n + __popc(mask & ((1u << tid) - 1u))] = e;
+      n += __popc(mask);
+    }
+    if (tid == 0) *num_active = n;
+  }
+  __syncthreads();
+
+  const int m_tiles = (p.m_dim + kWgradBlockM - 1) / kWgradBlockM;
+  const int n_tiles = (p.n_dim + kN - 1) / kN;
+  const int total = *num_active * m_tiles * n_tiles;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
+
+  // ---- Load cursor: (ld_tile, ld_kt) runs kAhead steps ahead of the math, across tiles.
+  // The gathered operand's raw entries for the cursor's position are fetched one step early
+  // (divided by top_k only at use), so a load never waits on the index.
+  int ld_tile = blockIdx.x;
+  int ld_kt = 0;
+  WgradTile ld = DecodeWgradTile(ld_tile, m_tiles, n_tiles, active, offs, kN);
+  int raw[ShapeG::kRows];
+  auto fetch_raw = [&]() {
+#pragma unroll
+    for (int j = 0; j < ShapeG::kRows; ++j) {
+      const int r = ld_kt * kBlockK + ShapeG::Row(tid, j);
+      raw[j] = r < ld.count ? p.entries[ld.slot0 + r] : 0;
+    }
+  };
+  fetch_raw();
+
+  auto issue_load = [&](int stage) {
+    if (ld_tile < total) {
+      const uint32_t s_a = base + stage * kStageBytes;
+      const uint32_t s_b = s_a + kTileABytes;
+      const int rows_valid = ld.count - ld_kt * kBlockK;
+      const int slot_base = ld.slot0 + ld_kt * kBlockK;
+      int a_row[ShapeA::kRows];
+      int b_row[ShapeB::kRows];
+      if constexpr (kGatherA) {
+#pragma unroll
+        for (int j = 0; j < ShapeA::kRows; ++j) a_row[j] = raw[j] / p.top_k;
+#pragma unroll
+        for (int j = 0; j < ShapeB::kRows; ++j) b_row[j] = slot_base + ShapeB::Row(tid, j);
+      } else {
+#pragma unroll
+        for (int j = 0; j < ShapeA::kRows; ++j) a_row[j] = slot_base + ShapeA::Row(tid, j);
+#pragma unroll
+        for (int j = 0; j < ShapeB::kRows; ++j) b_row[j] = raw[j] / p.top_k;
+      }
+      LoadSlab<kWgradBlockM>(s_a, p.a, p.m_dim, ld.m0, p.m_dim, a_row, rows_valid, tid);
+      LoadSlab<kN>(s_b, p.b, p.n_dim, ld.n0, p.n_dim, b_row, rows_valid, tid);
+      if (++ld_kt == ld.num_k) {
+        ld_kt = 0;
+        ld_tile += gridDim.x;
+        if (ld_tile < total) ld = DecodeWgradTile(ld_tile, m_tiles, n_tiles, active, offs, kN);
+      }
+      if (ld_tile < total) fetch_raw();
+    }
+    CpAsyncCommit();  // always one group per step, so the wait counts stay exact
+  };
+
+  const int wg = tid >> 7;
+  for (int s = 0; s < kAhead; ++s) issue_load(s);
+
+  uint32_t it = 0;  // k-steps consumed by this CTA across tiles: the ring stage
+  float acc[kAcc];
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const WgradTile ti = DecodeWgradTile(tile, m_tiles, n_tiles, active, offs, kN);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+    // ---- Main loop over the expert's rows, 64 per step.
+    for (int kt = 0; kt < ti.num_k; ++kt, ++it) {
+      const int stage = it % kStages;
+      CpAsyncWait<kAhead - 1>();
+      FenceProxyAsync();
+      __syncthreads();  // stage visible to all; every wgmma of step it-2 has retired
+      const uint32_t s_a = base + stage * kStageBytes + wg * kMnBlockBytes;
+      const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
+      const uint64_t desc_a = MakeSmemDescSw128(s_a, kMnLbo, kMnSbo);
+      const uint64_t desc_b = MakeSmemDescSw128(s_b, kMnLbo, kMnSbo);
+      FenceOperands(acc);
+      WgmmaFence();
+#pragma unroll
+      for (int j = 0; j < kBlockK / 16; ++j) {
+        WgmmaMnMajor<kN>::Run(acc, desc_a + j * kMnK16DescStep, desc_b + j * kMnK16DescStep);
+      }
+      WgmmaCommit();
+      FenceOperands(acc);
+      issue_load((it + kAhead) % kStages);
+      WgmmaWait<1>();
+      FenceOperands(acc);
+    }
+    WgmmaWait<0>();
+    FenceOperands(acc);
+
+    // ---- Epilogue (the cursor's loads for the next tile are already in flight).
+    StoreWgradTile<kN>(p, ti, acc, tid);
+  }
+  CpAsyncWait<0>();
+}
+
+}  // namespace moe::kernels::sm90
+
+#endif  // MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
