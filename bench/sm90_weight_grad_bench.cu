@@ -7,7 +7,9 @@
 // device with a hash, so a 45 GB deepseek-v3 problem needs no host-side generation. Each timing
 // is the median of 10 CUDA-event timed launches after 2 warm-ups. Before timing, the fused
 // result of three experts (first, middle, last) is compared with cuBLAS's (normalised error),
-// so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant).
+// so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
+// the launchers at both block_n, and instantiations with other slab heights (rows per ring
+// stage) launched directly.
 // Usage: sm90_weight_grad_bench [preset ...] (default: all five).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -26,6 +28,11 @@
 
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cuda/sm90_expert_backward.h"
+// Also the kernel header itself, to time instantiations the launchers do not choose (see
+// sm90_weight_grad.cu for why the forward's combine kernel is renamed here).
+#define sm90_combine_kernel sm90_combine_kernel_unused_by_weight_grad_bench
+#include "kernels/cuda/sm90_weight_grad.cuh"
+#undef sm90_combine_kernel
 
 namespace {
 
@@ -203,6 +210,7 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     const __nv_bfloat16* b_slot;
     float* c;
     std::function<cudaError_t(const Sm90GemmConfig&, bool)> fused;
+    bool gather_a;
   };
   const Grad grads[] = {
       {"dW2", d, h, dout_g, pa, dw2,
@@ -210,13 +218,15 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
          return moe::kernels::LaunchSm90WeightGradW2(
              prob, cfg, reinterpret_cast<const uint16_t*>(dout),
              reinterpret_cast<const uint16_t*>(pa), d_off, d_ent, dw2, acc, nullptr);
-       }},
+       },
+       true},
       {"dW13", 2 * h, d, dh, x_g, dw13,
        [&](const Sm90GemmConfig& cfg, bool acc) {
          return moe::kernels::LaunchSm90WeightGradW13(
              prob, cfg, reinterpret_cast<const uint16_t*>(dh),
              reinterpret_cast<const uint16_t*>(x), d_off, d_ent, dw13, acc, nullptr);
-       }},
+       },
+       false},
   };
   for (const Grad& g : grads) {
     const double flop = 2.0 * N * g.m * g.n;
@@ -245,6 +255,45 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
           "\"vs_cublas\":%.2f,\"diff_vs_cublas\":%.3g,\"check\":\"%s\"}\n",
           ps.name, g.name, block_n, static_cast<long long>(N), ms, flop / ms * 1e-9, acc_ms,
           cublas_ms / ms, diff, diff < 1e-3 ? "ok" : "MISMATCH");
+      std::fflush(stdout);
+    }
+    // Other slab heights, launched directly (same checks as above).
+    moe::kernels::sm90::WeightGradParams params = {};
+    params.a = g.gather_a ? dout : dh;
+    params.b = g.gather_a ? pa : x;
+    params.offsets = d_off;
+    params.entries = d_ent;
+    params.c = g.c;
+    params.num_experts = E;
+    params.m_dim = g.m;
+    params.n_dim = g.n;
+    params.top_k = moe::kernels::sm90::MakeFastDivisor(K);
+    struct Variant {
+      const char* name;
+      cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);
+    };
+    using moe::kernels::sm90::LaunchWeightGradKernel;
+    const Variant variants[] = {
+        {"n256_slab32", g.gather_a ? LaunchWeightGradKernel<256, 32, true>
+                                   : LaunchWeightGradKernel<256, 32, false>},
+        {"n128_slab32", g.gather_a ? LaunchWeightGradKernel<128, 32, true>
+                                   : LaunchWeightGradKernel<128, 32, false>},
+    };
+    for (const Variant& v : variants) {
+      params.accumulate = 0;
+      CUDA_OK(cudaMemset(g.c, 0xFF, block * E * 4));
+      CUDA_OK(v.launch(params, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const double diff = NormalisedDiff(Sample(g.c, probe, block), want);
+      const double ms = MedianMs([&] { CUDA_OK(v.launch(params, nullptr)); });
+      params.accumulate = 1;
+      const double acc_ms = MedianMs([&] { CUDA_OK(v.launch(params, nullptr)); });
+      std::printf(
+          "{\"kind\":\"wgrad\",\"preset\":\"%s\",\"grad\":\"%s\",\"impl\":\"%s\","
+          "\"ms\":%.4f,\"tflops\":%.1f,\"accumulate_ms\":%.4f,\"vs_cublas\":%.2f,"
+          "\"diff_vs_cublas\":%.3g,\"check\":\"%s\"}\n",
+          ps.name, g.name, v.name, ms, flop / ms * 1e-9, acc_ms, cublas_ms / ms, diff,
+          diff < 1e-3 ? "ok" : "MISMATCH");
       std::fflush(stdout);
     }
   }

@@ -27,7 +27,7 @@ broken() {  # name sed-expression
     "$tmp/kernels/cuda/sm90_weight_grad.cu" kernels/cuda/sm90_expert_forward.cu kernels/cpu/dispatch.cc
   rm -rf "$tmp"
 }
-broken swapped_offsets 's/^constexpr uint32_t kMnLbo = kMnBlockBytes;/constexpr uint32_t kMnLbo = 1024;/; s/^constexpr uint32_t kMnSbo = 1024;/constexpr uint32_t kMnSbo = kMnBlockBytes;/'
+broken swapped_offsets 's/kLbo = kBlockBytes;/kLbo = 1024;/; s/kSbo = 1024;/kSbo = kBlockBytes;/'
 broken no_swizzle 's/(((q \& 7) ^ (r \& 7)) << 4)/((q \& 7) << 4)/'
 $nv -I. -o "$dir/sm90_weight_grad_bench" bench/sm90_weight_grad_bench.cu \
   kernels/cuda/sm90_weight_grad.cu kernels/cuda/sm90_expert_forward.cu kernels/cpu/dispatch.cc -lcublas

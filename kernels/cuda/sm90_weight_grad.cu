@@ -29,32 +29,18 @@ using sm90::WeightGradParams;
 
 bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-template <int kN, int kStages, bool kGatherA>
-cudaError_t LaunchWeightGrad(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90::sm90_weight_grad_kernel<kN, kStages, kGatherA>;
-  constexpr int kSmem = sm90::WgradSmemBytes<kN, kStages>();
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  int device = 0, sms = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  kernel<<<sms, sm90::kWgradThreads, kSmem, stream>>>(params);
-  return cudaGetLastError();
-}
+// The one place block_n becomes a template constant. Slabs of kSlabRows reduction rows a ring
+// stage; the ring fills ~192 KB either way.
+constexpr int kSlabRows = 64;
 
-// The one place block_n becomes a template constant. Either way the ring holds ~192 KB:
-// 4 stages of 64 x (128 + 256) bf16, or 6 of 64 x (128 + 128).
 template <bool kGatherA>
 cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradParams& params,
                                cudaStream_t stream) {
   switch (config.block_n) {
     case 256:
-      return LaunchWeightGrad<256, 4, kGatherA>(params, stream);
+      return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA>(params, stream);
     case 128:
-      return LaunchWeightGrad<128, 6, kGatherA>(params, stream);
+      return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA>(params, stream);
     default:
       return cudaErrorInvalidValue;  // unsupported block_n
   }
@@ -80,7 +66,7 @@ cudaError_t LaunchSm90WeightGradW2(const Sm90ExpertProblem& problem, const Sm90G
   params.num_experts = problem.num_experts;
   params.m_dim = problem.d_model;
   params.n_dim = problem.d_hidden;
-  params.top_k = problem.top_k;
+  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
   params.accumulate = accumulate ? 1 : 0;
   return DispatchWeightGrad<true>(config, params, stream);
 }
@@ -104,7 +90,7 @@ cudaError_t LaunchSm90WeightGradW13(const Sm90ExpertProblem& problem,
   params.num_experts = problem.num_experts;
   params.m_dim = 2 * problem.d_hidden;
   params.n_dim = problem.d_model;
-  params.top_k = problem.top_k;
+  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
   params.accumulate = accumulate ? 1 : 0;
   return DispatchWeightGrad<false>(config, params, stream);
 }

@@ -29,6 +29,25 @@
 
 namespace moe::kernels::sm90 {
 
+// Division by the run-time top_k in a few instructions (entries[s] / top_k runs for every
+// gathered row of every step, and a full integer division would cost more than the copy):
+// q = (umulhi(n, magic) + n) >> shift, exact for every n < 2^31 (Granlund and Montgomery's
+// round-up method; the sum cannot overflow because umulhi(n, magic) <= n).
+struct FastDivisor {
+  uint32_t magic;
+  uint32_t shift;
+};
+inline FastDivisor MakeFastDivisor(uint32_t d) {
+  uint32_t shift = 0;
+  while ((uint64_t{1} << shift) < d) ++shift;
+  const uint64_t magic = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1;
+  return FastDivisor{static_cast<uint32_t>(magic), shift};
+}
+__device__ __forceinline__ int FastDivide(int n, FastDivisor div) {
+  const uint32_t u = static_cast<uint32_t>(n);
+  return static_cast<int>((__umulhi(u, div.magic) + u) >> div.shift);
+}
+
 // Everything the kernel reads (by value, __grid_constant__).
 struct WeightGradParams {
   const __nv_bfloat16* a;  // [rows, m_dim]: columns become C's rows
@@ -39,19 +58,25 @@ struct WeightGradParams {
   int32_t num_experts;
   int32_t m_dim;
   int32_t n_dim;
-  int32_t top_k;
+  FastDivisor top_k;
   int32_t accumulate;  // 0: C = sum, 1: C += sum
 };
 
 constexpr int kWgradThreads = 256;  // two consumer warpgroups, 64 C rows each
 constexpr int kWgradBlockM = 128;
-constexpr int kMnBlockBytes = kBlockK * 128;  // 64 reduction rows x 64 bf16 columns
-// wgmma descriptor offsets for the layout above: the next 8-row group of the reduction is
-// 1024 bytes on (stride byte offset), the next 64-column block 8 KB on (leading byte offset).
-constexpr uint32_t kMnLbo = kMnBlockBytes;
-constexpr uint32_t kMnSbo = 1024;
-// A k16 step moves 16 rows = 2048 bytes down every block; descriptors count 16-byte units.
-constexpr uint64_t kMnK16DescStep = (16 * 128) >> 4;
+constexpr int kWgradRingBytes = 192 * 1024;  // shared memory given to the load ring
+
+// wgmma descriptor offsets for a slab of kSlabRows reduction rows stored as blocks of
+// kSlabRows x 64 columns: the next 8-row group of the reduction is 1024 bytes on (stride
+// byte offset), the next 64-column block one block on (leading byte offset). A k16 step moves
+// 16 rows = 2048 bytes down every block; descriptors count 16-byte units.
+template <int kSlabRows>
+struct MnMajorSlab {
+  static constexpr int kBlockBytes = kSlabRows * 128;
+  static constexpr uint32_t kLbo = kBlockBytes;
+  static constexpr uint32_t kSbo = 1024;
+  static constexpr uint64_t kK16DescStep = (16 * 128) >> 4;
+};
 
 template <int kN>
 struct WgmmaMnMajor;
@@ -68,42 +93,40 @@ struct WgmmaMnMajor<256> {
   }
 };
 
-// How the 256 threads share one 64-row x kCols slab: each thread copies one 16-byte chunk
-// of kRows rows, kRowStep rows apart (so a thread's rows all have the same r % 8).
-template <int kCols>
+// How the 256 threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk
+// of kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
+template <int kCols, int kSlabRows>
 struct SlabShape {
   static constexpr int kChunksPerRow = kCols / 8;
   static constexpr int kRowStep = kWgradThreads / kChunksPerRow;
-  static constexpr int kRows = kBlockK / kRowStep;
-  static_assert(kWgradThreads % kChunksPerRow == 0 && kBlockK % kRowStep == 0, "slab split");
+  static constexpr int kRows = kSlabRows / kRowStep;
+  static_assert(kWgradThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
+                "slab split");
   __device__ __forceinline__ static int Row(int tid, int j) {
     return tid / kChunksPerRow + j * kRowStep;
   }
 };
 
-// Copies this thread's share of one slab: rows src_row[j] (element rows of `src`, whose row
-// length is `ld`), columns col0.. of it, into the swizzled MN-major layout at `dst`. Rows at
-// or past `rows_valid` and columns at or past `col_lim` are zero-filled without reading.
-template <int kCols>
-__device__ __forceinline__ void LoadSlab(uint32_t dst, const __nv_bfloat16* src, int ld, int col0,
-                                         int col_lim, const int (&src_row)[SlabShape<kCols>::kRows],
-                                         int rows_valid, int tid) {
-  using S = SlabShape<kCols>;
+// Copies this thread's share of one slab into the swizzled MN-major layout at `dst`: row j
+// from row_ptr[j] (already offset to this thread's column). Rows at or past `rows_valid`, and
+// every row when !col_ok, are zero-filled without reading.
+template <int kCols, int kSlabRows>
+__device__ __forceinline__ void LoadSlab(
+    uint32_t dst, const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows>::kRows],
+    bool col_ok, int rows_valid, const __nv_bfloat16* any_valid, int tid) {
+  using S = SlabShape<kCols, kSlabRows>;
   const int q = tid % S::kChunksPerRow;  // chunk within the slab's row
-  const int col = col0 + q * 8;
-  const bool col_ok = col < col_lim;
-  const uint32_t block = dst + (q >> 3) * kMnBlockBytes;
+  const uint32_t block = dst + (q >> 3) * MnMajorSlab<kSlabRows>::kBlockBytes;
 #pragma unroll
   for (int j = 0; j < S::kRows; ++j) {
     const int r = S::Row(tid, j);
     const bool ok = col_ok && r < rows_valid;
-    const __nv_bfloat16* g = ok ? src + static_cast<int64_t>(src_row[j]) * ld + col : src;
-    CpAsync16(block + r * 128 + (((q & 7) ^ (r & 7)) << 4), g, ok);
+    CpAsync16(block + r * 128 + (((q & 7) ^ (r & 7)) << 4), ok ? row_ptr[j] : any_valid, ok);
   }
 }
 
 // One output tile: its expert, that expert's first slot and row count, the tile's first C row
-// and column, and the number of 64-row reduction steps.
+// and column, and the number of reduction steps.
 struct WgradTile {
   int expert;
   int slot0;
@@ -116,9 +139,9 @@ struct WgradTile {
 // Tiles are numbered expert-major over the experts that have rows (`active`), then column
 // block, then row block, so the CTAs running at one time share a few experts' operand rows in
 // L2.
+template <int kN, int kSlabRows>
 __device__ __forceinline__ WgradTile DecodeWgradTile(int tile, int m_tiles, int n_tiles,
-                                                     const int* active, const int* offs,
-                                                     int block_n) {
+                                                     const int* active, const int* offs) {
   const int per_expert = m_tiles * n_tiles;
   const int j = tile / per_expert;
   const int rem = tile - j * per_expert;
@@ -128,14 +151,26 @@ __device__ __forceinline__ WgradTile DecodeWgradTile(int tile, int m_tiles, int 
   ti.slot0 = offs[ti.expert];
   ti.count = offs[ti.expert + 1] - ti.slot0;
   ti.m0 = (rem - nt * m_tiles) * kWgradBlockM;
-  ti.n0 = nt * block_n;
-  ti.num_k = (ti.count + kBlockK - 1) / kBlockK;
+  ti.n0 = nt * kN;
+  ti.num_k = (ti.count + kSlabRows - 1) / kSlabRows;
   return ti;
 }
 
-template <int kN, int kStages>
+template <int kN, int kSlabRows>
+__host__ __device__ constexpr int WgradStageBytes() {
+  return (kWgradBlockM + kN) * kSlabRows * 2;
+}
+// Ring depth: as many stages as fit kWgradRingBytes, at most 10 (cp.async.wait_group's count,
+// stages - 3, stays small).
+template <int kN, int kSlabRows>
+__host__ __device__ constexpr int WgradStages() {
+  return kWgradRingBytes / WgradStageBytes<kN, kSlabRows>() < 10
+             ? kWgradRingBytes / WgradStageBytes<kN, kSlabRows>()
+             : 10;
+}
+template <int kN, int kSlabRows>
 __host__ __device__ constexpr int WgradSmemBytes() {
-  return kStages * (kWgradBlockM + kN) * kBlockK * 2 + 1024 /* alignment */ +
+  return WgradStages<kN, kSlabRows>() * WgradStageBytes<kN, kSlabRows>() + 1024 /* alignment */ +
          (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
 }
 
@@ -181,21 +216,25 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
   }
 }
 
-// kN: wgmma N (C columns per tile, 128 or 256). kStages: ring depth; loads run kStages-2
-// steps ahead. kGatherA: A's rows are gathered through entries (dW2: dout) and B's are in slot
+// kN: wgmma N (C columns per tile, 128 or 256). kSlabRows: reduction rows per ring stage
+// (a multiple of 16); the ring depth follows (WgradStages) and loads run stages-2 steps
+// ahead. kGatherA: A's rows are gathered through entries (dW2: dout) and B's are in slot
 // order, or the other way round (dW13: B = x).
-template <int kN, int kStages, bool kGatherA>
+template <int kN, int kSlabRows, bool kGatherA>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
-  using ShapeA = SlabShape<kWgradBlockM>;
-  using ShapeB = SlabShape<kN>;
-  using ShapeG = SlabShape<kGatherA ? kWgradBlockM : kN>;  // the gathered operand's split
-  constexpr int kTileABytes = kWgradBlockM * kBlockK * 2;
-  constexpr int kStageBytes = (kWgradBlockM + kN) * kBlockK * 2;
+  using ShapeA = SlabShape<kWgradBlockM, kSlabRows>;
+  using ShapeB = SlabShape<kN, kSlabRows>;
+  using ShapeG = SlabShape<kGatherA ? kWgradBlockM : kN, kSlabRows>;  // the gathered operand
+  using Slab = MnMajorSlab<kSlabRows>;
+  constexpr int kStages = WgradStages<kN, kSlabRows>();
+  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
+  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
   constexpr int kAhead = kStages - 2;
   constexpr int kAcc = kN / 2;
+  static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
   static_assert(kAhead >= 1, "need at least 3 stages");
-  static_assert(kStageBytes % 1024 == 0, "swizzled slabs must stay 1024-byte aligned");
+  static_assert(Slab::kBlockBytes % 1024 == 0, "swizzled blocks must stay 1024-byte aligned");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -234,42 +273,61 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   // (divided by top_k only at use), so a load never waits on the index.
   int ld_tile = blockIdx.x;
   int ld_kt = 0;
-  WgradTile ld = DecodeWgradTile(ld_tile, m_tiles, n_tiles, active, offs, kN);
+  WgradTile ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
   int raw[ShapeG::kRows];
   auto fetch_raw = [&]() {
 #pragma unroll
     for (int j = 0; j < ShapeG::kRows; ++j) {
-      const int r = ld_kt * kBlockK + ShapeG::Row(tid, j);
+      const int r = ld_kt * kSlabRows + ShapeG::Row(tid, j);
       raw[j] = r < ld.count ? p.entries[ld.slot0 + r] : 0;
     }
   };
   fetch_raw();
+  const int col_a = (tid % ShapeA::kChunksPerRow) * 8;  // this thread's column in each slab
+  const int col_b = (tid % ShapeB::kChunksPerRow) * 8;
 
   auto issue_load = [&](int stage) {
     if (ld_tile < total) {
       const uint32_t s_a = base + stage * kStageBytes;
       const uint32_t s_b = s_a + kTileABytes;
-      const int rows_valid = ld.count - ld_kt * kBlockK;
-      const int slot_base = ld.slot0 + ld_kt * kBlockK;
-      int a_row[ShapeA::kRows];
-      int b_row[ShapeB::kRows];
+      const int rows_valid = ld.count - ld_kt * kSlabRows;
+      const int slot_base = ld.slot0 + ld_kt * kSlabRows;
+      const __nv_bfloat16* a_ptr[ShapeA::kRows];
+      const __nv_bfloat16* b_ptr[ShapeB::kRows];
+      const __nv_bfloat16* a_col = p.a + ld.m0 + col_a;
+      const __nv_bfloat16* b_col = p.b + ld.n0 + col_b;
       if constexpr (kGatherA) {
 #pragma unroll
-        for (int j = 0; j < ShapeA::kRows; ++j) a_row[j] = raw[j] / p.top_k;
+        for (int j = 0; j < ShapeA::kRows; ++j) {
+          a_ptr[j] = a_col + static_cast<int64_t>(FastDivide(raw[j], p.top_k)) * p.m_dim;
+        }
+        const __nv_bfloat16* b0 =
+            b_col + static_cast<int64_t>(slot_base + ShapeB::Row(tid, 0)) * p.n_dim;
 #pragma unroll
-        for (int j = 0; j < ShapeB::kRows; ++j) b_row[j] = slot_base + ShapeB::Row(tid, j);
+        for (int j = 0; j < ShapeB::kRows; ++j) {
+          b_ptr[j] = b0 + static_cast<int64_t>(j * ShapeB::kRowStep) * p.n_dim;
+        }
       } else {
+        const __nv_bfloat16* a0 =
+            a_col + static_cast<int64_t>(slot_base + ShapeA::Row(tid, 0)) * p.m_dim;
 #pragma unroll
-        for (int j = 0; j < ShapeA::kRows; ++j) a_row[j] = slot_base + ShapeA::Row(tid, j);
+        for (int j = 0; j < ShapeA::kRows; ++j) {
+          a_ptr[j] = a0 + static_cast<int64_t>(j * ShapeA::kRowStep) * p.m_dim;
+        }
 #pragma unroll
-        for (int j = 0; j < ShapeB::kRows; ++j) b_row[j] = raw[j] / p.top_k;
+        for (int j = 0; j < ShapeB::kRows; ++j) {
+          b_ptr[j] = b_col + static_cast<int64_t>(FastDivide(raw[j], p.top_k)) * p.n_dim;
+        }
       }
-      LoadSlab<kWgradBlockM>(s_a, p.a, p.m_dim, ld.m0, p.m_dim, a_row, rows_valid, tid);
-      LoadSlab<kN>(s_b, p.b, p.n_dim, ld.n0, p.n_dim, b_row, rows_valid, tid);
+      LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a,
+                                        tid);
+      LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
       if (++ld_kt == ld.num_k) {
         ld_kt = 0;
         ld_tile += gridDim.x;
-        if (ld_tile < total) ld = DecodeWgradTile(ld_tile, m_tiles, n_tiles, active, offs, kN);
+        if (ld_tile < total) {
+          ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
+        }
       }
       if (ld_tile < total) fetch_raw();
     }
@@ -279,28 +337,29 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   const int wg = tid >> 7;
   for (int s = 0; s < kAhead; ++s) issue_load(s);
 
-  uint32_t it = 0;  // k-steps consumed by this CTA across tiles: the ring stage
+  uint32_t it = 0;  // steps consumed by this CTA across tiles: the ring stage
   float acc[kAcc];
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const WgradTile ti = DecodeWgradTile(tile, m_tiles, n_tiles, active, offs, kN);
+    const WgradTile ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
-    // ---- Main loop over the expert's rows, 64 per step.
+    // ---- Main loop over the expert's rows, kSlabRows per step.
     for (int kt = 0; kt < ti.num_k; ++kt, ++it) {
       const int stage = it % kStages;
       CpAsyncWait<kAhead - 1>();
       FenceProxyAsync();
       __syncthreads();  // stage visible to all; every wgmma of step it-2 has retired
-      const uint32_t s_a = base + stage * kStageBytes + wg * kMnBlockBytes;
+      const uint32_t s_a = base + stage * kStageBytes + wg * Slab::kBlockBytes;
       const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
-      const uint64_t desc_a = MakeSmemDescSw128(s_a, kMnLbo, kMnSbo);
-      const uint64_t desc_b = MakeSmemDescSw128(s_b, kMnLbo, kMnSbo);
+      const uint64_t desc_a = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
+      const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
       FenceOperands(acc);
       WgmmaFence();
 #pragma unroll
-      for (int j = 0; j < kBlockK / 16; ++j) {
-        WgmmaMnMajor<kN>::Run(acc, desc_a + j * kMnK16DescStep, desc_b + j * kMnK16DescStep);
+      for (int j = 0; j < kSlabRows / 16; ++j) {
+        WgmmaMnMajor<kN>::Run(acc, desc_a + j * Slab::kK16DescStep,
+                              desc_b + j * Slab::kK16DescStep);
       }
       WgmmaCommit();
       FenceOperands(acc);
@@ -315,6 +374,26 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     StoreWgradTile<kN>(p, ti, acc, tid);
   }
   CpAsyncWait<0>();
+}
+
+// Host side: one launch of an instantiation, one CTA per SM (the tile count is known only on
+// the device). Kept with the kernel so a benchmark can time instantiations the public
+// launchers do not choose.
+template <int kN, int kSlabRows, bool kGatherA>
+cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA>;
+  constexpr int kSmem = WgradSmemBytes<kN, kSlabRows>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  int device = 0, sms = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err != cudaSuccess) return err;
+  kernel<<<sms, kWgradThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
 }
 
 }  // namespace moe::kernels::sm90
