@@ -278,6 +278,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
                                    : LaunchWeightGradKernel<256, 32, false>},
         {"n128_slab32", g.gather_a ? LaunchWeightGradKernel<128, 32, true>
                                    : LaunchWeightGradKernel<128, 32, false>},
+        {"n256_slab64_drain", g.gather_a ? LaunchWeightGradKernel<256, 64, true, true>
+                                         : LaunchWeightGradKernel<256, 64, false, true>},
+        {"n256_slab32_drain", g.gather_a ? LaunchWeightGradKernel<256, 32, true, true>
+                                         : LaunchWeightGradKernel<256, 32, false, true>},
     };
     for (const Variant& v : variants) {
       params.accumulate = 0;

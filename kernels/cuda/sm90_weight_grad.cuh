@@ -217,10 +217,13 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
 }
 
 // kN: wgmma N (C columns per tile, 128 or 256). kSlabRows: reduction rows per ring stage
-// (a multiple of 16); the ring depth follows (WgradStages) and loads run stages-2 steps
-// ahead. kGatherA: A's rows are gathered through entries (dW2: dout) and B's are in slot
-// order, or the other way round (dW13: B = x).
-template <int kN, int kSlabRows, bool kGatherA>
+// (a multiple of 16); the ring depth follows (WgradStages). kGatherA: A's rows are gathered
+// through entries (dW2: dout) and B's are in slot order, or the other way round (dW13: B = x).
+// kDrain: each step waits for ALL its wgmmas before the next barrier, so a stage is free one
+// step after its use and loads run stages-1 steps ahead (more bytes in flight, at the cost of
+// an empty tensor pipe at every barrier); otherwise the previous step's wgmmas may still run,
+// and loads run stages-2 ahead.
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
   using ShapeA = SlabShape<kWgradBlockM, kSlabRows>;
@@ -230,7 +233,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   constexpr int kStages = WgradStages<kN, kSlabRows>();
   constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
   constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
-  constexpr int kAhead = kStages - 2;
+  constexpr int kAhead = kDrain ? kStages - 1 : kStages - 2;
   constexpr int kAcc = kN / 2;
   static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
   static_assert(kAhead >= 1, "need at least 3 stages");
@@ -349,7 +352,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const int stage = it % kStages;
       CpAsyncWait<kAhead - 1>();
       FenceProxyAsync();
-      __syncthreads();  // stage visible to all; every wgmma of step it-2 has retired
+      __syncthreads();  // stage visible to all; the stage the loads below refill is idle
       const uint32_t s_a = base + stage * kStageBytes + wg * Slab::kBlockBytes;
       const uint32_t s_b = base + stage * kStageBytes + kTileABytes;
       const uint64_t desc_a = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       WgmmaCommit();
       FenceOperands(acc);
       issue_load((it + kAhead) % kStages);
-      WgmmaWait<1>();
+      WgmmaWait<kDrain ? 0 : 1>();
       FenceOperands(acc);
     }
     WgmmaWait<0>();
@@ -379,9 +382,9 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 // Host side: one launch of an instantiation, one CTA per SM (the tile count is known only on
 // the device). Kept with the kernel so a benchmark can time instantiations the public
 // launchers do not choose.
-template <int kN, int kSlabRows, bool kGatherA>
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
 cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA>;
+  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain>;
   constexpr int kSmem = WgradSmemBytes<kN, kSlabRows>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
