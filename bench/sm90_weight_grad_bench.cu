@@ -8,8 +8,8 @@
 // is the median of 10 CUDA-event timed launches after 2 warm-ups. Before timing, the fused
 // result of three experts (first, middle, last) is compared with cuBLAS's (normalised error),
 // so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
-// the launchers at both block_n, and instantiations with other slab heights (rows per ring
-// stage) launched directly.
+// the launchers at both block_n, and other instantiations (the drain-each-step ring)
+// launched directly.
 // Usage: sm90_weight_grad_bench [preset ...] (default: all five).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -274,14 +274,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     };
     using moe::kernels::sm90::LaunchWeightGradKernel;
     const Variant variants[] = {
-        {"n256_slab32", g.gather_a ? LaunchWeightGradKernel<256, 32, true>
-                                   : LaunchWeightGradKernel<256, 32, false>},
-        {"n128_slab32", g.gather_a ? LaunchWeightGradKernel<128, 32, true>
-                                   : LaunchWeightGradKernel<128, 32, false>},
+        // 32-row slabs (n256, n128, with and without drain) measured 15-30% slower than
+        // 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2).
         {"n256_slab64_drain", g.gather_a ? LaunchWeightGradKernel<256, 64, true, true>
                                          : LaunchWeightGradKernel<256, 64, false, true>},
-        {"n256_slab32_drain", g.gather_a ? LaunchWeightGradKernel<256, 32, true, true>
-                                         : LaunchWeightGradKernel<256, 32, false, true>},
     };
     for (const Variant& v : variants) {
       params.accumulate = 0;

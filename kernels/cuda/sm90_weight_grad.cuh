@@ -216,6 +216,23 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
   }
 }
 
+// With accumulate, the epilogue reads the tile's old values; kAhead steps before it (when the
+// load cursor issues the tile's last slab), each thread asks L2 for its share of the lines (2 threads a row, kN/2 columns each), so
+// those reads find L2 instead of stalling the SM on device memory between two tiles.
+template <int kN>
+__device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
+                                                  int tid) {
+  const int row = ti.m0 + (tid >> 1);
+  if (row >= p.m_dim) return;
+  const float* line = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim +
+                      static_cast<int64_t>(row) * p.n_dim;
+#pragma unroll
+  for (int i = 0; i < kN / 2 / 32; ++i) {  // 32 floats = one 128-byte line
+    const int col = ti.n0 + (tid & 1) * (kN / 2) + 32 * i;
+    if (col < p.n_dim) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line + col));
+  }
+}
+
 // kN: wgmma N (C columns per tile, 128 or 256). kSlabRows: reduction rows per ring stage
 // (a multiple of 16); the ring depth follows (WgradStages). kGatherA: A's rows are gathered
 // through entries (dW2: dout) and B's are in slot order, or the other way round (dW13: B = x).
@@ -272,20 +289,30 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
 
   // ---- Load cursor: (ld_tile, ld_kt) runs kAhead steps ahead of the math, across tiles.
-  // The gathered operand's raw entries for the cursor's position are fetched one step early
-  // (divided by top_k only at use), so a load never waits on the index.
+  // The gathered operand's index: the 32 lanes of a warp load the same few rows (8 with
+  // 64-row slabs; its slab split gives each row to 16 or 32 consecutive threads), so lanes
+  // 0..7 fetch one entry each, one step early, and at use the token (entry / top_k) reaches
+  // the other lanes by shuffle: one load and one division a thread per step instead of eight.
   int ld_tile = blockIdx.x;
   int ld_kt = 0;
   WgradTile ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
-  int raw[ShapeG::kRows];
+  constexpr int kRowSetLanes = 32 / ShapeG::kChunksPerRow;  // lanes per j: 1 or 2
+  static_assert(32 % ShapeG::kChunksPerRow == 0 && ShapeG::kRows * kRowSetLanes <= 32,
+                "a warp's gathered rows must fit its lanes");
+  const int lane = tid & 31;
+  const bool fetcher = lane < ShapeG::kRows * kRowSetLanes;
+  const int fetch_row = (tid - lane) / ShapeG::kChunksPerRow + lane % kRowSetLanes +
+                        (lane / kRowSetLanes) * ShapeG::kRowStep;
+  int raw = 0;
   auto fetch_raw = [&]() {
-#pragma unroll
-    for (int j = 0; j < ShapeG::kRows; ++j) {
-      const int r = ld_kt * kSlabRows + ShapeG::Row(tid, j);
-      raw[j] = r < ld.count ? p.entries[ld.slot0 + r] : 0;
-    }
+    const int r = ld_kt * kSlabRows + fetch_row;
+    raw = (fetcher && r < ld.count) ? p.entries[ld.slot0 + r] : 0;
   };
   fetch_raw();
+  // Row j of this thread's gathered share, as a token index (all 32 lanes must call).
+  auto gathered_token = [&](int tok, int j) {
+    return __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / ShapeG::kChunksPerRow);
+  };
   const int col_a = (tid % ShapeA::kChunksPerRow) * 8;  // this thread's column in each slab
   const int col_b = (tid % ShapeB::kChunksPerRow) * 8;
 
@@ -299,10 +326,11 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const __nv_bfloat16* b_ptr[ShapeB::kRows];
       const __nv_bfloat16* a_col = p.a + ld.m0 + col_a;
       const __nv_bfloat16* b_col = p.b + ld.n0 + col_b;
+      const int tok = FastDivide(raw, p.top_k);
       if constexpr (kGatherA) {
 #pragma unroll
         for (int j = 0; j < ShapeA::kRows; ++j) {
-          a_ptr[j] = a_col + static_cast<int64_t>(FastDivide(raw[j], p.top_k)) * p.m_dim;
+          a_ptr[j] = a_col + static_cast<int64_t>(gathered_token(tok, j)) * p.m_dim;
         }
         const __nv_bfloat16* b0 =
             b_col + static_cast<int64_t>(slot_base + ShapeB::Row(tid, 0)) * p.n_dim;
@@ -319,12 +347,14 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         }
 #pragma unroll
         for (int j = 0; j < ShapeB::kRows; ++j) {
-          b_ptr[j] = b_col + static_cast<int64_t>(FastDivide(raw[j], p.top_k)) * p.n_dim;
+          b_ptr[j] = b_col + static_cast<int64_t>(gathered_token(tok, j)) * p.n_dim;
         }
       }
       LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a,
                                         tid);
       LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
+      // The cursor's last slab of a tile is kAhead steps before that tile's epilogue.
+      if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN>(p, ld, tid);
       if (++ld_kt == ld.num_k) {
         ld_kt = 0;
         ld_tile += gridDim.x;

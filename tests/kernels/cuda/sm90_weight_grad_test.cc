@@ -311,7 +311,7 @@ int Main() {
       {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},
       {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
       {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0},
-      {"shard", 513, 4, 16, 4, 8, 136, 328, 9, 5},
+      {"shard", 513, 6, 16, 4, 8, 136, 328, 9, 5},  // top_k 6: a divisor that is no power of 2
       // > 132 tiles, so every CTA's load cursor crosses tile (and expert) boundaries.
       {"many", 600, 4, 20, 2, 16, 1032, 264, 7, 11},
   };
