@@ -39,14 +39,14 @@ namespace {
 using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
 
-#define CUDA_OK(call)                                                                   \
-  do {                                                                                  \
-    const cudaError_t err_ = (call);                                                    \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                \
-                   cudaGetErrorString(err_));                                           \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+#define CUDA_OK(call)                                                    \
+  do {                                                                   \
+    const cudaError_t err_ = (call);                                     \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(err_));                            \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 struct Preset {
@@ -56,8 +56,8 @@ struct Preset {
 };
 
 constexpr Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},  {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
+    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
+    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"scale-8k", 8192, 2048, 1024, 64, 4},
     {"deepseek-v3", 8192, 7168, 2048, 256, 8},
 };
 
@@ -75,8 +75,8 @@ __global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
 // rows[s] = src[index(s)], index = entries[s] / top_k: what the cuBLAS path needs first.
 __global__ void gather_rows_kernel(const uint4* src, const int32_t* entries, int top_k,
                                    int64_t rows, int chunks, uint4* dst) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < rows * chunks; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t s = i / chunks;
     dst[i] = src[static_cast<int64_t>(entries[s] / top_k) * chunks + (i - s * chunks)];
   }
@@ -142,8 +142,8 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     }
   }
   std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(),
-                            entries.data(), slot_of.data());
+  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(), entries.data(),
+                            slot_of.data());
   const int64_t N = offsets[E];
 
   __nv_bfloat16 *dout, *x, *pa, *dh, *dout_g, *x_g;
@@ -193,9 +193,9 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       const int rows = counts[e];
       if (rows == 0) continue;
       const int64_t s0 = offsets[e];
-      if (cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, b + s0 * n,
-                       CUDA_R_16BF, n, a + s0 * m, CUDA_R_16BF, m, &zero,
-                       c + static_cast<int64_t>(e) * m * n, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+      if (cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, b + s0 * n, CUDA_R_16BF,
+                       n, a + s0 * m, CUDA_R_16BF, m, &zero, c + static_cast<int64_t>(e) * m * n,
+                       CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
                        CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
         std::fprintf(stderr, "cublasGemmEx failed\n");
         std::exit(1);
@@ -223,8 +223,8 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       {"dW13", 2 * h, d, dh, x_g, dw13,
        [&](const Sm90GemmConfig& cfg, bool acc) {
          return moe::kernels::LaunchSm90WeightGradW13(
-             prob, cfg, reinterpret_cast<const uint16_t*>(dh),
-             reinterpret_cast<const uint16_t*>(x), d_off, d_ent, dw13, acc, nullptr);
+             prob, cfg, reinterpret_cast<const uint16_t*>(dh), reinterpret_cast<const uint16_t*>(x),
+             d_off, d_ent, dw13, acc, nullptr);
        },
        false},
   };

@@ -49,9 +49,9 @@ cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradPar
 }  // namespace
 
 cudaError_t LaunchSm90WeightGradW2(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
-                                   const uint16_t* dout, const uint16_t* pa,
-                                   const int32_t* offsets, const int32_t* entries, float* dw2,
-                                   bool accumulate, cudaStream_t stream) {
+                                   const uint16_t* dout, const uint16_t* pa, const int32_t* offsets,
+                                   const int32_t* entries, float* dw2, bool accumulate,
+                                   cudaStream_t stream) {
   if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
   if (!Aligned16(dout) || !Aligned16(pa) || !Aligned16(dw2) || offsets == nullptr ||
       entries == nullptr) {
@@ -71,9 +71,8 @@ cudaError_t LaunchSm90WeightGradW2(const Sm90ExpertProblem& problem, const Sm90G
   return DispatchWeightGrad<true>(config, params, stream);
 }
 
-cudaError_t LaunchSm90WeightGradW13(const Sm90ExpertProblem& problem,
-                                    const Sm90GemmConfig& config, const uint16_t* dh,
-                                    const uint16_t* x, const int32_t* offsets,
+cudaError_t LaunchSm90WeightGradW13(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
+                                    const uint16_t* dh, const uint16_t* x, const int32_t* offsets,
                                     const int32_t* entries, float* dw13, bool accumulate,
                                     cudaStream_t stream) {
   if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;

@@ -4,18 +4,24 @@
 //
 // Unlike the forward's grouped GEMM, the REDUCTION runs over the expert's routed rows (a
 // per-expert length known only on the device), while M and N are the fixed weight sizes. So
-// the tile grid is (experts with rows) x M/128 x N/kN and each tile walks its expert's rows 64
-// at a time. Both operands arrive row by row with the output's dimension contiguous in memory,
-// i.e. MN-major for wgmma: each 64-row slab is stored as 8 KB blocks of 64 rows x 64 elements
-// (one 128-byte line per row, 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte
-// swizzle) and read with wgmma's transpose flags. One operand's rows are GATHERED through the
-// dispatch index (token = entries[s] / top_k) while loading, the other is read in slot order;
-// rows past the expert's count are zero-filled by cp.async, so ragged counts need no masking
-// in the math. The load ring, the kStages-2 look-ahead across tile boundaries and the 256
-// threads that both load and multiply follow sm90_grouped_gemm.cuh, whose PTX wrappers this
-// reuses. Each output element belongs to exactly one tile and is summed in a fixed order, so
-// results are deterministic without atomics; the epilogue stores (or adds) fp32 pairs straight
-// from the accumulator fragments, where each quad of lanes covers one full 32-byte sector.
+// the tile grid is (experts with rows) x M/128 x N/kN and each tile walks its expert's rows a
+// slab (64 rows in the launchers) at a time. Both operands arrive row by row with the output's
+// dimension contiguous in memory, i.e. MN-major for wgmma: each slab is stored as blocks of
+// slab-rows x 64 elements (one 128-byte line per row, 16-byte chunk c of row r at chunk
+// c ^ (r % 8): the 128-byte swizzle) and read with wgmma's transpose flags (descriptor: next
+// 8-row group 1024 bytes on, next 64-element block one block on; the test fails with the two
+// offsets swapped or with the swizzle left out, see bench/sm90_weight_grad_build_carry.sh). One
+// operand's rows are GATHERED through the dispatch index (token = entries[s] / top_k) while
+// loading, the other is read in slot order; rows past the expert's count are zero-filled by
+// cp.async, so ragged counts need no masking in the math. The kernel is bound by the
+// instructions that address and issue those copies as much as by the tensor cores, hence
+// the multiply-shift division and the per-warp fetch of the gathered index below (together
+// worth 1.2-1.7x on the presets, bench/results/2026-11-21-h100-*-weight-grad). The load ring,
+// the kStages-2 look-ahead across tile boundaries and the 256 threads that both load and
+// multiply follow sm90_grouped_gemm.cuh, whose PTX wrappers this reuses. Each output element
+// belongs to exactly one tile and is summed in a fixed order, so results are deterministic
+// without atomics; the epilogue stores (or adds) fp32 pairs straight from the accumulator
+// fragments, where each quad of lanes covers one full 32-byte sector.
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
@@ -217,8 +223,9 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
 }
 
 // With accumulate, the epilogue reads the tile's old values; kAhead steps before it (when the
-// load cursor issues the tile's last slab), each thread asks L2 for its share of the lines (2 threads a row, kN/2 columns each), so
-// those reads find L2 instead of stalling the SM on device memory between two tiles.
+// load cursor issues the tile's last slab), each thread asks L2 for its share of the lines
+// (2 threads a row, kN/2 columns each), so those reads find L2 instead of stalling the SM on
+// device memory between two tiles (accumulating launches 1.1-1.3x faster on the presets).
 template <int kN>
 __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
                                                   int tid) {
@@ -350,8 +357,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
           b_ptr[j] = b_col + static_cast<int64_t>(gathered_token(tok, j)) * p.n_dim;
         }
       }
-      LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a,
-                                        tid);
+      LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a, tid);
       LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
       // The cursor's last slab of a tile is kAhead steps before that tile's epilogue.
       if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN>(p, ld, tid);

@@ -93,8 +93,8 @@ std::vector<uint16_t> RandomBf16(size_t n, std::mt19937_64& rng) {
 struct GradProblem {
   const char* what;
   int32_t m, n;
-  const std::vector<uint16_t>* a;  // [*, m]
-  const std::vector<uint16_t>* b;  // [*, n]
+  const std::vector<uint16_t>* a;     // [*, m]
+  const std::vector<uint16_t>* b;     // [*, n]
   std::vector<int64_t> a_row, b_row;  // per slot
 };
 
@@ -177,8 +177,8 @@ bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
       "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d block_n=%d accumulate=%d err=%.3g "
       "nonfinite=%lld empty_touched=%lld deterministic=%d\n",
       ok ? "PASS" : "FAIL", c.name, g.what, static_cast<long long>(c.tokens), c.top_k, E,
-      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n, accumulate ? 1 : 0,
-      err, static_cast<long long>(nonfinite), static_cast<long long>(touched_empty),
+      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n, accumulate ? 1 : 0, err,
+      static_cast<long long>(nonfinite), static_cast<long long>(touched_empty),
       deterministic ? 1 : 0);
   return ok;
 }
@@ -257,8 +257,8 @@ bool RunCase(const Case& c, uint64_t seed) {
                                       acc, nullptr);
       });
       ok &= CheckOne(c, cfg, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
-        return LaunchSm90WeightGradW13(prob, cfg, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr, out,
-                                       acc, nullptr);
+        return LaunchSm90WeightGradW13(prob, cfg, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr, out, acc,
+                                       nullptr);
       });
     }
   }
@@ -280,8 +280,7 @@ bool GuardChecks() {
   float* out = static_cast<float*>(buf);
   Sm90GemmConfig bad_n;
   bad_n.block_n = 192;
-  const cudaError_t e1 =
-      LaunchSm90WeightGradW2(prob, bad_n, bf, bf, idx, idx, out, false, nullptr);
+  const cudaError_t e1 = LaunchSm90WeightGradW2(prob, bad_n, bf, bf, idx, idx, out, false, nullptr);
   const cudaError_t e2 =
       LaunchSm90WeightGradW13(prob, Sm90GemmConfig{}, bf + 1, bf, idx, idx, out, false, nullptr);
   const cudaError_t e3 =
@@ -293,10 +292,11 @@ bool GuardChecks() {
   cudaFree(buf);
   const bool ok = e1 == cudaErrorInvalidValue && e2 == cudaErrorInvalidValue &&
                   e3 == cudaErrorInvalidValue && e4 == cudaErrorInvalidValue;
-  std::printf("%s refusals: block_n=192 -> %s, misaligned dh -> %s, misaligned dw2 -> %s, "
-              "h=100 -> %s\n",
-              ok ? "PASS" : "FAIL", cudaGetErrorName(e1), cudaGetErrorName(e2),
-              cudaGetErrorName(e3), cudaGetErrorName(e4));
+  std::printf(
+      "%s refusals: block_n=192 -> %s, misaligned dh -> %s, misaligned dw2 -> %s, "
+      "h=100 -> %s\n",
+      ok ? "PASS" : "FAIL", cudaGetErrorName(e1), cudaGetErrorName(e2), cudaGetErrorName(e3),
+      cudaGetErrorName(e4));
   return ok;
 }
 
