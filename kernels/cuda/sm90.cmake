@@ -5,6 +5,7 @@
 add_library(moe_kernels_sm90
   ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_backward.cu
   ${CMAKE_CURRENT_LIST_DIR}/sm90_expert_forward.cu
+  ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad.cu
 )
 add_library(moe::kernels_sm90 ALIAS moe_kernels_sm90)
 target_include_directories(moe_kernels_sm90 PUBLIC ${PROJECT_SOURCE_DIR})
@@ -24,4 +25,8 @@ if(MOE_BUILD_BENCH)
   target_link_libraries(moe_sm90_backward_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu
                         CUDA::cublas)
   set_target_properties(moe_sm90_backward_bench PROPERTIES CUDA_ARCHITECTURES 90a)
+  add_executable(moe_sm90_weight_grad_bench ${PROJECT_SOURCE_DIR}/bench/sm90_weight_grad_bench.cu)
+  target_link_libraries(moe_sm90_weight_grad_bench
+    PRIVATE moe::kernels_sm90 moe::kernels_cpu CUDA::cublas)
+  set_target_properties(moe_sm90_weight_grad_bench PROPERTIES CUDA_ARCHITECTURES 90a)
 endif()
