@@ -7,15 +7,21 @@
 // combine) and fused-up-down (sm90 up, sm90 down writing Y per (token, k), sm90 combine); a
 // fused path that the device or the sizes do not allow runs unfused, and the line says which
 // path really ran. Each fused forward's output is checked against the unfused one on the
-// first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms (everything
+// first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms per
+// backward path, unfused (per-expert cuBLAS) and fused (the sm90 backward kernels), everything
 // down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
-// overwritten, not read), TFLOP/s counting 6*T*K*d*h forward and 12*T*K*d*h backward, the bytes the
-// forward keeps for the backward (x, H and the index arrays), and the MoEBlaze dispatch against the
-// CUB radix-sort baseline (checked equal bit for bit; timed as 20 back-to-back calls per sample so
-// that device time, not host launch latency, is compared). fwd+bwd of a path is its forward median
-// plus the (shared) backward median: the backward does not depend on the forward path. Before the
-// presets it measures the cuBLAS dense bf16 GEMM rate (8192^3, fp32 accumulation), the ceiling the
-// TFLOP/s columns are compared against. Times are medians of CUDA-event intervals after warm-up.
+// overwritten, not read; the fused results are checked against the unfused ones (dx and dp on
+// the first 16384 tokens, the first 16 Mi elements of each weight gradient; > 2e-2 fails).
+// TFLOP/s counting 6*T*K*d*h forward and 12*T*K*d*h backward, the two floors of fwd+bwd (its
+// flops over the cuBLAS rate below, its fewest bytes, FloorBytes, over the device copy
+// bandwidth measured in the same process), the bytes the forward keeps for the backward (x, H
+// and the index arrays), and the MoEBlaze dispatch against the CUB radix-sort baseline (checked
+// equal bit for bit; timed as 20 back-to-back calls per sample so that device time, not host
+// launch latency, is compared). fwd+bwd of a forward path is its forward median plus the
+// service's backward median: the backward does not depend on the forward path. Before the
+// presets it measures the cuBLAS dense bf16 GEMM rate (8192^3, fp32 accumulation), the ceiling
+// the TFLOP/s columns are compared against. Times are medians of CUDA-event intervals after
+// warm-up.
 // Inputs come from a GPU-side generator; routing is top-K of softmax(random logits), like the
 // PyTorch reference. With --json FILE each preset is also appended as one JSON line, which
 // scripts/bench joins with the PyTorch numbers.
@@ -80,11 +86,24 @@ constexpr cuda::ForwardKernels kPaths[] = {cuda::ForwardKernels::kUnfused,
 constexpr int kNumPaths = 3;
 constexpr int64_t kCheckTokens = 16384;
 
+// The backward paths timed per preset, in print order.
+constexpr cuda::BackwardKernels kBackwardPaths[] = {cuda::BackwardKernels::kUnfused,
+                                                    cuda::BackwardKernels::kFused};
+constexpr int kNumBackwardPaths = 2;
+// Weight-gradient elements compared between the backward paths (the first ones of each tensor:
+// deepseek-v3's dW13 alone is 15 GB).
+constexpr int64_t kCheckGradElements = int64_t{1} << 24;
+
 struct Result {
-  double fwd_ms[kNumPaths] = {}, bwd_ms = 0, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
+  double fwd_ms[kNumPaths] = {}, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
+  double bwd_ms[kNumBackwardPaths] = {};
   cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
+  cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
   double err_vs_unfused[kNumPaths] = {};     // normalised, on the first kCheckTokens tokens
+  // Fused backward vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
+  double bwd_err = 0;
   int auto_path = 0;                         // index in kPaths of what the service runs
+  int auto_bwd = 0;                          // index in kBackwardPaths likewise
   bool dispatch_equal = false;
   int grouped_fallbacks = 0;
   int64_t chunks = 0;
@@ -235,14 +254,59 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   r.saved_bytes = static_cast<double>(x->bytes() + hb->bytes() + ids->bytes() + pw->bytes() +
                                       plan.device_bytes());
   const cuda::ExpertGrads grads{dw13->as<float>(), dw2->as<float>()};
-  absl::StatusOr<double> bwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
-    // As in a training step with one micro-batch: the gradients start at zero after Step.
-    return pipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
-                         out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
-                         /*grads_are_zero=*/true);
-  });
-  if (!bwd.ok()) return bwd.status();
-  r.bwd_ms = *bwd;
+  const cuda::BackwardKernels auto_bwd = pipe.ChunkBackwardKernels(plan.chunks.front());
+  // Each backward path on the same plan, H and inputs; the results of the last timed run of
+  // each are kept on the host and the fused ones compared with the unfused ones.
+  const int64_t check_w2 = std::min(E * d * h, kCheckGradElements);
+  const int64_t check_w13 = std::min(E * 2 * h * d, kCheckGradElements);
+  std::vector<uint16_t> dx_host[kNumBackwardPaths];
+  std::vector<float> dp_host[kNumBackwardPaths], dw2_host[kNumBackwardPaths],
+      dw13_host[kNumBackwardPaths];
+  for (int v = 0; v < kNumBackwardPaths; ++v) {
+    cuda::ExpertShape bshape = shape;
+    bshape.backward = kBackwardPaths[v];
+    cuda::ExpertPipeline bpipe(bshape, stream, gemm->get());
+    r.ran_bwd[v] = bpipe.ChunkBackwardKernels(plan.chunks.front());
+    if (kBackwardPaths[v] == auto_bwd) r.auto_bwd = v;
+    absl::StatusOr<double> bwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
+      // As in a training step with one micro-batch: the gradients start at zero after Step.
+      return bpipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
+                            out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
+                            /*grads_are_zero=*/true);
+    });
+    if (!bwd.ok()) return bwd.status();
+    r.bwd_ms[v] = *bwd;
+    dx_host[v].resize(static_cast<size_t>(check_rows * d));
+    dp_host[v].resize(static_cast<size_t>(check_rows * K));
+    dw2_host[v].resize(static_cast<size_t>(check_w2));
+    dw13_host[v].resize(static_cast<size_t>(check_w13));
+    MOE_CUDA_RETURN(cudaMemcpy(dx_host[v].data(), out->get(), dx_host[v].size() * 2,
+                               cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(cudaMemcpy(dp_host[v].data(), dp->get(), dp_host[v].size() * 4,
+                               cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(cudaMemcpy(dw2_host[v].data(), dw2->get(), dw2_host[v].size() * 4,
+                               cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(cudaMemcpy(dw13_host[v].data(), dw13->get(), dw13_host[v].size() * 4,
+                               cudaMemcpyDeviceToHost));
+  }
+  auto rel_err = [](const auto& got, const auto& want, auto value) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double a = value(got[i]), b = value(want[i]);
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+    return den > 0 ? std::sqrt(num / den) : (num == 0 ? 0.0 : INFINITY);
+  };
+  auto as_double = [](float f) { return static_cast<double>(f); };
+  r.bwd_err = std::max({rel_err(dx_host[1], dx_host[0], bf16),
+                        rel_err(dp_host[1], dp_host[0], as_double),
+                        rel_err(dw2_host[1], dw2_host[0], as_double),
+                        rel_err(dw13_host[1], dw13_host[0], as_double)});
+  if (!(r.bwd_err <= 2e-2)) {
+    return absl::InternalError(
+        absl::StrCat("fused backward differs from the unfused one: ", r.bwd_err));
+  }
   r.grouped_fallbacks = (*gemm)->grouped_fallbacks();
   hb->Reset();
 
@@ -506,6 +570,35 @@ absl::StatusOr<double> CublasDenseTflops() {
   return 2.0 * n * n * n / *ms / 1e9;
 }
 
+// Device copy bandwidth in GB/s (bytes read + bytes written per second): a 1 GiB
+// device-to-device cudaMemcpyAsync, median of 20. The byte floors divide by it.
+absl::StatusOr<double> CopyBandwidthGBs() {
+  constexpr int64_t bytes = int64_t{1} << 30;
+  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
+  if (!st.ok()) return st.status();
+  cudaStream_t s = (*st)->get();
+  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(bytes, *st, "copy source"),
+                               b = DeviceBuffer::Allocate(bytes, *st, "copy target");
+  if (!a.ok()) return a.status();
+  if (!b.ok()) return b.status();
+  MOE_CUDA_RETURN(cudaMemsetAsync(a->get(), 1, bytes, s));
+  absl::StatusOr<double> ms = TimeMs(s, 3, 20, [&]() -> absl::Status {
+    MOE_CUDA_RETURN(cudaMemcpyAsync(b->get(), a->get(), bytes, cudaMemcpyDeviceToDevice, s));
+    return absl::OkStatus();
+  });
+  if (!ms.ok()) return ms.status();
+  return 2.0 * bytes / *ms / 1e6;
+}
+
+// The fewest bytes a training step of the layer moves through device memory in this design
+// (H kept): forward reads x and the three weights and writes out and H; backward reads dout,
+// x, H and the weights, writes dx, dp and the three fp32 weight gradients. Gathered copies,
+// A, dH and other temporaries are the implementation's and not counted.
+double FloorBytes(const Preset& p) {
+  const double td = 2.0 * p.T * p.d, w = 2.0 * 3 * p.E * p.h * p.d, h = 2.0 * p.T * p.K * 2 * p.h;
+  return (td + w + td + h) + (td + td + h + w + td + 4.0 * p.T * p.K + 2 * w);
+}
+
 int Main(int argc, char** argv) {
   std::vector<const Preset*> todo;
   int reps = 10, warmup = 3;
@@ -582,17 +675,30 @@ int Main(int argc, char** argv) {
                  std::string(peak.status().message()).c_str());
     return 1;
   }
+  absl::StatusOr<double> copy_gbs = CopyBandwidthGBs();
+  if (!copy_gbs.ok()) {
+    std::fprintf(stderr, "moe_bench: copy bandwidth: %s\n",
+                 std::string(copy_gbs.status().message()).c_str());
+    return 1;
+  }
   std::printf(
       "# moe_bench on %s, bf16 SwiGLU, expert GEMMs %s, %s, medians of %d after %d warm-up\n",
       prop.name, mode_name.c_str(), recompute ? "recompute H (only x kept)" : "H kept", reps,
       warmup);
-  std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s\n", *peak);
+  std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s; device copy: %.0f GB/s\n", *peak,
+              *copy_gbs);
+  std::printf("# floors of fwd+bwd: flop_fl = 18*T*K*d*h / cuBLAS rate, byte_fl = FloorBytes / "
+              "copy bandwidth (ms)\n");
   std::printf(
       "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
       "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
-  std::printf("%-12s %9s %9s %9s %8s %8s %8s %8s %9s %7s %10s %9s %9s %6s %9s\n", "preset",
-              "fwd_unf", "fwd_up", "fwd_updn", "bwd_ms", "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS",
-              "err", "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks");
+  std::printf("# bwd_* per backward path (unfused / fused), marked likewise; tot_unf = unfused fwd "
+              "+ unfused bwd, tot_svc = the service's fwd + bwd; err = worst fused-vs-unfused "
+              "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
+  std::printf("%-12s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
+              "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "tot_unf",
+              "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
+              "disp_ms", "cub_ms", "equal", "chunks");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute);
@@ -610,22 +716,30 @@ int Main(int argc, char** argv) {
                        std::string(r.status().message()), "\"}");
     } else {
       const double flop = 6.0 * p->T * p->K * p->d * p->h;
-      const int a = r->auto_path;
-      const double fwd = r->fwd_ms[a];
-      const double fwd_tf = flop / fwd / 1e9, bwd_tf = 2 * flop / r->bwd_ms / 1e9;
-      const double tot = fwd + r->bwd_ms, tot_tf = 3 * flop / tot / 1e9;
-      const double max_err = std::max(r->err_vs_unfused[1], r->err_vs_unfused[2]);
-      std::string cols[kNumPaths];
-      for (int v = 0; v < kNumPaths; ++v) {
+      const int a = r->auto_path, b = r->auto_bwd;
+      const double fwd = r->fwd_ms[a], bwd = r->bwd_ms[b];
+      const double fwd_tf = flop / fwd / 1e9, bwd_tf = 2 * flop / bwd / 1e9;
+      const double tot = fwd + bwd, tot_tf = 3 * flop / tot / 1e9;
+      const double flop_floor_ms = 3 * flop / *peak / 1e9;
+      const double byte_floor_ms = FloorBytes(*p) / *copy_gbs / 1e6;
+      const double max_err =
+          std::max({r->err_vs_unfused[1], r->err_vs_unfused[2], r->bwd_err});
+      auto cell = [](double ms, bool fell_back, bool service) {
         char buf[32];
-        std::snprintf(buf, sizeof buf, "%.3f%s", r->fwd_ms[v],
-                      r->ran[v] != kPaths[v] ? "!" : (v == a ? "*" : ""));
-        cols[v] = buf;
+        std::snprintf(buf, sizeof buf, "%.3f%s", ms, fell_back ? "!" : (service ? "*" : ""));
+        return std::string(buf);
+      };
+      std::string cols[kNumPaths], bcols[kNumBackwardPaths];
+      for (int v = 0; v < kNumPaths; ++v) cols[v] = cell(r->fwd_ms[v], r->ran[v] != kPaths[v], v == a);
+      for (int v = 0; v < kNumBackwardPaths; ++v) {
+        bcols[v] = cell(r->bwd_ms[v], r->ran_bwd[v] != kBackwardPaths[v], v == b);
       }
       std::printf(
-          "%-12s %9s %9s %9s %8.3f %8.3f %8.3f %8.1f %8.1f%% %7.1e %10.1f %9.4f %9.4f %6s %9lld\n",
-          p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), r->bwd_ms,
-          r->fwd_ms[0] + r->bwd_ms, tot, tot_tf, 100.0 * tot_tf / *peak, max_err,
+          "%-12s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f %9.4f "
+          "%9.4f %6s %9lld\n",
+          p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
+          bcols[1].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf, 100.0 * tot_tf / *peak,
+          flop_floor_ms, byte_floor_ms, max_err,
           r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
           static_cast<long long>(r->chunks));
       if (!r->dispatch_equal) ++failures;
@@ -633,17 +747,27 @@ int Main(int argc, char** argv) {
           absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
                        ", \"d\": ", p->d, ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
                        ", \"forward_path\": \"", cuda::ForwardKernelsName(r->ran[a]), "\"",
-                       ", \"fwd_ms\": ", fwd, ", \"bwd_ms\": ", r->bwd_ms, ", \"fwdbwd_ms\": ", tot,
+                       ", \"backward_path\": \"", cuda::BackwardKernelsName(r->ran_bwd[b]), "\"",
+                       ", \"fwd_ms\": ", fwd, ", \"bwd_ms\": ", bwd, ", \"fwdbwd_ms\": ", tot,
                        ", \"fwd_tflops\": ", fwd_tf, ", \"bwd_tflops\": ", bwd_tf,
                        ", \"fwdbwd_tflops\": ", tot_tf, ", \"cublas_dense_tflops\": ", *peak);
       for (int v = 0; v < kNumPaths; ++v) {
         std::string key = cuda::ForwardKernelsName(kPaths[v]);
         std::replace(key.begin(), key.end(), '-', '_');
         absl::StrAppend(&line, ", \"fwd_", key, "_ms\": ", r->fwd_ms[v], ", \"fwdbwd_", key,
-                        "_ms\": ", r->fwd_ms[v] + r->bwd_ms, ", \"ran_", key, "\": \"",
+                        "_ms\": ", r->fwd_ms[v] + bwd, ", \"ran_", key, "\": \"",
                         cuda::ForwardKernelsName(r->ran[v]), "\", \"err_", key,
                         "\": ", r->err_vs_unfused[v]);
       }
+      for (int v = 0; v < kNumBackwardPaths; ++v) {
+        const std::string key = cuda::BackwardKernelsName(kBackwardPaths[v]);
+        absl::StrAppend(&line, ", \"bwd_", key, "_ms\": ", r->bwd_ms[v], ", \"ran_bwd_", key,
+                        "\": \"", cuda::BackwardKernelsName(r->ran_bwd[v]), "\"");
+      }
+      absl::StrAppend(&line, ", \"flop_floor_ms\": ", flop_floor_ms, ", \"byte_floor_ms\": ",
+                      byte_floor_ms, ", \"copy_gbs\": ", *copy_gbs);
+      absl::StrAppend(&line, ", \"fwdbwd_unfused_all_ms\": ", r->fwd_ms[0] + r->bwd_ms[0],
+                      ", \"err_bwd_fused\": ", r->bwd_err);
       absl::StrAppend(&line, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,
                       ", \"dispatch_ms\": ", r->dispatch_ms, ", \"cub_sort_ms\": ", r->cub_ms,
                       ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",

@@ -13,6 +13,7 @@
 #include "kernels/cuda/expert_backward.h"
 #include "kernels/cuda/expert_forward.h"
 #include "kernels/cuda/gather.h"
+#include "kernels/cuda/sm90_expert_backward.h"
 #include "kernels/cuda/sm90_expert_forward.h"
 
 namespace moe::cuda {
@@ -34,6 +35,7 @@ uint16_t* Bf16At(void* base, int64_t bytes) {
 
 std::atomic<int64_t> test_max_chunk_rows{0};
 std::atomic<int> test_forward_kernels{static_cast<int>(ForwardKernels::kAuto)};
+std::atomic<int> test_backward_kernels{static_cast<int>(BackwardKernels::kAuto)};
 
 // MOE_DISABLE_FUSED=1 in the environment turns kAuto into kUnfused for the whole process (an
 // operator's escape hatch if the fused kernels misbehave on some driver). Read once.
@@ -61,28 +63,70 @@ const char* ForwardKernelsName(ForwardKernels k) {
   return "?";
 }
 
+namespace {
+
+// Average multiply-adds of one expert's GEMM of one projection: routed rows / experts * d * h.
+double WorkPerExpert(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem) {
+  const double routed = static_cast<double>(
+      problem.num_routed >= 0 ? problem.num_routed : problem.num_tokens * problem.top_k);
+  return routed / std::max<int64_t>(shape.expert_count, 1) * static_cast<double>(shape.d_model) *
+         static_cast<double>(shape.d_hidden);
+}
+
+// Whether the sm90 kernels can run this problem at all: SwiGLU (Activation::kSwiGLU == 0,
+// engine/layer.h), bf16 storage, an sm_90 device, sizes Sm90CanImplement accepts.
+bool FusedKernelsTake(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
+                      bool device_sm90) {
+  return shape.activation == 0 && shape.type == ElemType::kBFloat16 && device_sm90 &&
+         kernels::Sm90CanImplement(problem) == nullptr;
+}
+
+}  // namespace
+
+// Chosen by measurement, like kFusedMaxWorkPerExpert (docs/PERFORMANCE.md, fused backward).
+const double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
+
+const char* BackwardKernelsName(BackwardKernels k) {
+  switch (k) {
+    case BackwardKernels::kAuto:
+      return "auto";
+    case BackwardKernels::kUnfused:
+      return "unfused";
+    case BackwardKernels::kFused:
+      return "fused";
+  }
+  return "?";
+}
+
 ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
                                bool device_sm90) {
   ForwardKernels k = shape.forward;
   if (k == ForwardKernels::kAuto) {
-    const double routed = static_cast<double>(
-        problem.num_routed >= 0 ? problem.num_routed : problem.num_tokens * problem.top_k);
-    const double work = routed / std::max<int64_t>(shape.expert_count, 1) *
-                        static_cast<double>(shape.d_model) * static_cast<double>(shape.d_hidden);
-    k = FusedDisabledByEnv() || work > kFusedMaxWorkPerExpert ? ForwardKernels::kUnfused
-                                                              : kDefaultFusedForward;
+    k = FusedDisabledByEnv() || WorkPerExpert(shape, problem) > kFusedMaxWorkPerExpert
+            ? ForwardKernels::kUnfused
+            : kDefaultFusedForward;
   }
   if (k == ForwardKernels::kUnfused) return k;
-  // SwiGLU is Activation::kSwiGLU == 0 (engine/layer.h); the kernels are bf16 only.
-  if (shape.activation != 0 || shape.type != ElemType::kBFloat16 || !device_sm90 ||
-      kernels::Sm90CanImplement(problem) != nullptr) {
-    return ForwardKernels::kUnfused;
+  return FusedKernelsTake(shape, problem, device_sm90) ? k : ForwardKernels::kUnfused;
+}
+
+BackwardKernels UseFusedBackward(const ExpertShape& shape,
+                                 const kernels::Sm90ExpertProblem& problem, bool device_sm90) {
+  BackwardKernels k = shape.backward;
+  if (k == BackwardKernels::kAuto) {
+    k = FusedDisabledByEnv() || WorkPerExpert(shape, problem) > kFusedBackwardMaxWorkPerExpert
+            ? BackwardKernels::kUnfused
+            : BackwardKernels::kFused;
   }
-  return k;
+  if (k == BackwardKernels::kUnfused) return k;
+  return FusedKernelsTake(shape, problem, device_sm90) ? k : BackwardKernels::kUnfused;
 }
 
 void SetMaxChunkRowsForTesting(int64_t rows) { test_max_chunk_rows = rows; }
 void SetForwardKernelsForTesting(ForwardKernels k) { test_forward_kernels = static_cast<int>(k); }
+void SetBackwardKernelsForTesting(BackwardKernels k) {
+  test_backward_kernels = static_cast<int>(k);
+}
 
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
                                GemmRunner* gemm, int64_t max_chunk_rows)
@@ -92,6 +136,8 @@ ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream>
   }
   const auto forced = static_cast<ForwardKernels>(test_forward_kernels.load());
   if (forced != ForwardKernels::kAuto) shape_.forward = forced;
+  const auto forced_backward = static_cast<BackwardKernels>(test_backward_kernels.load());
+  if (forced_backward != BackwardKernels::kAuto) shape_.backward = forced_backward;
   const int device = stream_->device();
   device_sm90_ = kernels::Sm90DeviceSupported(device);
   if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -114,6 +160,14 @@ kernels::Sm90ExpertProblem ExpertPipeline::Sm90Problem(const ChunkPlan& chunk) c
 
 ForwardKernels ExpertPipeline::ChunkForwardKernels(const ChunkPlan& chunk) const {
   return UseFusedForward(shape_, Sm90Problem(chunk), device_sm90_);
+}
+
+BackwardKernels ExpertPipeline::ChunkBackwardKernels(const ChunkPlan& chunk) const {
+  return UseFusedBackward(shape_, Sm90Problem(chunk), device_sm90_);
+}
+
+const int32_t* ExpertPipeline::DeviceOffsets(const DispatchPlan& plan, const ChunkPlan& ch) const {
+  return plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
 }
 
 ExpertPipeline::~ExpertPipeline() {
@@ -239,8 +293,7 @@ absl::Status ExpertPipeline::ChunkUp(const DispatchPlan& plan, const ChunkPlan& 
   // One persistent launch: rows of x gathered on load, [W1;W3] tiles, SwiGLU in the epilogue;
   // H lands directly in `hb` (the saved-H rows of this chunk when H is kept).
   const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
-  const int32_t* offsets =
-      plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
+  const int32_t* offsets = DeviceOffsets(plan, ch);
   const uint16_t* w13 = Bf16At(w.w13, 0);
   MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
       prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
@@ -280,8 +333,7 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
       MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, hb, a->get()));
       if (kernels_used != ForwardKernels::kUnfused) {
         const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
-        const int32_t* offsets =
-            plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
+        const int32_t* offsets = DeviceOffsets(plan, ch);
         if (kernels_used == ForwardKernels::kFusedUpDown) {
           h_tmp.Reset();
           // Y per (token, k) row of the chunk; rows of entries outside the shard stay unwritten
@@ -333,9 +385,7 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
   MOE_CUDA_RETURN(cudaMemsetAsync(dp, 0, plan.num_tokens * K * sizeof(float), s));
   for (const ChunkPlan& ch : plan.chunks) {
     const int64_t n = ch.routed;
-    const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
     const int32_t* slots = plan.slot_of.as<int32_t>() + ch.t0 * K;
-    const size_t nl = ch.counts.size();
     // Overwrite only in the first chunk; an expert with no rows there keeps its zeros, since
     // the runner skips k = 0 problems.
     const float beta = grads_are_zero && &ch == &plan.chunks.front() ? 0.f : 1.f;
@@ -367,79 +417,143 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
         MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_rows, a_tmp.get()));
         hb = h_rows;
       }
-      absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
-      if (!gbuf.ok()) return gbuf.status();
-      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
-                                                static_cast<int32_t>(K), n, gbuf->get(), s));
-      absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
-      if (!dau.ok()) return dau.status();
-      std::vector<GemmProblem> probs;
-      for (size_t l = 0; l < nl; ++l) {
-        const int64_t off = ch.offsets[l];
-        // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
-        probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
-                         Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
-                         Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                         Offset(dau->get(), off * h * e), static_cast<int>(h)});
-      }
-      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
-      absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
-      if (!dh.ok()) return dh.status();
-      absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
-      if (!ap.ok()) return ap.status();
-      MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
-                                                        type, shape_.activation, n, h, dh->get(),
-                                                        ap->get(), dp + ch.t0 * K, s));
-      dau->Reset();
-      h_tmp.Reset();
-      probs.clear();
-      for (size_t l = 0; l < nl; ++l) {
-        const int64_t off = ch.offsets[l];
-        // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
-        probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
-                         Offset(ap->get(), off * h * e), static_cast<int>(h),
-                         Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                         grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
-      }
-      MOE_RETURN_IF_ERROR(
-          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-      gbuf->Reset();
-      ap->Reset();
-      absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-      if (!xg.ok()) return xg.status();
-      MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                                static_cast<int32_t>(K), n, xg->get(), s));
-      probs.clear();
-      for (size_t l = 0; l < nl; ++l) {
-        const int64_t off = ch.offsets[l];
-        // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
-        probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
-                         Offset(xg->get(), off * d * e), static_cast<int>(d),
-                         Offset(dh->get(), off * g * e), static_cast<int>(g),
-                         grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
-      }
-      MOE_RETURN_IF_ERROR(
-          gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-      xg->Reset();
-      absl::StatusOr<DeviceBuffer> dxb = Alloc(n * d * e, "dXg");
+      absl::StatusOr<DeviceBuffer> dxb =
+          ChunkBackwardKernels(ch) == BackwardKernels::kFused
+              ? FusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta != 0.f, dp, &h_tmp)
+              : UnfusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta, dp, &h_tmp);
       if (!dxb.ok()) return dxb.status();
       dxg = std::move(*dxb);
-      probs.clear();
-      for (size_t l = 0; l < nl; ++l) {
-        const int64_t off = ch.offsets[l];
-        // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
-        probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
-                         Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
-                         Offset(dh->get(), off * g * e), static_cast<int>(g),
-                         Offset(dxg.get(), off * d * e), static_cast<int>(d)});
-      }
-      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
     }
     MOE_CUDA_RETURN(kernels::LaunchCombine(dxg.get(), type, slots, nullptr, ch.tokens,
                                            static_cast<int32_t>(K), d, Offset(dx, ch.t0 * d * dxe),
                                            dx_type, s));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceBuffer> ExpertPipeline::UnfusedChunkBackward(
+    const DispatchPlan& plan, const ChunkPlan& ch, const void* x, const void* hb, const float* p,
+    const void* dout, const ExpertWeights& w, const ExpertGrads& grads, float beta, float* dp,
+    DeviceBuffer* h_tmp) {
+  const ElemType type = shape_.type;
+  const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
+  const int64_t K = shape_.top_k, n = ch.routed;
+  const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+  const size_t nl = ch.counts.size();
+  cudaStream_t s = stream_->get();
+    absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
+    if (!gbuf.ok()) return gbuf.status();
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, gbuf->get(), s));
+    absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
+    if (!dau.ok()) return dau.status();
+    std::vector<GemmProblem> probs;
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
+      probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
+                       Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
+                       Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                       Offset(dau->get(), off * h * e), static_cast<int>(h)});
+    }
+    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+    absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
+    if (!dh.ok()) return dh.status();
+    absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
+    if (!ap.ok()) return ap.status();
+    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
+                                                      type, shape_.activation, n, h, dh->get(),
+                                                      ap->get(), dp + ch.t0 * K, s));
+    dau->Reset();
+    h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
+    probs.clear();
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
+      probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
+                       Offset(ap->get(), off * h * e), static_cast<int>(h),
+                       Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                       grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
+    }
+    MOE_RETURN_IF_ERROR(
+        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+    gbuf->Reset();
+    ap->Reset();
+    absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+    if (!xg.ok()) return xg.status();
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, xg->get(), s));
+    probs.clear();
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
+      probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
+                       Offset(xg->get(), off * d * e), static_cast<int>(d),
+                       Offset(dh->get(), off * g * e), static_cast<int>(g),
+                       grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
+    }
+    MOE_RETURN_IF_ERROR(
+        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+    xg->Reset();
+    absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
+    if (!dxg.ok()) return dxg.status();
+    probs.clear();
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
+      probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
+                       Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                       Offset(dh->get(), off * g * e), static_cast<int>(g),
+                       Offset(dxg->get(), off * d * e), static_cast<int>(d)});
+    }
+    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+  return std::move(*dxg);
+}
+
+absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
+    const DispatchPlan& plan, const ChunkPlan& ch, const void* x, const void* hb, const float* p,
+    const void* dout, const ExpertWeights& w, const ExpertGrads& grads, bool accumulate,
+    float* dp, DeviceBuffer* h_tmp) {
+  const int64_t e = 2;  // bf16: UseFusedBackward admits nothing else
+  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
+  const int64_t K = shape_.top_k, n = ch.routed;
+  const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+  const int32_t* offsets = DeviceOffsets(plan, ch);
+  cudaStream_t s = stream_->get();
+  const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
+  auto config = [&](kernels::Sm90Projection projection) {
+    return kernels::Sm90ChooseConfig(prob, projection, num_sms_);
+  };
+  const uint16_t* dout_rows = Bf16At(dout, ch.t0 * d * e);
+  // dA_u = G W2 with G's rows gathered from dout while loading.
+  absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
+  if (!dau.ok()) return dau.status();
+  MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, config(kernels::Sm90Projection::kBackwardDA),
+                                                dout_rows, Bf16At(w.w2, 0), offsets, entries,
+                                                dau->as<uint16_t>(), s));
+  absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
+  if (!dh.ok()) return dh.status();
+  absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
+  if (!ap.ok()) return ap.status();
+  MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
+                                                    shape_.type, shape_.activation, n, h, dh->get(),
+                                                    ap->get(), dp + ch.t0 * K, s));
+  dau->Reset();
+  h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
+  MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
+      prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(), offsets,
+      entries, grads.dw2, accumulate, s));
+  ap->Reset();
+  MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
+      prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
+      Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, accumulate, s));
+  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
+  if (!dxg.ok()) return dxg.status();
+  MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(prob, config(kernels::Sm90Projection::kBackwardDX),
+                                                dh->as<uint16_t>(), Bf16At(w.w13, 0), offsets,
+                                                dxg->as<uint16_t>(), s));
+  return std::move(*dxg);
 }
 
 }  // namespace moe::cuda

@@ -16,6 +16,9 @@
 // Backward, per chunk:  G = dout[entries]; dA_u = G W2 (grouped); one fused pass recomputes A
 //   from H and gives dH, p*A and dp = <dA_u, A>; dW2 += (pA)^T G; Xg = x[entries] again;
 //   d[W1;W3] += dH^T Xg; dXg = dH [W1;W3]; dx = sum_k dXg[slot_of].
+//   On an sm_90 GPU (UseFusedBackward) the four GEMMs are the fused sm90 kernels of
+//   kernels/cuda/sm90_expert_backward.h instead: G and Xg are never materialised (rows are
+//   gathered while loading) and each GEMM is one launch over all experts.
 //
 // Chunks: tokens are processed in chunks small enough that the per-chunk temporaries stay
 // under a fixed budget (kChunkBudgetBytes), so T = 2M tokens fits next to its saved H. Each
@@ -52,6 +55,18 @@ enum class ForwardKernels {
 };
 const char* ForwardKernelsName(ForwardKernels k);
 
+// Which kernels run the expert backward. kAuto is what the service uses: kFused where
+// UseFusedBackward allows it and the per-expert GEMM work is at most
+// kFusedBackwardMaxWorkPerExpert, else kUnfused; MOE_DISABLE_FUSED=1 makes it kUnfused too.
+//   kUnfused: gather dout + cuBLAS dA + SwiGLU backward pass + cuBLAS dW2 + gather x + cuBLAS
+//             dW13 + cuBLAS dXg + combine, per-expert cuBLAS calls over 4 streams;
+//   kFused:   sm90 dA (dout rows gathered on load, W2 read as stored) + the same SwiGLU
+//             backward pass + sm90 dW2 and dW13 (one persistent launch each, per-expert
+//             reduction lengths, x and dout rows gathered on load) + sm90 dXg + combine:
+//             five launches per chunk whatever the number of experts, nothing gathered stored.
+enum class BackwardKernels { kAuto = 0, kUnfused = 1, kFused = 2 };
+const char* BackwardKernelsName(BackwardKernels k);
+
 struct ExpertShape {
   int64_t d_model = 0;
   int64_t d_hidden = 0;
@@ -61,6 +76,7 @@ struct ExpertShape {
   int activation = 0;  // moe::Activation value
   kernels::ElemType type = kernels::ElemType::kBFloat16;
   ForwardKernels forward = ForwardKernels::kAuto;
+  BackwardKernels backward = BackwardKernels::kAuto;
 
   bool gated() const { return activation == 0; }
   int64_t gate_width() const { return gated() ? 2 * d_hidden : d_hidden; }
@@ -119,9 +135,22 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
 inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpDown;
 inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
 
-// Test hook: pipelines created afterwards take this as their shape's `forward` when it is not
-// kAuto (the engine tests force each path through the CUDA layer). kAuto restores the default.
+// The one place that decides the backward's kernels for one chunk, like UseFusedForward:
+// `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1 or when the average per-expert GEMM
+// work exceeds kFusedBackwardMaxWorkPerExpert, else kFused; kFused is then reduced to kUnfused
+// unless the fused kernels take the problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The
+// backward path does not depend on the forward's: both read and write the same buffers.
+BackwardKernels UseFusedBackward(const ExpertShape& shape,
+                                 const kernels::Sm90ExpertProblem& problem, bool device_sm90);
+
+// Set by measurement (docs/PERFORMANCE.md): see the definition's comment.
+extern const double kFusedBackwardMaxWorkPerExpert;
+
+// Test hooks: pipelines created afterwards take these as their shape's `forward` / `backward`
+// when not kAuto (the engine tests force each path through the CUDA layer). kAuto restores the
+// default.
 void SetForwardKernelsForTesting(ForwardKernels k);
+void SetBackwardKernelsForTesting(BackwardKernels k);
 
 // Test hook: pipelines created afterwards use at most `rows` routed rows per chunk, so small
 // test shapes run through several chunks. 0 restores the default.
@@ -179,9 +208,27 @@ class ExpertPipeline {
 
   // What the forward of `chunk` runs (UseFusedForward on this pipeline's shape and device).
   ForwardKernels ChunkForwardKernels(const ChunkPlan& chunk) const;
+  // What the backward of `chunk` runs (UseFusedBackward likewise).
+  BackwardKernels ChunkBackwardKernels(const ChunkPlan& chunk) const;
 
  private:
   kernels::Sm90ExpertProblem Sm90Problem(const ChunkPlan& chunk) const;
+  // The chunk's per-expert offsets [count + 1] on the device (in plan.counts).
+  const int32_t* DeviceOffsets(const DispatchPlan& plan, const ChunkPlan& ch) const;
+  // The backward of one chunk with routed rows, after its H rows `hb` (saved, or recomputed
+  // into *h_tmp, which is released once read) are at hand: dp rows, the weight gradients (the
+  // unfused GEMMs take beta, the fused kernels `accumulate`: add to the buffers, else
+  // overwrite) and, returned, dXg [routed, d] in slot order for the combine.
+  absl::StatusOr<DeviceBuffer> UnfusedChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
+                                                    const void* x, const void* hb, const float* p,
+                                                    const void* dout, const ExpertWeights& w,
+                                                    const ExpertGrads& grads, float beta, float* dp,
+                                                    DeviceBuffer* h_tmp);
+  absl::StatusOr<DeviceBuffer> FusedChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
+                                                  const void* x, const void* hb, const float* p,
+                                                  const void* dout, const ExpertWeights& w,
+                                                  const ExpertGrads& grads, bool accumulate,
+                                                  float* dp, DeviceBuffer* h_tmp);
   // The forward's up-projection of one chunk by `kernels_used`: H [routed, g] into hb and, when
   // `a` is not null, A [routed, h] (the fused kernel always needs `a`). Forward and the
   // recompute-mode Backward both run this.

@@ -124,6 +124,7 @@ class GpuTest : public ::testing::Test {
     cuda::SetPoisonAllocationsForTesting(false);
     cuda::SetMaxChunkRowsForTesting(0);
     cuda::SetForwardKernelsForTesting(cuda::ForwardKernels::kAuto);
+    cuda::SetBackwardKernelsForTesting(cuda::BackwardKernels::kAuto);
   }
 };
 
@@ -346,12 +347,15 @@ struct FusedCase {
   bool fusable;  // Sm90CanImplement takes these sizes
 };
 
-class FusedForwardTest
+// Every forward path with every backward path, forced, through the whole layer (forward,
+// backward, step) against the CPU engine.
+class FusedKernelsTest
     : public GpuTest,
-      public ::testing::WithParamInterface<std::tuple<FusedCase, cuda::ForwardKernels>> {};
+      public ::testing::WithParamInterface<
+          std::tuple<FusedCase, cuda::ForwardKernels, cuda::BackwardKernels>> {};
 
-TEST_P(FusedForwardTest, MatchesCpuEngine) {
-  const auto& [fc, requested] = GetParam();
+TEST_P(FusedKernelsTest, MatchesCpuEngine) {
+  const auto& [fc, requested, requested_backward] = GetParam();
   const Case& c = fc.c;
   ASSERT_EQ(c.act, Activation::kSwiGLU);
   ASSERT_EQ(c.dtype, DType::kBFloat16);
@@ -363,6 +367,7 @@ TEST_P(FusedForwardTest, MatchesCpuEngine) {
 
   // Which path a pipeline of this layer's shape takes for one chunk of these sizes.
   cuda::SetForwardKernelsForTesting(requested);
+  cuda::SetBackwardKernelsForTesting(requested_backward);
   absl::StatusOr<std::shared_ptr<cuda::Stream>> stream = cuda::Stream::Create(device);
   ASSERT_TRUE(stream.ok()) << stream.status();
   cuda::ExpertShape shape;
@@ -381,11 +386,16 @@ TEST_P(FusedForwardTest, MatchesCpuEngine) {
       sm90 && fc.fusable ? requested : cuda::ForwardKernels::kUnfused;
   ASSERT_EQ(pipe.ChunkForwardKernels(chunk), expected)
       << "requested " << cuda::ForwardKernelsName(requested) << " sm90=" << sm90;
-  RunCase(c, std::string(" forward=") + cuda::ForwardKernelsName(expected));
+  const cuda::BackwardKernels expected_backward =
+      sm90 && fc.fusable ? requested_backward : cuda::BackwardKernels::kUnfused;
+  ASSERT_EQ(pipe.ChunkBackwardKernels(chunk), expected_backward)
+      << "requested " << cuda::BackwardKernelsName(requested_backward) << " sm90=" << sm90;
+  RunCase(c, std::string(" forward=") + cuda::ForwardKernelsName(expected) +
+                 " backward=" + cuda::BackwardKernelsName(expected_backward));
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, FusedForwardTest,
+    Shapes, FusedKernelsTest,
     ::testing::Combine(
         ::testing::Values(
             // d, h multiples of 8 but not of 64; E = 9 with a shard [2, 7) and skewed routing,
@@ -420,13 +430,15 @@ INSTANTIATE_TEST_SUITE_P(
                 {29, 7, 3, 38, 24, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},
                 false}),
         ::testing::Values(cuda::ForwardKernels::kUnfused, cuda::ForwardKernels::kFusedUp,
-                          cuda::ForwardKernels::kFusedUpDown)),
-    [](const ::testing::TestParamInfo<FusedForwardTest::ParamType>& info) {
+                          cuda::ForwardKernels::kFusedUpDown),
+        ::testing::Values(cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused)),
+    [](const ::testing::TestParamInfo<FusedKernelsTest::ParamType>& info) {
       const Case& c = std::get<0>(info.param).c;
       std::string name = "T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +
                          std::to_string(c.top_k) + "_d" + std::to_string(c.d) + "_h" +
                          std::to_string(c.h) + "_" +
-                         cuda::ForwardKernelsName(std::get<1>(info.param));
+                         cuda::ForwardKernelsName(std::get<1>(info.param)) + "_bwd_" +
+                         cuda::BackwardKernelsName(std::get<2>(info.param));
       for (char& ch : name) {
         if (ch == '-') ch = '_';
       }

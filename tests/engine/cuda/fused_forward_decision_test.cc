@@ -1,5 +1,6 @@
-// UseFusedForward, the one function that decides whether a chunk's expert forward runs the
-// fused sm90 kernels: host logic only, so it runs everywhere (in CI too, no GPU needed). The
+// UseFusedForward and UseFusedBackward, the two functions that decide whether a chunk's expert
+// forward and backward run the fused sm90 kernels: host logic only, so it runs everywhere (in
+// CI too, no GPU needed). The
 // device is passed in as a flag, so both the sm_90 and the non-sm_90 answers are checked here;
 // the GPU tests (cuda_engine_test.cc) check the answer on the real device and the numbers.
 //
@@ -125,6 +126,45 @@ TEST(UseFusedForwardTest, EnvironmentSwitch) {
   // A forced path ignores the variable: the benchmark shows fused and unfused side by side.
   const ExpertShape forced = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
   EXPECT_EQ(UseFusedForward(forced, Problem(forced, 16), true), ForwardKernels::kFusedUp);
+}
+
+ExpertShape SwiGluBf16Backward(int64_t d, int64_t h, BackwardKernels backward) {
+  ExpertShape s = SwiGluBf16(d, h, ForwardKernels::kAuto);
+  s.backward = backward;
+  return s;
+}
+
+TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
+  for (BackwardKernels k : {BackwardKernels::kUnfused, BackwardKernels::kFused}) {
+    const ExpertShape s = SwiGluBf16Backward(40, 24, k);
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 37), /*device_sm90=*/true), k)
+        << BackwardKernelsName(k);
+  }
+}
+
+TEST(UseFusedBackwardTest, FallsBackOffSm90ForOddSizesOtherActivationsAndDtypes) {
+  const BackwardKernels k = BackwardKernels::kFused;
+  ExpertShape s = SwiGluBf16Backward(64, 64, k);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 64), /*device_sm90=*/false), BackwardKernels::kUnfused);
+  s = SwiGluBf16Backward(38, 64, k);  // d not a multiple of 8
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
+  s = SwiGluBf16Backward(64, 20, k);  // h not a multiple of 8
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
+  s = SwiGluBf16Backward(64, 64, k);
+  s.activation = 1;  // GELU: the fused SwiGLU backward does not apply
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+  s = SwiGluBf16Backward(64, 64, k);
+  s.type = kernels::ElemType::kFloat32;
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+}
+
+TEST(UseFusedBackwardTest, EnvironmentSwitch) {
+  const ExpertShape s = SwiGluBf16Backward(64, 64, BackwardKernels::kAuto);
+  const BackwardKernels want = EnvDisables() ? BackwardKernels::kUnfused : BackwardKernels::kFused;
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), want)
+      << "MOE_DISABLE_FUSED=" << (std::getenv("MOE_DISABLE_FUSED") ? "set" : "unset");
+  const ExpertShape forced = SwiGluBf16Backward(64, 64, BackwardKernels::kFused);
+  EXPECT_EQ(UseFusedBackward(forced, Problem(forced, 16), true), BackwardKernels::kFused);
 }
 
 }  // namespace
