@@ -441,8 +441,8 @@ __device__ __forceinline__ EpiRows LoadEpiRows(const GemmParams& p, const TileIn
 // rounded to bf16; 32 fp32 columns fill the same padded 144-byte rows as kPlain's 64 bf16
 // ones), then each thread takes 4 consecutive columns of its 4 rows and writes
 //   dH1 = p d H3 silu'(H1),  dH3 = p d silu(H1),  pA = p silu(H1) H3   (bf16)
-// from the saved H, whose loads are issued before the staging writes so that their latency
-// overlaps them. d * A is summed per row in registers across the tile; the row's 8 threads
+// from the saved H, whose loads run one chunk ahead (issued before the previous chunk's math)
+// so that their latency overlaps it. d * A is summed per row in registers across the tile; the row's 8 threads
 // combine their sums by a fixed shuffle tree, and one writes the tile's sum: straight to
 // dp[entry] when a single column tile covers h (dp_part null), else to dp_part[column tile]
 // [slot] for the launcher's ordered reduction. No atomics, so dp is bit-reproducible.
@@ -459,21 +459,26 @@ __device__ __forceinline__ void StoreSwiGLUBackwardTile(const GemmParams& p, con
   const int rw = (t_wg >> 5) * 16 + (lane >> 2);  // fragment row within the warpgroup
   const int piece = t_wg & 7;                     // columns 4 piece .. +3 of every chunk
   const int h = p.n_dim;
-  float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int cc = 0; cc < kN / kCols; ++cc) {
+  // H1 and H3 at this thread's 4 columns of chunk cc, for its 4 rows (zeros outside).
+  auto load_h = [&](int cc, uint2(&g)[4], uint2(&u)[4]) {
     const int col = ti.n0 + cc * kCols + 4 * piece;
-    uint2 hg[4], hu[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = row_group * 64 + (t_wg >> 3) + 16 * j;
-      hg[j] = hu[j] = make_uint2(0, 0);
+      g[j] = u[j] = make_uint2(0, 0);
       if (r < ti.rows && col < h) {
         const __nv_bfloat16* hrow = p.saved_h + static_cast<int64_t>(ti.slot0 + r) * 2 * h + col;
-        hg[j] = __ldg(reinterpret_cast<const uint2*>(hrow));
-        hu[j] = __ldg(reinterpret_cast<const uint2*>(hrow + h));
+        g[j] = __ldg(reinterpret_cast<const uint2*>(hrow));
+        u[j] = __ldg(reinterpret_cast<const uint2*>(hrow + h));
       }
     }
+  };
+  float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint2 hg[4], hu[4];
+  load_h(0, hg, hu);
+#pragma unroll
+  for (int cc = 0; cc < kN / kCols; ++cc) {
+    const int col = ti.n0 + cc * kCols + 4 * piece;
 #pragma unroll
     for (int ii = 0; ii < kCols / 8; ++ii) {
       const int i = cc * (kCols / 8) + ii;  // n8 block of the accumulator
@@ -483,6 +488,8 @@ __device__ __forceinline__ void StoreSwiGLUBackwardTile(const GemmParams& p, con
             make_float2(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
       }
     }
+    uint2 next_g[4], next_u[4];
+    if (cc + 1 < kN / kCols) load_h(cc + 1, next_g, next_u);
     asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -528,6 +535,11 @@ __device__ __forceinline__ void StoreSwiGLUBackwardTile(const GemmParams& p, con
       }
     }
     asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      hg[j] = next_g[j];
+      hu[j] = next_u[j];
+    }
   }
   // ---- dp: the 8 threads of a row are 8 consecutive lanes; every lane takes part.
 #pragma unroll
