@@ -454,17 +454,26 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
   });
   const float dh_ms = MedianMs([&] { fused(cfg); });
   const float dh_alt_ms = MedianMs([&] { fused(alt); });
+  Sm90GemmConfig ws_cfg = cfg;
+  ws_cfg.warp_specialized = true;
+  const float dh_ws_ms = MedianMs([&] { fused(ws_cfg); });
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const double err_ws = std::max(RelError(dh_f, dh_u, N * 2 * h, scratch),  // ws wrote last
+                                 RelError<float>(dp_f, dp_u, TK, scratch));
+  const bool ws_close = err_ws < 1e-2;
+  *all_close &= ws_close;
   std::printf(
       "{\"preset\":\"%s\",\"mode\":\"dh\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,\"K\":%d,"
       "\"N\":%lld,\"check\":\"%s\",\"err_dh_vs_unfused\":%.2e,\"err_pa_vs_unfused\":%.2e,"
       "\"err_dp_vs_unfused\":%.2e,\"err_alt_vs_unfused\":%.2e,\"err_dh_vs_shifted_rows\":%.2f,"
       "\"block_n\":%d,\"group_m\":%d,\"column_tiles\":%lld,\"dh_ms\":%.4f,"
-      "\"alt_block_n\":%d,\"dh_alt_ms\":%.4f,\"da_ms\":%.4f,\"act_bwd_ms\":%.4f,"
+      "\"alt_block_n\":%d,\"dh_alt_ms\":%.4f,\"ws_check\":\"%s\",\"dh_ws_ms\":%.4f,"
+      "\"da_ms\":%.4f,\"act_bwd_ms\":%.4f,"
       "\"da_plus_act_ms\":%.4f,\"speedup\":%.2f,\"dh_tflops\":%.1f}\n",
       ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
       close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
       cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms,
-      alt.block_n, dh_alt_ms, da_ms, act_ms, unfused_ms, unfused_ms / dh_ms,
+      alt.block_n, dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, da_ms, act_ms, unfused_ms, unfused_ms / dh_ms,
       2.0 * N * d * h / dh_ms / 1e9);
   std::fflush(stdout);
   for (void* p : {static_cast<void*>(dout), static_cast<void*>(w2), static_cast<void*>(saved_h),
