@@ -8,8 +8,6 @@
 #   sm90_expert_backward_test_droptile the same test over a LaunchSm90BackwardDH whose dp
 #                                      reduction leaves out the last column tile: its dp checks
 #                                      with more than one tile must FAIL (one-tile ones pass)
-#   *_noprefetch                       the test and the bench over a LaunchSm90BackwardDH built
-#                                      without its L2 prefetch of the saved H (for an A/B)
 #   sm90_expert_forward_test           the forward's test, rebuilt over the shared kernel
 #   sm90_backward_bench                DA/DX vs per-expert cuBLAS on the presets; with --dh,
 #                                      DH vs DA + the activation backward it replaces
@@ -44,8 +42,6 @@ wait
 $nv -I. -c "$obj/bwd_droptile.cu" -o "$obj/bwd_droptile.o" &
 $nv -I. -c kernels/cuda/expert_backward.cu -o "$obj/act_bwd.o" &
 wait
-$nv -I. -DMOE_SM90_DH_PREFETCH_L2=0 -c kernels/cuda/sm90_expert_backward.cu \
-  -o "$obj/bwd_noprefetch.o"
 $nv -I. -c tests/kernels/cuda/sm90_expert_backward_test.cc -o "$obj/bwd_test.o" &
 $nv -I. -c tests/kernels/cuda/sm90_expert_forward_test.cc -o "$obj/fwd_test.o" &
 wait
@@ -59,12 +55,7 @@ $nv -o "$dir/sm90_expert_backward_test_droptile" "$obj/bwd_test.o" "$obj/bwd_dro
 $nv -o "$dir/sm90_expert_forward_test" "$obj/fwd_test.o" "$obj/fwd.o" "$obj/dispatch.o"
 $nv -o "$dir/sm90_backward_bench" "$obj/bench.o" "$obj/bwd.o" "$obj/fwd.o" "$obj/act_bwd.o" \
   "$obj/dispatch.o" -lcublas
-$nv -o "$dir/sm90_expert_backward_test_noprefetch" "$obj/bwd_test.o" "$obj/bwd_noprefetch.o" \
-  "$obj/fwd.o" "$obj/dispatch.o"
-$nv -o "$dir/sm90_backward_bench_noprefetch" "$obj/bench.o" "$obj/bwd_noprefetch.o" \
-  "$obj/fwd.o" "$obj/act_bwd.o" "$obj/dispatch.o" -lcublas
 /work/shared/tools/device-bundle "$dir" "$dir/sm90_expert_backward_test" \
   "$dir/sm90_expert_backward_test_swapped" "$dir/sm90_expert_backward_test_droptile" \
-  "$dir/sm90_expert_forward_test" "$dir/sm90_backward_bench" \
-  "$dir/sm90_expert_backward_test_noprefetch" "$dir/sm90_backward_bench_noprefetch"
+  "$dir/sm90_expert_forward_test" "$dir/sm90_backward_bench"
 ls -la "$dir"

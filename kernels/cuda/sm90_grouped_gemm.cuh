@@ -436,35 +436,6 @@ __device__ __forceinline__ EpiRows LoadEpiRows(const GemmParams& p, const TileIn
   return rows;
 }
 
-// Whether a kDSwiGLU tile's saved-H rows are prefetched into L2 as the tile starts, so that
-// its epilogue reads them from L2 rather than HBM. A build-time switch only so that the bench
-// can time both (bench/sm90_backward_build_carry.sh builds the other one).
-#ifndef MOE_SM90_DH_PREFETCH_L2
-#define MOE_SM90_DH_PREFETCH_L2 1
-#endif
-
-// The L2 prefetch above, by `threads` threads (thread index `t`): the tile's H1 and H3 columns
-// n0 .. n0 + kN - 1 of each of its rows, in 128-byte steps.
-template <int kN, bool kDSwiGLU>
-__device__ __forceinline__ void PrefetchSavedH(const GemmParams& p, const TileInfo& ti, int t,
-                                               int threads) {
-  if constexpr (kDSwiGLU && MOE_SM90_DH_PREFETCH_L2) {
-    constexpr int kLines = kN * 2 / 128;  // per row and half
-    const int cols = min(kN, p.n_dim - ti.n0);
-    const int lines = (cols * 2 + 127) / 128;
-    for (int q = t; q < ti.rows * 2 * kLines; q += threads) {
-      const int line = q % kLines;
-      const int half = (q / kLines) & 1;
-      const int r = q / (2 * kLines);
-      if (line < lines) {
-        const __nv_bfloat16* addr = p.saved_h + static_cast<int64_t>(ti.slot0 + r) * 2 * p.n_dim +
-                                    half * p.n_dim + ti.n0 + 64 * line;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(addr));
-      }
-    }
-  }
-}
-
 // The dA GEMM's epilogue with the SwiGLU backward in it (kDSwiGLU), for one warpgroup. The
 // accumulators d = dA_u go through the staging 32 columns at a time as fp32 (so d is never
 // rounded to bf16; 32 fp32 columns fill the same padded 144-byte rows as kPlain's 64 bf16
@@ -837,7 +808,6 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     // The epilogue's rows, loaded now so that their latency hides behind the main loop.
     const EpiRows rows =
         LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, wg * 64 + ((tid & 127) >> 3));
-    PrefetchSavedH<kN, kDSwiGLU>(p, ti, tid, kThreads);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
@@ -942,7 +912,6 @@ __global__ void __launch_bounds__(384, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo ti =
           DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-      PrefetchSavedH<kN, kDSwiGLU>(p, ti, t_wg, 128);
       const __nv_bfloat16* a_row[8];
       bool a_ok[8];
 #pragma unroll
