@@ -68,7 +68,9 @@ const Preset kPresets[] = {
     {"deepseek-v3", 8192, 7168, 2048, 256, 8},
 };
 
-__device__ __forceinline__ void StoreValue(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void StoreValue(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
 __device__ __forceinline__ void StoreValue(float* p, float v) { *p = v; }
 __device__ __forceinline__ double LoadValue(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ double LoadValue(const float* p) { return *p; }
@@ -211,8 +213,8 @@ void Route(const Preset& ps, std::vector<int32_t>* offsets, std::vector<int32_t>
   std::vector<int32_t> counts(E), slot_of(TK);
   offsets->resize(E + 1);
   entries->resize(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets->data(),
-                            entries->data(), slot_of.data());
+  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets->data(), entries->data(),
+                            slot_of.data());
 }
 
 void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close) {
@@ -440,10 +442,10 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
   const double err_shifted = RelError(dh_f, dh_u + 2 * h, (N - 1) * 2 * h, scratch);
   fused(alt);
   BENCH_CUDA(cudaDeviceSynchronize());
-  const double err_alt = std::max(RelError(dh_f, dh_u, N * 2 * h, scratch),
-                                  RelError<float>(dp_f, dp_u, TK, scratch));
-  const bool close = err_dh < 1e-2 && err_pa < 1e-2 && err_dp < 1e-2 && err_alt < 1e-2 &&
-                     err_shifted > 0.5;
+  const double err_alt =
+      std::max(RelError(dh_f, dh_u, N * 2 * h, scratch), RelError<float>(dp_f, dp_u, TK, scratch));
+  const bool close =
+      err_dh < 1e-2 && err_pa < 1e-2 && err_dp < 1e-2 && err_alt < 1e-2 && err_shifted > 0.5;
   *all_close &= close;
 
   const float da_ms = MedianMs(da_only);
@@ -472,9 +474,9 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
       "\"da_plus_act_ms\":%.4f,\"speedup\":%.2f,\"dh_tflops\":%.1f}\n",
       ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
       close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
-      cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms,
-      alt.block_n, dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, da_ms, act_ms, unfused_ms, unfused_ms / dh_ms,
-      2.0 * N * d * h / dh_ms / 1e9);
+      cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms, alt.block_n,
+      dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, da_ms, act_ms, unfused_ms,
+      unfused_ms / dh_ms, 2.0 * N * d * h / dh_ms / 1e9);
   std::fflush(stdout);
   for (void* p : {static_cast<void*>(dout), static_cast<void*>(w2), static_cast<void*>(saved_h),
                   static_cast<void*>(da), static_cast<void*>(dh_u), static_cast<void*>(dh_f),

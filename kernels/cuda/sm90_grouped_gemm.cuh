@@ -36,6 +36,9 @@
 //   kPlain: writes the row to Y[entries[slot]], i.e. each (token, k) row contiguously in
 //     [T*K, n] order, so the combine is a contiguous per-token weighted sum; or, with kSlotOut,
 //     to out[slot] (the backward's dA_u and dXg, which later stages read in slot order).
+//   kDSwiGLU (kPlain with kSlotOut): the backward's dA GEMM that never writes dA_u; from the
+//     fp32 accumulators and the saved H it writes dH = [dH1 | dH3], pA = p * A and the row's
+//     share of dp = <dA_u, A> (StoreSwiGLUBackwardTile).
 // No Abseil, gRPC or protobuf here (house style): raw pointers and cudaError_t only.
 #ifndef MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
 #define MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
@@ -442,10 +445,12 @@ __device__ __forceinline__ EpiRows LoadEpiRows(const GemmParams& p, const TileIn
 // ones), then each thread takes 4 consecutive columns of its 4 rows and writes
 //   dH1 = p d H3 silu'(H1),  dH3 = p d silu(H1),  pA = p silu(H1) H3   (bf16)
 // from the saved H, whose loads run one chunk ahead (issued before the previous chunk's math)
-// so that their latency overlaps it. d * A is summed per row in registers across the tile; the row's 8 threads
-// combine their sums by a fixed shuffle tree, and one writes the tile's sum: straight to
-// dp[entry] when a single column tile covers h (dp_part null), else to dp_part[column tile]
-// [slot] for the launcher's ordered reduction. No atomics, so dp is bit-reproducible.
+// so that their latency overlaps it; prefetching a tile's H into L2 as the tile starts measured
+// slower on 4 of 5 presets (bench/results/2026-11-21-h100-fb-b2). d * A is summed per row in
+// registers across the tile; the row's 8 threads combine their sums by a fixed shuffle tree,
+// and one writes the tile's sum: straight to dp[entry] when a single column tile covers h
+// (dp_part null), else to dp_part[column tile][slot] for the launcher's ordered reduction. No
+// atomics, so dp is bit-reproducible.
 template <int kN>
 __device__ __forceinline__ void StoreSwiGLUBackwardTile(const GemmParams& p, const TileInfo& ti,
                                                         const float (&acc)[kN / 2],
@@ -630,8 +635,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
         const int col = ti.n0 + cc * kCols + piece * 8;
         if (r < ti.rows && col < p.n_dim) {
           const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
-          *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(rows.dst[j]) * p.n_dim + col) =
-              v;
+          *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(rows.dst[j]) * p.n_dim + col) = v;
         }
       }
     }
@@ -959,8 +963,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo ti =
           DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-      const EpiRows rows =
-          LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, cw * 64 + (t_wg >> 3));
+      const EpiRows rows = LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, cw * 64 + (t_wg >> 3));
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
       int release = -1;  // slot whose wgmmas may still run

@@ -50,7 +50,7 @@ constexpr double kTolerance = 1e-2;
 // lost column tile (a fraction of the sum) cannot hide under the bound.
 constexpr double kDpTolerance = 1e-4;
 constexpr uint32_t kDpPoison = 0x7FA5A5A5u;  // an fp32 NaN
-constexpr int64_t kGuardRows = 130;  // poisoned rows on each side of the N output rows
+constexpr int64_t kGuardRows = 130;          // poisoned rows on each side of the N output rows
 
 struct Case {
   const char* name;
@@ -231,10 +231,10 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
     std::fprintf(stderr, "cudaMalloc failed\n");
     return false;
   }
-  CHECK_CUDA(cudaMemcpy(dsaved.ptr, in.saved_h.data(), in.saved_h.size() * 2,
-                        cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dweights.ptr, in.weights.data(), in.weights.size() * 4,
-                        cudaMemcpyHostToDevice));
+  CHECK_CUDA(
+      cudaMemcpy(dsaved.ptr, in.saved_h.data(), in.saved_h.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(
+      cudaMemcpy(dweights.ptr, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice));
   const std::vector<uint32_t> dp_poison(ddp.n, kDpPoison);
   bool ok = true;
   for (const Sm90GemmConfig& cfg : configs) {
@@ -374,8 +374,8 @@ bool GuardChecks() {
   wide.block_n = 192;
   expect("DX block_n=192", LaunchSm90BackwardDX(good, wide, buf, buf, idx, buf, nullptr));
   float* fbuf = reinterpret_cast<float*>(buf);
-  expect("DH misaligned h", LaunchSm90BackwardDH(good, cfg, buf, buf, buf + 4, fbuf, idx, idx,
-                                                 buf, buf, fbuf, nullptr, 0, nullptr));
+  expect("DH misaligned h", LaunchSm90BackwardDH(good, cfg, buf, buf, buf + 4, fbuf, idx, idx, buf,
+                                                 buf, fbuf, nullptr, 0, nullptr));
   expect("DH misaligned pa", LaunchSm90BackwardDH(good, cfg, buf, buf, buf, fbuf, idx, idx, buf,
                                                   buf + 2, fbuf, nullptr, 0, nullptr));
   Sm90ExpertProblem tall = good;
