@@ -11,6 +11,12 @@
 // sizes. Routing is K distinct uniform experts per token; inputs come from a counter hash on
 // the device (deepseek-v3's 22 GB of weights would take minutes from the host). Times are the
 // median of 20 CUDA-event-timed runs after 3 warm-ups. One JSON object a line on stdout.
+//
+// With --dh as the first argument it times instead the dA GEMM with the SwiGLU backward in its
+// epilogue (LaunchSm90BackwardDH) against the two launches it replaces, LaunchSm90BackwardDA
+// and then LaunchActivationBackward (kernels/cuda/expert_backward.cu), with each part's time,
+// and checks the two paths' dH, pA and dp against each other at full size (they differ only in
+// that the unfused pass reads dA_u rounded to bf16).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,8 +31,11 @@
 #include <vector>
 
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/expert_backward.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 #include "kernels/cuda/sm90_expert_forward.h"
+#include "kernels/cuda/types.h"
 
 namespace {
 
@@ -59,8 +68,17 @@ const Preset kPresets[] = {
     {"deepseek-v3", 8192, 7168, 2048, 256, 8},
 };
 
-// Uniform values of variance scale^2 from a 64-bit index hash (murmur-style finaliser).
-__global__ void bench_fill_kernel(__nv_bfloat16* out, int64_t n, uint32_t seed, float scale) {
+__device__ __forceinline__ void StoreValue(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ void StoreValue(float* p, float v) { *p = v; }
+__device__ __forceinline__ double LoadValue(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ double LoadValue(const float* p) { return *p; }
+
+// Uniform values of variance scale^2 plus `bias` from a 64-bit index hash (murmur-style
+// finaliser).
+template <typename T>
+__global__ void bench_fill_kernel(T* out, int64_t n, uint32_t seed, float scale, float bias) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += step) {
     uint32_t x =
@@ -72,7 +90,7 @@ __global__ void bench_fill_kernel(__nv_bfloat16* out, int64_t n, uint32_t seed, 
     x *= 0x846CA68Bu;
     x ^= x >> 16;
     const float u = static_cast<float>(x >> 8) * (1.0f / 16777216.0f) - 0.5f;
-    out[i] = __float2bfloat16_rn(u * 3.4641016f * scale);
+    StoreValue(out + i, u * 3.4641016f * scale + bias);
   }
 }
 
@@ -90,12 +108,12 @@ __global__ void bench_gather_kernel(const uint4* src, const int32_t* entries, ui
 }
 
 // sums[0] += sum (a - b)^2, sums[1] += sum b^2.
-__global__ void bench_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
-                                  double* sums) {
+template <typename T>
+__global__ void bench_diff_kernel(const T* a, const T* b, int64_t n, double* sums) {
   double num = 0, den = 0;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += step) {
-    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    const double x = LoadValue(a + i), y = LoadValue(b + i);
     num += (x - y) * (x - y);
     den += y * y;
   }
@@ -109,15 +127,18 @@ __global__ void bench_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b
   }
 }
 
-void Fill(void* p, int64_t n, uint32_t seed, float scale) {
-  bench_fill_kernel<<<2048, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+// bf16 (T = __nv_bfloat16, the default) or fp32 buffers.
+template <typename T = __nv_bfloat16>
+void Fill(void* p, int64_t n, uint32_t seed, float scale, float bias = 0.0f) {
+  bench_fill_kernel<T><<<2048, 256>>>(static_cast<T*>(p), n, seed, scale, bias);
   BENCH_CUDA(cudaGetLastError());
 }
 
+template <typename T = __nv_bfloat16>
 double RelError(const void* got, const void* ref, int64_t n, double* scratch) {
   BENCH_CUDA(cudaMemset(scratch, 0, 2 * sizeof(double)));
-  bench_diff_kernel<<<1024, 256>>>(static_cast<const __nv_bfloat16*>(got),
-                                   static_cast<const __nv_bfloat16*>(ref), n, scratch);
+  bench_diff_kernel<T>
+      <<<1024, 256>>>(static_cast<const T*>(got), static_cast<const T*>(ref), n, scratch);
   double h[2];
   BENCH_CUDA(cudaMemcpy(h, scratch, sizeof(h), cudaMemcpyDeviceToHost));
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : INFINITY;
@@ -172,10 +193,10 @@ void RunOnLanes(Lanes& lanes, int experts, const std::vector<int32_t>& offsets, 
   }
 }
 
-void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close) {
-  cublasHandle_t blas = lanes.blas[0];
+// K distinct uniform experts per token, through the CPU dispatch: offsets [E+1], entries [N].
+void Route(const Preset& ps, std::vector<int32_t>* offsets, std::vector<int32_t>* entries) {
   const int64_t T = ps.tokens, TK = ps.tokens * ps.top_k;
-  const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
+  const int E = ps.experts, K = ps.top_k;
   std::mt19937_64 rng(1234);
   std::vector<int32_t> idx(TK);
   std::uniform_int_distribution<int32_t> pick(0, E - 1);
@@ -189,9 +210,19 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       } while (dup);
     }
   }
-  std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(), entries.data(),
+  std::vector<int32_t> counts(E), slot_of(TK);
+  offsets->resize(E + 1);
+  entries->resize(TK);
+  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets->data(), entries->data(),
                             slot_of.data());
+}
+
+void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close) {
+  cublasHandle_t blas = lanes.blas[0];
+  const int64_t T = ps.tokens, TK = ps.tokens * ps.top_k;
+  const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
+  std::vector<int32_t> offsets, entries;
+  Route(ps, &offsets, &entries);
   const int64_t N = offsets[E];
 
   const size_t w_elems = static_cast<size_t>(E) * d * h;
@@ -337,6 +368,125 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
   }
 }
 
+// LaunchSm90BackwardDH vs LaunchSm90BackwardDA + LaunchActivationBackward on one preset.
+void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
+  const int64_t T = ps.tokens, TK = ps.tokens * ps.top_k;
+  const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
+  std::vector<int32_t> offsets, entries;
+  Route(ps, &offsets, &entries);
+  const int64_t N = offsets[E];
+  const size_t w_elems = static_cast<size_t>(E) * d * h;
+
+  Sm90ExpertProblem prob;
+  prob.num_tokens = T;
+  prob.top_k = K;
+  prob.num_experts = E;
+  prob.d_model = d;
+  prob.d_hidden = h;
+  prob.num_routed = N;
+  int sms = 0;
+  BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const Sm90GemmConfig cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, sms);
+  Sm90GemmConfig alt = cfg;
+  alt.block_n = cfg.block_n == 256 ? 128 : 256;
+  const size_t ws_bytes = std::max(moe::kernels::Sm90BackwardDHWorkspaceBytes(prob, cfg),
+                                   moe::kernels::Sm90BackwardDHWorkspaceBytes(prob, alt));
+
+  uint16_t *dout, *w2, *saved_h, *da, *dh_u, *pa_u, *dh_f, *pa_f;
+  float *weights, *dp_u, *dp_f;
+  int32_t *doff, *dent;
+  void* ws = nullptr;
+  BENCH_CUDA(cudaMalloc(&dout, 2 * T * d));
+  BENCH_CUDA(cudaMalloc(&w2, 2 * w_elems));
+  BENCH_CUDA(cudaMalloc(&saved_h, 2 * N * 2 * h));
+  BENCH_CUDA(cudaMalloc(&da, 2 * N * h));
+  BENCH_CUDA(cudaMalloc(&dh_u, 2 * N * 2 * h));
+  BENCH_CUDA(cudaMalloc(&dh_f, 2 * N * 2 * h));
+  BENCH_CUDA(cudaMalloc(&pa_u, 2 * N * h));
+  BENCH_CUDA(cudaMalloc(&pa_f, 2 * N * h));
+  BENCH_CUDA(cudaMalloc(&weights, 4 * TK));
+  BENCH_CUDA(cudaMalloc(&dp_u, 4 * TK));
+  BENCH_CUDA(cudaMalloc(&dp_f, 4 * TK));
+  BENCH_CUDA(cudaMalloc(&doff, 4 * (E + 1)));
+  BENCH_CUDA(cudaMalloc(&dent, 4 * TK));
+  if (ws_bytes > 0) BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+  Fill(dout, T * d, 1, 1.0f);
+  Fill(w2, w_elems, 2, 1.0f / std::sqrt(static_cast<float>(d)));
+  Fill(saved_h, N * 2 * h, 5, 1.5f);
+  Fill<float>(weights, TK, 6, 0.25f, 0.5f);  // positive, in [0.07, 0.93]
+  BENCH_CUDA(cudaMemset(dp_u, 0, 4 * TK));
+  BENCH_CUDA(cudaMemset(dp_f, 0, 4 * TK));
+  BENCH_CUDA(cudaMemcpy(doff, offsets.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(dent, entries.data(), 4 * TK, cudaMemcpyHostToDevice));
+
+  auto da_only = [&] {
+    BENCH_CUDA(moe::kernels::LaunchSm90BackwardDA(prob, cfg, dout, w2, doff, dent, da, nullptr));
+  };
+  auto act_only = [&] {
+    BENCH_CUDA(moe::kernels::LaunchActivationBackward(
+        saved_h, da, dent, weights, moe::kernels::ElemType::kBFloat16,
+        moe::kernels::detail::kActSwiGLU, N, h, dh_u, pa_u, dp_u, nullptr));
+  };
+  auto fused = [&](const Sm90GemmConfig& c) {
+    BENCH_CUDA(moe::kernels::LaunchSm90BackwardDH(prob, c, dout, w2, saved_h, weights, doff, dent,
+                                                  dh_f, pa_f, dp_f, ws, ws_bytes, nullptr));
+  };
+  da_only();
+  act_only();
+  fused(cfg);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const double err_dh = RelError(dh_f, dh_u, N * 2 * h, scratch);
+  const double err_pa = RelError(pa_f, pa_u, N * h, scratch);
+  const double err_dp = RelError<float>(dp_f, dp_u, TK, scratch);
+  // Must be able to fail: dH against the unfused one moved by a row.
+  const double err_shifted = RelError(dh_f, dh_u + 2 * h, (N - 1) * 2 * h, scratch);
+  fused(alt);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const double err_alt =
+      std::max(RelError(dh_f, dh_u, N * 2 * h, scratch), RelError<float>(dp_f, dp_u, TK, scratch));
+  const bool close =
+      err_dh < 1e-2 && err_pa < 1e-2 && err_dp < 1e-2 && err_alt < 1e-2 && err_shifted > 0.5;
+  *all_close &= close;
+
+  const float da_ms = MedianMs(da_only);
+  const float act_ms = MedianMs(act_only);
+  const float unfused_ms = MedianMs([&] {
+    da_only();
+    act_only();
+  });
+  const float dh_ms = MedianMs([&] { fused(cfg); });
+  const float dh_alt_ms = MedianMs([&] { fused(alt); });
+  Sm90GemmConfig ws_cfg = cfg;
+  ws_cfg.warp_specialized = true;
+  const float dh_ws_ms = MedianMs([&] { fused(ws_cfg); });
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const double err_ws = std::max(RelError(dh_f, dh_u, N * 2 * h, scratch),  // ws wrote last
+                                 RelError<float>(dp_f, dp_u, TK, scratch));
+  const bool ws_close = err_ws < 1e-2;
+  *all_close &= ws_close;
+  std::printf(
+      "{\"preset\":\"%s\",\"mode\":\"dh\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,\"K\":%d,"
+      "\"N\":%lld,\"check\":\"%s\",\"err_dh_vs_unfused\":%.2e,\"err_pa_vs_unfused\":%.2e,"
+      "\"err_dp_vs_unfused\":%.2e,\"err_alt_vs_unfused\":%.2e,\"err_dh_vs_shifted_rows\":%.2f,"
+      "\"block_n\":%d,\"group_m\":%d,\"column_tiles\":%lld,\"dh_ms\":%.4f,"
+      "\"alt_block_n\":%d,\"dh_alt_ms\":%.4f,\"ws_check\":\"%s\",\"dh_ws_ms\":%.4f,"
+      "\"da_ms\":%.4f,\"act_bwd_ms\":%.4f,"
+      "\"da_plus_act_ms\":%.4f,\"speedup\":%.2f,\"dh_tflops\":%.1f}\n",
+      ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
+      close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
+      cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms, alt.block_n,
+      dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, da_ms, act_ms, unfused_ms,
+      unfused_ms / dh_ms, 2.0 * N * d * h / dh_ms / 1e9);
+  std::fflush(stdout);
+  for (void* p : {static_cast<void*>(dout), static_cast<void*>(w2), static_cast<void*>(saved_h),
+                  static_cast<void*>(da), static_cast<void*>(dh_u), static_cast<void*>(dh_f),
+                  static_cast<void*>(pa_u), static_cast<void*>(pa_f), static_cast<void*>(weights),
+                  static_cast<void*>(dp_u), static_cast<void*>(dp_f), static_cast<void*>(doff),
+                  static_cast<void*>(dent), ws}) {
+    BENCH_CUDA(cudaFree(p));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -358,9 +508,16 @@ int main(int argc, char** argv) {
   double* scratch;
   BENCH_CUDA(cudaMalloc(&scratch, 2 * sizeof(double)));
   bool all_close = true;
+  // [--dh] [preset]
+  const bool dh_mode = argc > 1 && std::string_view(argv[1]) == "--dh";
+  const int name_arg = dh_mode ? 2 : 1;
   for (const Preset& ps : kPresets) {
-    if (argc > 1 && std::string_view(argv[1]) != ps.name) continue;
-    RunPreset(ps, lanes, scratch, &all_close);
+    if (argc > name_arg && std::string_view(argv[name_arg]) != ps.name) continue;
+    if (dh_mode) {
+      RunDHPreset(ps, scratch, &all_close);
+    } else {
+      RunPreset(ps, lanes, scratch, &all_close);
+    }
   }
   BENCH_CUDA(cudaFree(scratch));
   for (int i = 0; i < Lanes::kLanes; ++i) cublasDestroy(lanes.blas[i]);

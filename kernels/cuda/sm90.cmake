@@ -22,8 +22,10 @@ if(MOE_BUILD_BENCH)
   target_link_libraries(moe_sm90_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu CUDA::cublas)
   set_target_properties(moe_sm90_bench PROPERTIES CUDA_ARCHITECTURES 90a)
   add_executable(moe_sm90_backward_bench ${PROJECT_SOURCE_DIR}/bench/sm90_backward_bench.cu)
-  target_link_libraries(moe_sm90_backward_bench PRIVATE moe::kernels_sm90 moe::kernels_cpu
-                        CUDA::cublas)
+  # moe::kernels_cuda for the unfused activation backward that --dh times LaunchSm90BackwardDH
+  # against.
+  target_link_libraries(moe_sm90_backward_bench PRIVATE moe::kernels_sm90 moe::kernels_cuda
+                        moe::kernels_cpu CUDA::cublas)
   set_target_properties(moe_sm90_backward_bench PROPERTIES CUDA_ARCHITECTURES 90a)
   add_executable(moe_sm90_weight_grad_bench ${PROJECT_SOURCE_DIR}/bench/sm90_weight_grad_bench.cu)
   target_link_libraries(moe_sm90_weight_grad_bench

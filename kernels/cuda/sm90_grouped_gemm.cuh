@@ -36,6 +36,9 @@
 //   kPlain: writes the row to Y[entries[slot]], i.e. each (token, k) row contiguously in
 //     [T*K, n] order, so the combine is a contiguous per-token weighted sum; or, with kSlotOut,
 //     to out[slot] (the backward's dA_u and dXg, which later stages read in slot order).
+//   kDSwiGLU (kPlain with kSlotOut): the backward's dA GEMM that never writes dA_u; from the
+//     fp32 accumulators and the saved H it writes dH = [dH1 | dH3], pA = p * A and the row's
+//     share of dp = <dA_u, A> (StoreSwiGLUBackwardTile).
 // No Abseil, gRPC or protobuf here (house style): raw pointers and cudaError_t only.
 #ifndef MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
 #define MOE_KERNELS_CUDA_SM90_GROUPED_GEMM_CUH_
@@ -45,6 +48,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kernels/cuda/activation.cuh"
 
 namespace moe::kernels::sm90 {
 
@@ -72,6 +77,13 @@ struct GemmParams {
   int32_t top_k;
   int32_t group_m;          // row blocks per rasterisation band (>= 1)
   int64_t b_expert_stride;  // elements between experts in b0/b1 (>= n_dim * k_dim)
+  // kDSwiGLU only (the backward's dA GEMM with the SwiGLU backward as its epilogue; out0 is
+  // then dH [N, 2 * n_dim], out1 pA [N, n_dim]):
+  const __nv_bfloat16* saved_h;  // the forward's H [N, 2 * n_dim], slot order
+  const float* route_w;          // routing weights [T * top_k], by entry
+  float* dp;                     // [T * top_k] by entry, written when one column tile spans h
+  float* dp_part;                // else per-tile partial sums [column tiles][dp_stride]
+  int64_t dp_stride;             // >= N
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -396,15 +408,175 @@ __device__ __forceinline__ void BuildTilePrefix(const int32_t* offsets, int num_
   }
 }
 
+// What the epilogue needs of the 4 rows a thread stores ((t_wg / 8) + 16 j of its warpgroup),
+// read at the start of a tile so that the loads' latency hides behind the main loop: kPlain's
+// destination row (entries[slot], or slot with kSlotOut) and, for kDSwiGLU, the row's entry
+// and routing weight. Rows past the tile's end keep zeros and are never stored.
+struct EpiRows {
+  int dst[4];
+  int entry[4];
+  float weight[4];
+};
+
+template <bool kSwiGLU, bool kSlotOut, bool kDSwiGLU>
+__device__ __forceinline__ EpiRows LoadEpiRows(const GemmParams& p, const TileInfo& ti,
+                                               int first_row) {
+  EpiRows rows = {};
+  if constexpr (!kSwiGLU) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = first_row + 16 * j;
+      if (r < ti.rows) {
+        const int slot = ti.slot0 + r;
+        if constexpr (kDSwiGLU) {
+          rows.entry[j] = p.entries[slot];
+          rows.weight[j] = p.route_w[rows.entry[j]];
+        }
+        rows.dst[j] = kSlotOut ? slot : p.entries[slot];
+      }
+    }
+  }
+  return rows;
+}
+
+// The dA GEMM's epilogue with the SwiGLU backward in it (kDSwiGLU), for one warpgroup. The
+// accumulators d = dA_u go through the staging 32 columns at a time as fp32 (so d is never
+// rounded to bf16; 32 fp32 columns fill the same padded 144-byte rows as kPlain's 64 bf16
+// ones), then each thread takes 4 consecutive columns of its 4 rows and writes
+//   dH1 = p d H3 silu'(H1),  dH3 = p d silu(H1),  pA = p silu(H1) H3   (bf16)
+// from the saved H, whose loads run one chunk ahead (issued before the previous chunk's math)
+// so that their latency overlaps it; prefetching a tile's H into L2 as the tile starts measured
+// slower on 4 of 5 presets (bench/results/2026-11-21-h100-fb-b2). d * A is summed per row in
+// registers across the tile; the row's 8 threads combine their sums by a fixed shuffle tree,
+// and one writes the tile's sum: straight to dp[entry] when a single column tile covers h
+// (dp_part null), else to dp_part[column tile][slot] for the launcher's ordered reduction. No
+// atomics, so dp is bit-reproducible.
+template <int kN>
+__device__ __forceinline__ void StoreSwiGLUBackwardTile(const GemmParams& p, const TileInfo& ti,
+                                                        const float (&acc)[kN / 2],
+                                                        const EpiRows& rows, uint8_t* stage,
+                                                        int t_wg, int row_group, int bar_id) {
+  constexpr int kCols = 32;
+  constexpr int kRowBytes = kCols * 4 + 16;
+  static_assert(kRowBytes == EpiRowBytes<false>(), "must fit the kPlain staging rows");
+  const int lane = t_wg & 31;
+  const int c_base = 2 * (lane & 3);
+  const int rw = (t_wg >> 5) * 16 + (lane >> 2);  // fragment row within the warpgroup
+  const int piece = t_wg & 7;                     // columns 4 piece .. +3 of every chunk
+  const int h = p.n_dim;
+  // H1 and H3 at this thread's 4 columns of chunk cc, for its 4 rows (zeros outside).
+  auto load_h = [&](int cc, uint2(&g)[4], uint2(&u)[4]) {
+    const int col = ti.n0 + cc * kCols + 4 * piece;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = row_group * 64 + (t_wg >> 3) + 16 * j;
+      g[j] = u[j] = make_uint2(0, 0);
+      if (r < ti.rows && col < h) {
+        const __nv_bfloat16* hrow = p.saved_h + static_cast<int64_t>(ti.slot0 + r) * 2 * h + col;
+        g[j] = __ldg(reinterpret_cast<const uint2*>(hrow));
+        u[j] = __ldg(reinterpret_cast<const uint2*>(hrow + h));
+      }
+    }
+  };
+  float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint2 hg[4], hu[4];
+  load_h(0, hg, hu);
+#pragma unroll
+  for (int cc = 0; cc < kN / kCols; ++cc) {
+    const int col = ti.n0 + cc * kCols + 4 * piece;
+#pragma unroll
+    for (int ii = 0; ii < kCols / 8; ++ii) {
+      const int i = cc * (kCols / 8) + ii;  // n8 block of the accumulator
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        *reinterpret_cast<float2*>(stage + (rw + 8 * hr) * kRowBytes + (8 * ii + c_base) * 4) =
+            make_float2(acc[4 * i + 2 * hr], acc[4 * i + 2 * hr + 1]);
+      }
+    }
+    uint2 next_g[4], next_u[4];
+    if (cc + 1 < kN / kCols) load_h(cc + 1, next_g, next_u);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = (t_wg >> 3) + 16 * j;
+      const int r = row_group * 64 + row;
+      const float4 d4 = *reinterpret_cast<const float4*>(stage + row * kRowBytes + piece * 16);
+      if (r < ti.rows && col < h) {
+        const float d[4] = {d4.x, d4.y, d4.z, d4.w};
+        const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&hg[j]);
+        const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&hu[j]);
+        const float pw = rows.weight[j];
+        uint2 out_dg, out_du, out_pa;
+        __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(&out_dg);
+        __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(&out_du);
+        __nv_bfloat162* pa2 = reinterpret_cast<__nv_bfloat162*>(&out_pa);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const float2 gf = __bfloat1622float2(g2[q]);
+          const float2 uf = __bfloat1622float2(u2[q]);
+          const float g[2] = {gf.x, gf.y}, u[2] = {uf.x, uf.y};
+          float dg[2], du[2], pa[2];
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            float f, df;
+            detail::ActAndGrad<detail::kActSwiGLU>(g[v], &f, &df);
+            const float a = f * u[v];
+            const float dv = d[2 * q + v];
+            dot[j] = fmaf(dv, a, dot[j]);
+            const float dav = pw * dv;
+            dg[v] = dav * u[v] * df;
+            du[v] = dav * f;
+            pa[v] = pw * a;
+          }
+          dg2[q] = __floats2bfloat162_rn(dg[0], dg[1]);
+          du2[q] = __floats2bfloat162_rn(du[0], du[1]);
+          pa2[q] = __floats2bfloat162_rn(pa[0], pa[1]);
+        }
+        const int64_t slot = ti.slot0 + r;
+        __nv_bfloat16* dh_row = p.out0 + slot * 2 * h + col;
+        *reinterpret_cast<uint2*>(dh_row) = out_dg;
+        *reinterpret_cast<uint2*>(dh_row + h) = out_du;
+        *reinterpret_cast<uint2*>(p.out1 + slot * h + col) = out_pa;
+      }
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      hg[j] = next_g[j];
+      hu[j] = next_u[j];
+    }
+  }
+  // ---- dp: the 8 threads of a row are 8 consecutive lanes; every lane takes part.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float v = dot[j];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    const int r = row_group * 64 + (t_wg >> 3) + 16 * j;
+    if (piece == 0 && r < ti.rows) {
+      if (p.dp_part == nullptr) {
+        p.dp[rows.entry[j]] = v;
+      } else {
+        p.dp_part[(ti.n0 / kN) * p.dp_stride + ti.slot0 + r] = v;
+      }
+    }
+  }
+}
+
 // The epilogue of both kernels, for one warpgroup (64 rows of the tile, rows `row_group`*64
 // on): registers -> padded staging (one column chunk at a time) -> 16-byte row-contiguous
 // global stores. Direct 4-byte stores from the fragments left the down-projection throttled
-// on the load/store queue with L2 at 83% of its peak (ncu). `y_row`: kPlain's destination rows
-// for the rows this thread stores, (t_wg / 8) + 16 j. `bar_id`: the warpgroup's named barrier.
-template <int kN, bool kSwiGLU>
+// on the load/store queue with L2 at 83% of its peak (ncu). `rows`: see EpiRows. `bar_id`: the
+// warpgroup's named barrier. kDSwiGLU: StoreSwiGLUBackwardTile instead.
+template <int kN, bool kSwiGLU, bool kDSwiGLU = false>
 __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& ti,
-                                          const float (&acc)[kN / 2], const int (&y_row)[4],
+                                          const float (&acc)[kN / 2], const EpiRows& rows,
                                           uint8_t* stage, int t_wg, int row_group, int bar_id) {
+  if constexpr (kDSwiGLU) {
+    StoreSwiGLUBackwardTile<kN>(p, ti, acc, rows, stage, t_wg, row_group, bar_id);
+    return;
+  }
   constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
   const int wg = row_group;
   constexpr int kCols = EpiChunkCols<kSwiGLU>();
@@ -463,7 +635,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
         const int col = ti.n0 + cc * kCols + piece * 8;
         if (r < ti.rows && col < p.n_dim) {
           const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kRowBytes + piece * 16);
-          *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(y_row[j]) * p.n_dim + col) = v;
+          *reinterpret_cast<uint4*>(p.out0 + static_cast<int64_t>(rows.dst[j]) * p.n_dim + col) = v;
         }
       }
     }
@@ -479,9 +651,10 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
 // registers) measured slower on every preset and is left out.
 // kGatherA: A row r of a tile is a[entries[slot] / top_k] (else a[slot]). kTransB: B is stored
 // [k_dim][n_dim] per expert and staged MN-major (kPlain only). kSlotOut: kPlain rows go to
-// out0[slot] instead of out0[entries[slot]]. The defaults are the forward's two projections.
+// out0[slot] instead of out0[entries[slot]]. kDSwiGLU (kPlain, kSlotOut): the SwiGLU backward
+// epilogue (StoreSwiGLUBackwardTile). The defaults are the forward's two projections.
 template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, bool kGatherA = kSwiGLU,
-          bool kTransB = false, bool kSlotOut = false>
+          bool kTransB = false, bool kSlotOut = false, bool kDSwiGLU = false>
 __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kThreads = kWarpgroups * 128;
@@ -495,6 +668,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   static_assert(kAhead >= 1, "need at least 3 stages");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
+  static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -635,17 +809,9 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const TileInfo ti =
         DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-    // kPlain's destination rows (the rows this thread stores in the epilogue: 64/16 of its
-    // warpgroup's), loaded now and first used by the epilogue, so their latency hides behind
-    // the main loop.
-    int y_row[4] = {0, 0, 0, 0};
-    if constexpr (!kSwiGLU) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = wg * 64 + ((tid & 127) >> 3) + 16 * j;
-        if (r < ti.rows) y_row[j] = kSlotOut ? ti.slot0 + r : p.entries[ti.slot0 + r];
-      }
-    }
+    // The epilogue's rows, loaded now so that their latency hides behind the main loop.
+    const EpiRows rows =
+        LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, wg * 64 + ((tid & 127) >> 3));
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
@@ -676,8 +842,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     FenceOperands(acc);
 
     // ---- Epilogue.
-    StoreTile<kN, kSwiGLU>(p, ti, acc, y_row, epi + wg * 64 * EpiRowBytes<kSwiGLU>(), tid & 127, wg,
-                           1 + wg);
+    StoreTile<kN, kSwiGLU, kDSwiGLU>(p, ti, acc, rows, epi + wg * 64 * EpiRowBytes<kSwiGLU>(),
+                                     tid & 127, wg, 1 + wg);
   }
   CpAsyncWait<0>();
 }
@@ -698,7 +864,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
 // All kStages slots can be in flight (no "-2" rule), since slots are released explicitly.
 // kGatherA, kTransB, kSlotOut as for sm90_grouped_gemm_kernel (weights by TMA only).
 template <int kN, int kStages, bool kSwiGLU, bool kGatherA = kSwiGLU, bool kTransB = false,
-          bool kSlotOut = false>
+          bool kSlotOut = false, bool kDSwiGLU = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_grouped_gemm_ws_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kBlockM = 128;
@@ -710,6 +876,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kAcc = kN / 2;
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
+  static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -796,14 +963,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo ti =
           DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-      int y_row[4] = {0, 0, 0, 0};
-      if constexpr (!kSwiGLU) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = cw * 64 + (t_wg >> 3) + 16 * j;
-          if (r < ti.rows) y_row[j] = kSlotOut ? ti.slot0 + r : p.entries[ti.slot0 + r];
-        }
-      }
+      const EpiRows rows = LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, cw * 64 + (t_wg >> 3));
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
       int release = -1;  // slot whose wgmmas may still run
@@ -841,8 +1001,8 @@ __global__ void __launch_bounds__(384, 1)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
                      : "memory");
       }
-      StoreTile<kN, kSwiGLU>(p, ti, acc, y_row, epi + cw * 64 * EpiRowBytes<kSwiGLU>(), t_wg, cw,
-                             1 + cw);
+      StoreTile<kN, kSwiGLU, kDSwiGLU>(p, ti, acc, rows, epi + cw * 64 * EpiRowBytes<kSwiGLU>(),
+                                       t_wg, cw, 1 + cw);
     }
   }
 }

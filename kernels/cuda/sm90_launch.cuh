@@ -74,16 +74,17 @@ inline int SmCount() {
 
 // The compile-time choices of one use of the grouped GEMM (see sm90_grouped_gemm_kernel).
 // The forward's up-projection is <true, true, false, false>, its down-projection
-// <false, false, false, false>.
-template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+// <false, false, false, false>; the backward's dA with the SwiGLU backward in its epilogue
+// <false, true, true, true, true>.
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU = false>
 struct GemmVariant {};
 
 template <int kWarpgroups, int kN, int kStages, bool kTmaB, bool kSwiGLU, bool kGatherA,
-          bool kTransB, bool kSlotOut>
-cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>, const GemmParams& params,
-                       cudaStream_t stream) {
+          bool kTransB, bool kSlotOut, bool kDSwiGLU>
+cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
+                       const GemmParams& params, cudaStream_t stream) {
   auto* kernel = sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kGatherA,
-                                          kTransB, kSlotOut>;
+                                          kTransB, kSlotOut, kDSwiGLU>;
   constexpr int kSmem = SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
@@ -95,10 +96,12 @@ cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>, const 
   return cudaGetLastError();
 }
 
-template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
-cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>,
+template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut,
+          bool kDSwiGLU>
+cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
                          const GemmParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut>;
+  auto* kernel =
+      sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>;
   constexpr int kSmem = SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8;
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
@@ -141,8 +144,8 @@ cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const Gemm
 
 // Validates the config, encodes the weight maps (b1 only for kSwiGLU) and launches. For
 // kTransB the weights are [experts][k_dim][n_dim] and the map's boxes are 64 n x 64 k.
-template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
-cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut> variant,
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU>
+cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU> variant,
                          const Sm90GemmConfig& config, GemmParams& params, const void* b0,
                          const void* b1, cudaStream_t stream) {
   if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
