@@ -8,7 +8,8 @@
 // fused path that the device or the sizes do not allow runs unfused, and the line says which
 // path really ran. Each fused forward's output is checked against the unfused one on the
 // first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms per
-// backward path, unfused (per-expert cuBLAS) and fused (the sm90 backward kernels), everything
+// backward path, unfused (per-expert cuBLAS), fused (the sm90 backward kernels) and fused-dh
+// (the same with the SwiGLU backward in the dA kernel's epilogue), everything
 // down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
 // overwritten, not read; the fused results are checked against the unfused ones (dx and dp on
 // the first 16384 tokens, the first 16 Mi elements of each weight gradient; > 2e-2 fails).
@@ -88,8 +89,9 @@ constexpr int64_t kCheckTokens = 16384;
 
 // The backward paths timed per preset, in print order.
 constexpr cuda::BackwardKernels kBackwardPaths[] = {cuda::BackwardKernels::kUnfused,
-                                                    cuda::BackwardKernels::kFused};
-constexpr int kNumBackwardPaths = 2;
+                                                    cuda::BackwardKernels::kFused,
+                                                    cuda::BackwardKernels::kFusedEpilogue};
+constexpr int kNumBackwardPaths = 3;
 // Weight-gradient elements compared between the backward paths (the first ones of each tensor:
 // deepseek-v3's dW13 alone is 15 GB).
 constexpr int64_t kCheckGradElements = int64_t{1} << 24;
@@ -100,7 +102,7 @@ struct Result {
   cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
   cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
   double err_vs_unfused[kNumPaths] = {};     // normalised, on the first kCheckTokens tokens
-  // Fused backward vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
+  // Fused backwards vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
   double bwd_err = 0;
   int auto_path = 0;                         // index in kPaths of what the service runs
   int auto_bwd = 0;                          // index in kBackwardPaths likewise
@@ -299,10 +301,12 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     return den > 0 ? std::sqrt(num / den) : (num == 0 ? 0.0 : INFINITY);
   };
   auto as_double = [](float f) { return static_cast<double>(f); };
-  r.bwd_err = std::max({rel_err(dx_host[1], dx_host[0], bf16),
-                        rel_err(dp_host[1], dp_host[0], as_double),
-                        rel_err(dw2_host[1], dw2_host[0], as_double),
-                        rel_err(dw13_host[1], dw13_host[0], as_double)});
+  for (int v = 1; v < kNumBackwardPaths; ++v) {
+    r.bwd_err = std::max({r.bwd_err, rel_err(dx_host[v], dx_host[0], bf16),
+                          rel_err(dp_host[v], dp_host[0], as_double),
+                          rel_err(dw2_host[v], dw2_host[0], as_double),
+                          rel_err(dw13_host[v], dw13_host[0], as_double)});
+  }
   if (!(r.bwd_err <= 2e-2)) {
     return absl::InternalError(
         absl::StrCat("fused backward differs from the unfused one: ", r.bwd_err));
@@ -692,11 +696,11 @@ int Main(int argc, char** argv) {
   std::printf(
       "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
       "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
-  std::printf("# bwd_* per backward path (unfused / fused), marked likewise; tot_unf = unfused fwd "
+  std::printf("# bwd_* per backward path (unfused / fused / fused-dh), marked likewise; tot_unf = unfused fwd "
               "+ unfused bwd, tot_svc = the service's fwd + bwd; err = worst fused-vs-unfused "
               "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
-  std::printf("%-12s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
-              "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "tot_unf",
+  std::printf("%-12s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
+              "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "tot_unf",
               "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
               "disp_ms", "cub_ms", "equal", "chunks");
   int failures = 0;
@@ -735,10 +739,10 @@ int Main(int argc, char** argv) {
         bcols[v] = cell(r->bwd_ms[v], r->ran_bwd[v] != kBackwardPaths[v], v == b);
       }
       std::printf(
-          "%-12s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f %9.4f "
-          "%9.4f %6s %9lld\n",
+          "%-12s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
+          "%9.4f %9.4f %6s %9lld\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
-          bcols[1].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf, 100.0 * tot_tf / *peak,
+          bcols[1].c_str(), bcols[2].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf, 100.0 * tot_tf / *peak,
           flop_floor_ms, byte_floor_ms, max_err,
           r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
           static_cast<long long>(r->chunks));
@@ -760,7 +764,8 @@ int Main(int argc, char** argv) {
                         "\": ", r->err_vs_unfused[v]);
       }
       for (int v = 0; v < kNumBackwardPaths; ++v) {
-        const std::string key = cuda::BackwardKernelsName(kBackwardPaths[v]);
+        std::string key = cuda::BackwardKernelsName(kBackwardPaths[v]);
+        std::replace(key.begin(), key.end(), '-', '_');
         absl::StrAppend(&line, ", \"bwd_", key, "_ms\": ", r->bwd_ms[v], ", \"ran_bwd_", key,
                         "\": \"", cuda::BackwardKernelsName(r->ran_bwd[v]), "\"");
       }

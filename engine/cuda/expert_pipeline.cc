@@ -99,6 +99,8 @@ const char* BackwardKernelsName(BackwardKernels k) {
       return "unfused";
     case BackwardKernels::kFused:
       return "fused";
+    case BackwardKernels::kFusedEpilogue:
+      return "fused-dh";
   }
   return "?";
 }
@@ -422,10 +424,12 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
         MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_rows, a_tmp.get()));
         hb = h_rows;
       }
+      const BackwardKernels path = ChunkBackwardKernels(ch);
       absl::StatusOr<DeviceBuffer> dxb =
-          ChunkBackwardKernels(ch) == BackwardKernels::kFused
-              ? FusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta != 0.f, dp, &h_tmp)
-              : UnfusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta, dp, &h_tmp);
+          path == BackwardKernels::kUnfused
+              ? UnfusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta, dp, &h_tmp)
+              : FusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta != 0.f,
+                                   path == BackwardKernels::kFusedEpilogue, dp, &h_tmp);
       if (!dxb.ok()) return dxb.status();
       dxg = std::move(*dxb);
     }
@@ -519,7 +523,7 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::UnfusedChunkBackward(
 absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
     const DispatchPlan& plan, const ChunkPlan& ch, const void* x, const void* hb, const float* p,
     const void* dout, const ExpertWeights& w, const ExpertGrads& grads, bool accumulate,
-    float* dp, DeviceBuffer* h_tmp) {
+    bool epilogue, float* dp, DeviceBuffer* h_tmp) {
   const int64_t e = 2;  // bf16: UseFusedBackward admits nothing else
   const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
   const int64_t K = shape_.top_k, n = ch.routed;
@@ -531,20 +535,30 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
     return kernels::Sm90ChooseConfig(prob, projection, num_sms_);
   };
   const uint16_t* dout_rows = Bf16At(dout, ch.t0 * d * e);
-  // dA_u = G W2 with G's rows gathered from dout while loading.
-  absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
-  if (!dau.ok()) return dau.status();
-  MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, config(kernels::Sm90Projection::kBackwardDA),
-                                                dout_rows, Bf16At(w.w2, 0), offsets, entries,
-                                                dau->as<uint16_t>(), s));
+  const kernels::Sm90GemmConfig da_config = config(kernels::Sm90Projection::kBackwardDA);
   absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
   if (!dh.ok()) return dh.status();
   absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
   if (!ap.ok()) return ap.status();
-  MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
-                                                    shape_.type, shape_.activation, n, h, dh->get(),
-                                                    ap->get(), dp + ch.t0 * K, s));
-  dau->Reset();
+  if (epilogue) {
+    // dA_u stays in registers: the dA kernel's epilogue writes dH, pA and dp (via per-column-
+    // tile partial sums in `ws` when h spans several tiles).
+    const size_t ws_bytes = kernels::Sm90BackwardDHWorkspaceBytes(prob, da_config);
+    absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "dp partial sums");
+    if (!ws.ok()) return ws.status();
+    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDH(
+        prob, da_config, dout_rows, Bf16At(w.w2, 0), Bf16At(hb, 0), p + ch.t0 * K, offsets,
+        entries, dh->as<uint16_t>(), ap->as<uint16_t>(), dp + ch.t0 * K, ws->get(), ws_bytes, s));
+  } else {
+    // dA_u = G W2 with G's rows gathered from dout while loading, then the activation pass.
+    absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
+    if (!dau.ok()) return dau.status();
+    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, da_config, dout_rows, Bf16At(w.w2, 0),
+                                                  offsets, entries, dau->as<uint16_t>(), s));
+    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(
+        hb, dau->get(), entries, p + ch.t0 * K, shape_.type, shape_.activation, n, h, dh->get(),
+        ap->get(), dp + ch.t0 * K, s));
+  }
   h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
   MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
       prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(), offsets,

@@ -63,8 +63,12 @@ const char* ForwardKernelsName(ForwardKernels k);
 //   kFused:   sm90 dA (dout rows gathered on load, W2 read as stored) + the same SwiGLU
 //             backward pass + sm90 dW2 and dW13 (one persistent launch each, per-expert
 //             reduction lengths, x and dout rows gathered on load) + sm90 dXg + combine:
-//             five launches per chunk whatever the number of experts, nothing gathered stored.
-enum class BackwardKernels { kAuto = 0, kUnfused = 1, kFused = 2 };
+//             five launches per chunk whatever the number of experts, nothing gathered stored;
+//   kFusedEpilogue: kFused with the SwiGLU backward in the dA kernel's epilogue
+//             (LaunchSm90BackwardDH: dA_u never reaches memory). Correct, but measured 0.80-0.98x
+//             the speed of the two launches it replaces (docs/FUSED.md), so only a forced option:
+//             kAuto never picks it.
+enum class BackwardKernels { kAuto = 0, kUnfused = 1, kFused = 2, kFusedEpilogue = 3 };
 const char* BackwardKernelsName(BackwardKernels k);
 
 struct ExpertShape {
@@ -224,11 +228,13 @@ class ExpertPipeline {
                                                     const void* dout, const ExpertWeights& w,
                                                     const ExpertGrads& grads, float beta, float* dp,
                                                     DeviceBuffer* h_tmp);
+  // `epilogue`: dH, pA and dp from the dA kernel's epilogue (kFusedEpilogue), else the
+  // separate activation pass.
   absl::StatusOr<DeviceBuffer> FusedChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
                                                   const void* x, const void* hb, const float* p,
                                                   const void* dout, const ExpertWeights& w,
                                                   const ExpertGrads& grads, bool accumulate,
-                                                  float* dp, DeviceBuffer* h_tmp);
+                                                  bool epilogue, float* dp, DeviceBuffer* h_tmp);
   // The forward's up-projection of one chunk by `kernels_used`: H [routed, g] into hb and, when
   // `a` is not null, A [routed, h] (the fused kernel always needs `a`). Forward and the
   // recompute-mode Backward both run this.

@@ -148,7 +148,8 @@ ExpertShape SwiGluBf16Backward(int64_t d, int64_t h, BackwardKernels backward) {
 }
 
 TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
-  for (BackwardKernels k : {BackwardKernels::kUnfused, BackwardKernels::kFused}) {
+  for (BackwardKernels k :
+       {BackwardKernels::kUnfused, BackwardKernels::kFused, BackwardKernels::kFusedEpilogue}) {
     const ExpertShape s = SwiGluBf16Backward(40, 24, k);
     EXPECT_EQ(UseFusedBackward(s, Problem(s, 37), /*device_sm90=*/true), k)
         << BackwardKernelsName(k);
@@ -156,19 +157,21 @@ TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
 }
 
 TEST(UseFusedBackwardTest, FallsBackOffSm90ForOddSizesOtherActivationsAndDtypes) {
-  const BackwardKernels k = BackwardKernels::kFused;
-  ExpertShape s = SwiGluBf16Backward(64, 64, k);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 64), /*device_sm90=*/false), BackwardKernels::kUnfused);
-  s = SwiGluBf16Backward(38, 64, k);  // d not a multiple of 8
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
-  s = SwiGluBf16Backward(64, 20, k);  // h not a multiple of 8
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
-  s = SwiGluBf16Backward(64, 64, k);
-  s.activation = 1;  // GELU: the fused SwiGLU backward does not apply
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
-  s = SwiGluBf16Backward(64, 64, k);
-  s.type = kernels::ElemType::kFloat32;
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+  for (BackwardKernels k : {BackwardKernels::kFused, BackwardKernels::kFusedEpilogue}) {
+    ExpertShape s = SwiGluBf16Backward(64, 64, k);
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 64), /*device_sm90=*/false),
+              BackwardKernels::kUnfused);
+    s = SwiGluBf16Backward(38, 64, k);  // d not a multiple of 8
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16Backward(64, 20, k);  // h not a multiple of 8
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16Backward(64, 64, k);
+    s.activation = 1;  // GELU: the fused SwiGLU backward does not apply
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16Backward(64, 64, k);
+    s.type = kernels::ElemType::kFloat32;
+    EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+  }
 }
 
 TEST(UseFusedBackwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
