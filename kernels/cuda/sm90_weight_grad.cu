@@ -50,8 +50,7 @@ cudaError_t LaunchWeightGrad(const Sm90ExpertProblem& problem, const Sm90GemmCon
                              const int32_t* entries, float* c, bool accumulate,
                              cudaStream_t stream) {
   if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
-  if (!Aligned16(a) || !Aligned16(b) || !Aligned16(c) || offsets == nullptr ||
-      entries == nullptr) {
+  if (!Aligned16(a) || !Aligned16(b) || !Aligned16(c) || offsets == nullptr || entries == nullptr) {
     return cudaErrorInvalidValue;
   }
   WeightGradParams params = {};
