@@ -1,7 +1,8 @@
 // Helpers shared by the fused Hopper kernels' tests (sm90_expert_forward_test.cc,
 // sm90_expert_backward_test.cc, sm90_weight_grad_test.cc) and, through bench/sm90_bench_util.h,
 // their benchmarks: bf16 conversion, poison patterns, a device buffer, random inputs and
-// routing, a problem built from its sizes, and the normalised error the checks are judged by.
+// routing, a case's shape, a problem built from its sizes, the sm_90 GPU check, and the
+// normalised error the checks are judged by.
 //
 // Header-only and free of GoogleTest and Abseil, like the tests themselves, so each test stays
 // one self-contained binary that runs on a bare GPU machine.
@@ -111,6 +112,21 @@ inline std::vector<int32_t> RandomRouting(int64_t tokens, int32_t top_k, int32_t
   }
   return idx;
 }
+
+// One test case: T tokens each routed to K of `experts_global` experts, of which this shard owns
+// [expert_first, expert_first + expert_count); sizes d (model) and h (hidden).
+struct ShardCase {
+  const char* name;
+  int64_t tokens;
+  int32_t top_k;
+  int32_t experts_global;
+  int32_t expert_first;
+  int32_t expert_count;
+  int32_t d;
+  int32_t h;
+  int32_t empty_global;  // a global expert no token picks (-1: none)
+  int32_t hot_global;    // a global expert picked far more often (ragged, multi-block groups)
+};
 
 // A problem of the given sizes, every other field left at its default (one expert block per
 // W1/W3, no routed-row hint unless given).

@@ -42,18 +42,7 @@ using testing::RandomRouting;
 
 constexpr double kTolerance = 1e-3;
 
-struct Case {
-  const char* name;
-  int64_t tokens;
-  int32_t top_k;
-  int32_t experts_global;
-  int32_t expert_first;
-  int32_t expert_count;
-  int32_t d;
-  int32_t h;
-  int32_t empty_global;  // a global expert no token picks (-1: none)
-  int32_t hot_global;    // a global expert picked far more often (long, ragged reductions)
-};
+using Case = testing::ShardCase;
 
 // One gradient's inputs on both sides: per expert e, C_e[M, N] = sum over its slots s of
 // A[a_row(s)]^T B[b_row(s)], with rows given per slot.
