@@ -9,11 +9,13 @@
 // once on the host and are not part of the timed forward (the engine builds them on the device).
 // Output: one JSON object a line (stdout, and --json FILE), then nothing else, so
 // bench/sm90_compare.py can join it with torch_moe_reference.py's lines from the same run.
+// Presets, routing, buffers and timing come from bench/sm90_bench_util.h, shared with the
+// backward benches.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,39 +24,20 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cpu/dispatch.h"
+#include "bench/sm90_bench_util.h"
 #include "kernels/cuda/sm90_expert_forward.h"
 
 namespace {
 
+using moe::bench::DeviceBuffer;
+using moe::bench::kPresets;
+using moe::bench::MedianMs;
+using moe::bench::Preset;
 using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
 using moe::kernels::Sm90Projection;
 
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
-
-struct Preset {
-  const char* name;
-  int64_t T;
-  int d, h, E, K;
-};
-// The same table as torch_moe_reference.py (scale-2m left out: its forward buffers, Y
-// [T*K, d] included, exceed 80 GB without chunking over tokens).
-const Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"mixtral", 8192, 4096, 14336, 8, 2},
-    {"deepseek-v3", 8192, 7168, 2048, 256, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
-    {"scale-32k", 32768, 2048, 1024, 64, 4},   {"scale-128k", 131072, 2048, 1024, 64, 4},
-    {"scale-512k", 524288, 2048, 1024, 64, 4},
-};
+#define CHECK_CUDA SM90_BENCH_CUDA
 
 // Approximately N(0, scale^2) bf16 from a counter hash (sum of 4 uniforms, variance matched).
 __global__ void fill_random_kernel(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
@@ -75,29 +58,6 @@ void FillRandom(void* ptr, int64_t n, uint64_t seed, float scale) {
   CHECK_CUDA(cudaGetLastError());
 }
 
-template <typename F>
-float MedianMs(F&& fn, int warm = 3, int reps = 20) {
-  for (int i = 0; i < warm; ++i) fn();
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> times;
-  for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventRecord(a));
-    fn();
-    CHECK_CUDA(cudaEventRecord(b));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    times.push_back(ms);
-  }
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 FILE* g_json = nullptr;
 void Emit(const std::string& line) {
   std::printf("%s\n", line.c_str());
@@ -110,100 +70,56 @@ void Emit(const std::string& line) {
 
 // Ceilings: copy bandwidth (bytes read + written) and cuBLAS dense bf16 TFLOP/s.
 void MeasureCeilings(double* copy_tbs, double* gemm_tflops) {
-  const size_t bytes = size_t{2} << 30;
-  void *src, *dst;
-  CHECK_CUDA(cudaMalloc(&src, bytes));
-  CHECK_CUDA(cudaMalloc(&dst, bytes));
-  FillRandom(src, bytes / 2, 1, 1.0f);
-  const float copy_ms =
-      MedianMs([&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
-  *copy_tbs = 2.0 * bytes / (copy_ms * 1e-3) / 1e12;
-  CHECK_CUDA(cudaFree(src));
-  CHECK_CUDA(cudaFree(dst));
+  {
+    const size_t bytes = size_t{2} << 30;
+    DeviceBuffer<uint16_t> src(bytes / 2), dst(bytes / 2);
+    FillRandom(src.ptr, bytes / 2, 1, 1.0f);
+    const float copy_ms = MedianMs(
+        [&] { CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice)); });
+    *copy_tbs = 2.0 * bytes / (copy_ms * 1e-3) / 1e12;
+  }  // the copy buffers are freed before the GEMM's are taken
 
   const int n = 8192;
-  void *a, *b, *c;
-  CHECK_CUDA(cudaMalloc(&a, size_t{2} * n * n));
-  CHECK_CUDA(cudaMalloc(&b, size_t{2} * n * n));
-  CHECK_CUDA(cudaMalloc(&c, size_t{2} * n * n));
-  FillRandom(a, int64_t{n} * n, 2, 1.0f);
-  FillRandom(b, int64_t{n} * n, 3, 1.0f);
+  DeviceBuffer<uint16_t> a(int64_t{n} * n), b(int64_t{n} * n), c(int64_t{n} * n);
+  FillRandom(a.ptr, int64_t{n} * n, 2, 1.0f);
+  FillRandom(b.ptr, int64_t{n} * n, 3, 1.0f);
   cublasHandle_t handle;
-  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) std::exit(1);
+  SM90_BENCH_CUBLAS(cublasCreate(&handle));
   const float one = 1.0f, zero = 0.0f;
   const float gemm_ms = MedianMs([&] {
-    if (cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b,
-                     CUDA_R_16BF, n, &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-      std::fprintf(stderr, "cublasGemmEx failed\n");
-      std::exit(1);
-    }
+    SM90_BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.ptr,
+                                   CUDA_R_16BF, n, b.ptr, CUDA_R_16BF, n, &zero, c.ptr, CUDA_R_16BF,
+                                   n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   });
   *gemm_tflops = 2.0 * n * n * double{n} / (gemm_ms * 1e-3) / 1e12;
   cublasDestroy(handle);
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(b));
-  CHECK_CUDA(cudaFree(c));
 }
 
 void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
-  const int64_t T = ps.T, TK = ps.T * ps.K;
-  const int d = ps.d, h = ps.h, E = ps.E, K = ps.K;
+  const int64_t T = ps.tokens, TK = ps.tokens * ps.top_k;
+  const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
   std::mt19937_64 rng(7);
-  std::vector<int32_t> idx(TK);
-  std::uniform_int_distribution<int32_t> pick(0, E - 1);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      int32_t e;
-      bool again;
-      do {
-        e = pick(rng);
-        again = false;
-        for (int j = 0; j < k; ++j) again |= idx[t * K + j] == e;
-      } while (again);
-      idx[t * K + k] = e;
-    }
-  }
-  std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(), entries.data(),
-                            slot_of.data());
+  const moe::bench::Routing routing = moe::bench::UniformRouting(ps, rng);
   std::vector<float> p(TK);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (auto& v : p) v = unit(rng) / K;
-  const int64_t N = offsets[E];
+  const int64_t N = routing.routed;
 
-  uint16_t *x, *w1, *w3, *w2, *hbuf, *abuf, *y, *out;
-  int32_t *doff, *dent, *dslot;
-  float* dp;
-  const size_t wsize = size_t{2} * E * h * d;
-  CHECK_CUDA(cudaMalloc(&x, size_t{2} * T * d));
-  CHECK_CUDA(cudaMalloc(&w1, wsize));
-  CHECK_CUDA(cudaMalloc(&w3, wsize));
-  CHECK_CUDA(cudaMalloc(&w2, wsize));
-  CHECK_CUDA(cudaMalloc(&hbuf, size_t{2} * N * 2 * h));
-  CHECK_CUDA(cudaMalloc(&abuf, size_t{2} * N * h));
-  CHECK_CUDA(cudaMalloc(&y, size_t{2} * TK * d));
-  CHECK_CUDA(cudaMalloc(&out, size_t{2} * T * d));
-  CHECK_CUDA(cudaMalloc(&doff, 4 * (E + 1)));
-  CHECK_CUDA(cudaMalloc(&dent, 4 * TK));
-  CHECK_CUDA(cudaMalloc(&dslot, 4 * TK));
-  CHECK_CUDA(cudaMalloc(&dp, 4 * TK));
-  FillRandom(x, T * d, 11, 1.0f);
-  FillRandom(w1, wsize / 2, 12, 1.0f / std::sqrt(static_cast<float>(d)));
-  FillRandom(w3, wsize / 2, 13, 1.0f / std::sqrt(static_cast<float>(d)));
-  FillRandom(w2, wsize / 2, 14, 1.0f / std::sqrt(static_cast<float>(h)));
-  CHECK_CUDA(cudaMemcpy(doff, offsets.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dent, entries.data(), 4 * TK, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dslot, slot_of.data(), 4 * TK, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dp, p.data(), 4 * TK, cudaMemcpyHostToDevice));
+  const size_t w_elems = size_t{1} * E * h * d;
+  DeviceBuffer<uint16_t> x(T * d), w1(w_elems), w3(w_elems), w2(w_elems), hbuf(N * 2 * h),
+      abuf(N * h), y(TK * d), out(T * d);
+  DeviceBuffer<int32_t> doff(E + 1), dent(TK), dslot(TK);
+  DeviceBuffer<float> dp(TK);
+  FillRandom(x.ptr, T * d, 11, 1.0f);
+  FillRandom(w1.ptr, w_elems, 12, 1.0f / std::sqrt(static_cast<float>(d)));
+  FillRandom(w3.ptr, w_elems, 13, 1.0f / std::sqrt(static_cast<float>(d)));
+  FillRandom(w2.ptr, w_elems, 14, 1.0f / std::sqrt(static_cast<float>(h)));
+  CHECK_CUDA(cudaMemcpy(doff.ptr, routing.offsets.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dent.ptr, routing.entries.data(), 4 * TK, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dslot.ptr, routing.slot_of.data(), 4 * TK, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dp.ptr, p.data(), 4 * TK, cudaMemcpyHostToDevice));
 
-  Sm90ExpertProblem prob;
-  prob.num_tokens = T;
-  prob.top_k = K;
-  prob.num_experts = E;
-  prob.d_model = d;
-  prob.d_hidden = h;
-  prob.num_routed = N;
+  const Sm90ExpertProblem prob = moe::kernels::testing::MakeProblem(T, K, E, d, h, N);
   if (const char* why = moe::kernels::Sm90CanImplement(prob)) {
     std::fprintf(stderr, "%s: refused: %s\n", ps.name, why);
     return;
@@ -215,14 +131,15 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   const Sm90GemmConfig down_cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kDown, sms);
 
   auto up = [&](const Sm90GemmConfig& c) {
-    CHECK_CUDA(
-        moe::kernels::LaunchSm90ExpertUp(prob, c, x, w1, w3, doff, dent, hbuf, abuf, nullptr));
+    CHECK_CUDA(moe::kernels::LaunchSm90ExpertUp(prob, c, x.ptr, w1.ptr, w3.ptr, doff.ptr, dent.ptr,
+                                                hbuf.ptr, abuf.ptr, nullptr));
   };
   auto down = [&](const Sm90GemmConfig& c) {
-    CHECK_CUDA(moe::kernels::LaunchSm90ExpertDown(prob, c, abuf, w2, doff, dent, y, nullptr));
+    CHECK_CUDA(moe::kernels::LaunchSm90ExpertDown(prob, c, abuf.ptr, w2.ptr, doff.ptr, dent.ptr,
+                                                  y.ptr, nullptr));
   };
   auto combine = [&] {
-    CHECK_CUDA(moe::kernels::LaunchSm90Combine(prob, y, dp, dslot, out, nullptr));
+    CHECK_CUDA(moe::kernels::LaunchSm90Combine(prob, y.ptr, dp.ptr, dslot.ptr, out.ptr, nullptr));
   };
   const double up_flop = 2.0 * N * d * 2.0 * h, down_flop = 2.0 * N * h * d;
   char line[1024];
@@ -244,8 +161,7 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
                   "\"group_m\":[%d,%d],\"up_ms\":%.4f,\"up_tflops\":%.1f,"
                   "\"down_ms\":%.4f,\"down_tflops\":%.1f}",
                   ps.name, c.block_n, c.tma_weights ? 1 : 0, c.warp_specialized ? 1 : 0, c.group_m,
-                  cd.group_m, up_ms,
-                  up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
+                  cd.group_m, up_ms, up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
     Emit(line);
   }
   const float up_ms = MedianMs([&] { up(up_cfg); });
@@ -274,12 +190,6 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
                 fwd_flop / (gemm_tflops * 1e12) * 1e3, bytes / (copy_tbs * 1e12) * 1e3, gemm_tflops,
                 copy_tbs);
   Emit(line);
-  for (void* ptr : {static_cast<void*>(x), static_cast<void*>(w1), static_cast<void*>(w3),
-                    static_cast<void*>(w2), static_cast<void*>(hbuf), static_cast<void*>(abuf),
-                    static_cast<void*>(y), static_cast<void*>(out), static_cast<void*>(doff),
-                    static_cast<void*>(dent), static_cast<void*>(dslot), static_cast<void*>(dp)}) {
-    CHECK_CUDA(cudaFree(ptr));
-  }
 }
 
 }  // namespace
@@ -299,12 +209,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s [--json FILE] (--all | PRESET...)\n", argv[0]);
     return 2;
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 ||
-      !moe::kernels::Sm90DeviceSupported(0)) {
-    std::fprintf(stderr, "no sm_90 GPU\n");
-    return 77;
-  }
+  if (!moe::kernels::testing::HaveSm90Gpu(stderr)) return 77;
   double copy_tbs = 0, gemm_tflops = 0;
   MeasureCeilings(&copy_tbs, &gemm_tflops);
   char line[256];
@@ -313,10 +218,7 @@ int main(int argc, char** argv) {
                 gemm_tflops);
   Emit(line);
   for (const std::string& name : names) {
-    const Preset* preset = nullptr;
-    for (const Preset& p : kPresets) {
-      if (name == p.name) preset = &p;
-    }
+    const Preset* preset = moe::bench::FindPreset(name);
     if (preset == nullptr) {
       std::fprintf(stderr, "unknown preset: %s\n", name.c_str());
       return 2;

@@ -10,7 +10,8 @@
 // so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
 // the launchers at both block_n, and other instantiations (the drain-each-step ring)
 // launched directly.
-// Usage: sm90_weight_grad_bench [preset ...] (default: all five).
+// Usage: sm90_weight_grad_bench [preset ...] (default: the five of kBackwardPresets).
+// Presets, routing, buffers, the gather and timing come from bench/sm90_bench_util.h.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,44 +20,24 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <random>
-#include <string>
+#include <string_view>
 #include <vector>
 
-#include "kernels/cpu/dispatch.h"
+#include "bench/sm90_bench_util.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 // Also the kernel header itself, to time instantiations the launchers do not choose.
 #include "kernels/cuda/sm90_weight_grad.cuh"
 
 namespace {
 
+using moe::bench::DeviceBuffer;
+using moe::bench::Preset;
 using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
 
-#define CUDA_OK(call)                                                    \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
-
-struct Preset {
-  const char* name;
-  int64_t tokens;
-  int d, h, experts, top_k;
-};
-
-constexpr Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"scale-8k", 8192, 2048, 1024, 64, 4},
-    {"deepseek-v3", 8192, 7168, 2048, 256, 8},
-};
+#define CUDA_OK SM90_BENCH_CUDA
 
 __global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -69,35 +50,10 @@ __global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
   }
 }
 
-// rows[s] = src[index(s)], index = entries[s] / top_k: what the cuBLAS path needs first.
-__global__ void gather_rows_kernel(const uint4* src, const int32_t* entries, int top_k,
-                                   int64_t rows, int chunks, uint4* dst) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * chunks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t s = i / chunks;
-    dst[i] = src[static_cast<int64_t>(entries[s] / top_k) * chunks + (i - s * chunks)];
-  }
-}
-
+// The median of 10 timed launches after 2 warm-ups, as the mean of the middle two.
 double MedianMs(const std::function<void()>& fn) {
-  cudaEvent_t a, b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  for (int i = 0; i < 2; ++i) fn();
-  std::vector<double> ms;
-  for (int i = 0; i < 10; ++i) {
-    CUDA_OK(cudaEventRecord(a));
-    fn();
-    CUDA_OK(cudaEventRecord(b));
-    CUDA_OK(cudaEventSynchronize(b));
-    float t = 0;
-    CUDA_OK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CUDA_OK(cudaEventDestroy(a));
-  CUDA_OK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return 0.5 * (ms[4] + ms[5]);
+  const std::vector<float> ms = moe::bench::SortedEventTimesMs(fn, /*warm=*/2, /*reps=*/10);
+  return 0.5 * (static_cast<double>(ms[4]) + ms[5]);
 }
 
 // Copies experts `which` of an [E, m, n] fp32 tensor to the host.
@@ -124,59 +80,32 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
   const int64_t T = ps.tokens, TK = T * ps.top_k;
   const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
   std::mt19937_64 rng(7);
-  std::uniform_int_distribution<int> pick(0, E - 1);
-  std::vector<int32_t> idx(TK);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      int e;
-      bool again;
-      do {
-        e = pick(rng);
-        again = false;
-        for (int j = 0; j < k; ++j) again |= idx[t * K + j] == e;
-      } while (again);
-      idx[t * K + k] = e;
-    }
-  }
-  std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
-  moe::kernels::DispatchCpu(idx.data(), T, K, 0, E, counts.data(), offsets.data(), entries.data(),
-                            slot_of.data());
-  const int64_t N = offsets[E];
+  const moe::bench::Routing routing = moe::bench::UniformRouting(ps, rng);
+  const std::vector<int32_t>& counts = routing.counts;
+  const std::vector<int32_t>& offsets = routing.offsets;
+  const int64_t N = routing.routed;
 
-  __nv_bfloat16 *dout, *x, *pa, *dh, *dout_g, *x_g;
-  float *dw2, *dw13;
-  int32_t *d_off, *d_ent;
-  CUDA_OK(cudaMalloc(&dout, T * d * 2));
-  CUDA_OK(cudaMalloc(&x, T * d * 2));
-  CUDA_OK(cudaMalloc(&pa, N * h * 2));
-  CUDA_OK(cudaMalloc(&dh, N * 2 * h * 2));
-  CUDA_OK(cudaMalloc(&dout_g, N * d * 2));
-  CUDA_OK(cudaMalloc(&x_g, N * d * 2));
-  CUDA_OK(cudaMalloc(&dw2, static_cast<int64_t>(E) * d * h * 4));
-  CUDA_OK(cudaMalloc(&dw13, static_cast<int64_t>(E) * 2 * h * d * 4));
-  CUDA_OK(cudaMalloc(&d_off, (E + 1) * 4));
-  CUDA_OK(cudaMalloc(&d_ent, TK * 4));
+  DeviceBuffer<__nv_bfloat16> dout_buf(T * d), x_buf(T * d), pa_buf(N * h), dh_buf(N * 2 * h),
+      dout_g_buf(N * d), x_g_buf(N * d);
+  DeviceBuffer<float> dw2_buf(int64_t{E} * d * h), dw13_buf(int64_t{E} * 2 * h * d);
+  DeviceBuffer<int32_t> d_off_buf(E + 1), d_ent_buf(TK);
+  __nv_bfloat16 *dout = dout_buf.ptr, *x = x_buf.ptr, *pa = pa_buf.ptr, *dh = dh_buf.ptr,
+                *dout_g = dout_g_buf.ptr, *x_g = x_g_buf.ptr;
+  float *dw2 = dw2_buf.ptr, *dw13 = dw13_buf.ptr;
+  int32_t *d_off = d_off_buf.ptr, *d_ent = d_ent_buf.ptr;
   fill_bf16_kernel<<<1024, 256>>>(dout, T * d, 1);
   fill_bf16_kernel<<<1024, 256>>>(x, T * d, 2);
   fill_bf16_kernel<<<1024, 256>>>(pa, N * h, 3);
   fill_bf16_kernel<<<1024, 256>>>(dh, N * 2 * h, 4);
   CUDA_OK(cudaMemcpy(d_off, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(d_ent, entries.data(), N * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_ent, routing.entries.data(), N * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaDeviceSynchronize());
 
-  Sm90ExpertProblem prob;
-  prob.num_tokens = T;
-  prob.top_k = K;
-  prob.num_experts = E;
-  prob.d_model = d;
-  prob.d_hidden = h;
-  prob.num_routed = N;
+  const Sm90ExpertProblem prob = moe::kernels::testing::MakeProblem(T, K, E, d, h, N);
 
   auto gather = [&]() {
-    gather_rows_kernel<<<2048, 256>>>(reinterpret_cast<const uint4*>(dout), d_ent, K, N, d / 8,
-                                      reinterpret_cast<uint4*>(dout_g));
-    gather_rows_kernel<<<2048, 256>>>(reinterpret_cast<const uint4*>(x), d_ent, K, N, d / 8,
-                                      reinterpret_cast<uint4*>(x_g));
+    moe::bench::GatherRowsByToken(dout, d_ent, K, N, d, dout_g);
+    moe::bench::GatherRowsByToken(x, d_ent, K, N, d, x_g);
   };
   gather();
   CUDA_OK(cudaDeviceSynchronize());
@@ -190,13 +119,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       const int rows = counts[e];
       if (rows == 0) continue;
       const int64_t s0 = offsets[e];
-      if (cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, b + s0 * n, CUDA_R_16BF,
-                       n, a + s0 * m, CUDA_R_16BF, m, &zero, c + static_cast<int64_t>(e) * m * n,
-                       CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-        std::fprintf(stderr, "cublasGemmEx failed\n");
-        std::exit(1);
-      }
+      SM90_BENCH_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, b + s0 * n,
+                                     CUDA_R_16BF, n, a + s0 * m, CUDA_R_16BF, m, &zero,
+                                     c + static_cast<int64_t>(e) * m * n, CUDA_R_32F, n,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   };
   const std::vector<int> probe = {0, E / 2, E - 1};
@@ -294,23 +220,18 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       std::fflush(stdout);
     }
   }
-  for (void* p : {static_cast<void*>(dout), static_cast<void*>(x), static_cast<void*>(pa),
-                  static_cast<void*>(dh), static_cast<void*>(dout_g), static_cast<void*>(x_g),
-                  static_cast<void*>(dw2), static_cast<void*>(dw13), static_cast<void*>(d_off),
-                  static_cast<void*>(d_ent)}) {
-    CUDA_OK(cudaFree(p));
-  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (!moe::kernels::testing::HaveSm90Gpu(stderr)) return 77;
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 1;
-  for (const Preset& ps : kPresets) {
+  for (std::string_view name : moe::bench::kBackwardPresets) {
     bool want = argc == 1;
-    for (int i = 1; i < argc; ++i) want |= std::strcmp(argv[i], ps.name) == 0;
-    if (want) RunPreset(ps, handle);
+    for (int i = 1; i < argc; ++i) want |= name == argv[i];
+    if (want) RunPreset(*moe::bench::FindPreset(name), handle);
   }
   cublasDestroy(handle);
   return 0;

@@ -40,52 +40,49 @@ cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradPar
   }
 }
 
+// Both public launchers. The checks, the params and the dispatch are the same for dW2 and
+// dW13; which operand is gathered decides the rest: gathering A is dW2 = dout^T pA, C [d, h];
+// gathering B is dW13 = dH^T x, C [2h, d]. The shape is taken only once the problem has
+// passed Sm90CanImplement.
+template <bool kGatherA>
+cudaError_t LaunchWeightGrad(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
+                             const uint16_t* a, const uint16_t* b, const int32_t* offsets,
+                             const int32_t* entries, float* c, bool accumulate,
+                             cudaStream_t stream) {
+  if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
+  if (!Aligned16(a) || !Aligned16(b) || !Aligned16(c) || offsets == nullptr || entries == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  WeightGradParams params = {};
+  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
+  params.b = reinterpret_cast<const __nv_bfloat16*>(b);
+  params.offsets = offsets;
+  params.entries = entries;
+  params.c = c;
+  params.num_experts = problem.num_experts;
+  params.m_dim = kGatherA ? problem.d_model : 2 * problem.d_hidden;
+  params.n_dim = kGatherA ? problem.d_hidden : problem.d_model;
+  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
+  params.accumulate = accumulate ? 1 : 0;
+  return DispatchWeightGrad<kGatherA>(config, params, stream);
+}
+
 }  // namespace
 
 cudaError_t LaunchSm90WeightGradW2(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
                                    const uint16_t* dout, const uint16_t* pa, const int32_t* offsets,
                                    const int32_t* entries, float* dw2, bool accumulate,
                                    cudaStream_t stream) {
-  if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
-  if (!Aligned16(dout) || !Aligned16(pa) || !Aligned16(dw2) || offsets == nullptr ||
-      entries == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  WeightGradParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(dout);
-  params.b = reinterpret_cast<const __nv_bfloat16*>(pa);
-  params.offsets = offsets;
-  params.entries = entries;
-  params.c = dw2;
-  params.num_experts = problem.num_experts;
-  params.m_dim = problem.d_model;
-  params.n_dim = problem.d_hidden;
-  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
-  params.accumulate = accumulate ? 1 : 0;
-  return DispatchWeightGrad<true>(config, params, stream);
+  return LaunchWeightGrad</*kGatherA=*/true>(problem, config, dout, pa, offsets, entries, dw2,
+                                             accumulate, stream);
 }
 
 cudaError_t LaunchSm90WeightGradW13(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
                                     const uint16_t* dh, const uint16_t* x, const int32_t* offsets,
                                     const int32_t* entries, float* dw13, bool accumulate,
                                     cudaStream_t stream) {
-  if (Sm90CanImplement(problem) != nullptr) return cudaErrorInvalidValue;
-  if (!Aligned16(dh) || !Aligned16(x) || !Aligned16(dw13) || offsets == nullptr ||
-      entries == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  WeightGradParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(dh);
-  params.b = reinterpret_cast<const __nv_bfloat16*>(x);
-  params.offsets = offsets;
-  params.entries = entries;
-  params.c = dw13;
-  params.num_experts = problem.num_experts;
-  params.m_dim = 2 * problem.d_hidden;
-  params.n_dim = problem.d_model;
-  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
-  params.accumulate = accumulate ? 1 : 0;
-  return DispatchWeightGrad<false>(config, params, stream);
+  return LaunchWeightGrad</*kGatherA=*/false>(problem, config, dh, x, offsets, entries, dw13,
+                                              accumulate, stream);
 }
 
 }  // namespace moe::kernels

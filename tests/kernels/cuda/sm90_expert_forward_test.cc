@@ -29,7 +29,9 @@ namespace {
 
 using testing::DeviceBuffer;
 using testing::FromBf16;
+using testing::HaveSm90Gpu;
 using testing::kPoison;
+using testing::MakeProblem;
 using testing::NormalisedError;
 using testing::RandomBf16;
 using testing::RandomRouting;
@@ -38,18 +40,7 @@ using testing::RandomRouting;
 
 constexpr double kTolerance = 1e-2;
 
-struct Case {
-  const char* name;
-  int64_t tokens;
-  int32_t top_k;
-  int32_t experts_global;
-  int32_t expert_first;
-  int32_t expert_count;
-  int32_t d;
-  int32_t h;
-  int32_t empty_global;  // a global expert no token picks (-1: none)
-  int32_t hot_global;    // a global expert picked far more often (ragged multi-block groups)
-};
+using Case = testing::ShardCase;
 
 bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
@@ -129,13 +120,7 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   CHECK_CUDA(cudaMemcpy(dy.ptr, poison_y.data(), TK * d * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dout.ptr, poison_o.data(), T * d * 2, cudaMemcpyHostToDevice));
 
-  Sm90ExpertProblem prob;
-  prob.num_tokens = T;
-  prob.top_k = K;
-  prob.num_experts = E;
-  prob.d_model = d;
-  prob.d_hidden = h;
-  prob.num_routed = N;
+  Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   if (stacked) prob.w13_expert_stride = 2 * static_cast<int64_t>(h) * d;
   CHECK_CUDA(LaunchSm90ExpertUp(prob, cfg, dx.ptr, w1_ptr, w3_ptr, doff.ptr, dent.ptr, dh.ptr,
                                 da.ptr, nullptr));
@@ -216,12 +201,8 @@ bool ExpectRefused(Sm90ExpertProblem prob, const char* field) {
 }
 
 bool GuardChecks() {
-  Sm90ExpertProblem good;
-  good.num_tokens = 64;
-  good.top_k = 2;
-  good.num_experts = 4;
-  good.d_model = 128;
-  good.d_hidden = 64;
+  const Sm90ExpertProblem good = MakeProblem(/*tokens=*/64, /*top_k=*/2, /*experts=*/4,
+                                             /*d_model=*/128, /*d_hidden=*/64);
   bool ok = Sm90CanImplement(good) == nullptr;
   std::printf("%s CanImplement accepts a good problem\n", ok ? "PASS" : "FAIL");
   Sm90ExpertProblem bad = good;
@@ -259,11 +240,7 @@ bool GuardChecks() {
 }
 
 int Main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || !Sm90DeviceSupported(0)) {
-    std::printf("SKIP: no sm_90 GPU\n");
-    return 77;
-  }
+  if (!HaveSm90Gpu()) return 77;
   const Case cases[] = {
       // name       T    K  Eg first cnt  d    h  empty hot
       {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
@@ -273,17 +250,12 @@ int Main() {
   bool ok = GuardChecks();
   uint64_t seed = 20261121;
   for (const Case& c : cases) {
-    Sm90ExpertProblem prob;
-    prob.num_tokens = c.tokens;
-    prob.top_k = c.top_k;
-    prob.num_experts = c.expert_count;
-    prob.d_model = c.d;
-    prob.d_hidden = c.h;
+    const Sm90ExpertProblem prob = MakeProblem(c.tokens, c.top_k, c.expert_count, c.d, c.h);
     // {block_n, tma_weights, group_m, warp_specialized}: every tile variant of both kernels,
     // and bands that do and do not divide the experts' row-block counts.
     const std::vector<Sm90GemmConfig> configs = {
-        {256, true, 3},  {128, true, 16},    {256, false, 1},       {128, false, 2},
-        {256, true, 5},  {256, true, 2, true}, {128, true, 16, true}};
+        {256, true, 3}, {128, true, 16},      {256, false, 1},      {128, false, 2},
+        {256, true, 5}, {256, true, 2, true}, {128, true, 16, true}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {

@@ -1,6 +1,8 @@
 // Helpers shared by the fused Hopper kernels' tests (sm90_expert_forward_test.cc,
-// sm90_expert_backward_test.cc): bf16 conversion, a device buffer, random inputs and routing,
-// and the normalised error the checks are judged by.
+// sm90_expert_backward_test.cc, sm90_weight_grad_test.cc) and, through bench/sm90_bench_util.h,
+// their benchmarks: bf16 conversion, poison patterns, a device buffer, random inputs and
+// routing, a case's shape, a problem built from its sizes, the sm_90 GPU check, and the
+// normalised error the checks are judged by.
 //
 // Header-only and free of GoogleTest and Abseil, like the tests themselves, so each test stays
 // one self-contained binary that runs on a bare GPU machine.
@@ -17,9 +19,18 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cuda/sm90_expert_forward.h"
+
 namespace moe::kernels::testing {
 
-constexpr uint16_t kPoison = 0x7FA5;  // a bf16 NaN no kernel produces
+constexpr uint16_t kPoison = 0x7FA5;          // a bf16 NaN no kernel produces
+constexpr uint32_t kPoisonF32 = 0x7FA5A5A5u;  // a float NaN no kernel produces (fp32 outputs)
+
+inline float FloatFromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline uint16_t ToBf16(float v) {
   uint32_t u;
@@ -80,6 +91,8 @@ inline double NormalisedError(const std::vector<double>& got, const std::vector<
 
 // Expert ids [tokens, top_k]: K distinct global experts per token, 30% of picks going to
 // `hot` (>= 0) so that its group spans several ragged row blocks, none to `empty` (>= 0).
+// With hot < 0 no draw is spent on the 30% coin, so hot = empty = -1 is plain uniform routing,
+// draw for draw the same as the benches' (bench/sm90_bench_util.h).
 inline std::vector<int32_t> RandomRouting(int64_t tokens, int32_t top_k, int32_t experts,
                                           int32_t empty, int32_t hot, std::mt19937_64& rng) {
   std::vector<int32_t> idx(tokens * top_k);
@@ -90,7 +103,7 @@ inline std::vector<int32_t> RandomRouting(int64_t tokens, int32_t top_k, int32_t
       int32_t e;
       bool again;
       do {
-        e = (unit(rng) < 0.3f && hot >= 0) ? hot : pick(rng);
+        e = (hot >= 0 && unit(rng) < 0.3f) ? hot : pick(rng);
         again = e == empty;
         for (int32_t j = 0; j < k; ++j) again |= idx[t * top_k + j] == e;
       } while (again);
@@ -98,6 +111,46 @@ inline std::vector<int32_t> RandomRouting(int64_t tokens, int32_t top_k, int32_t
     }
   }
   return idx;
+}
+
+// One test case: T tokens each routed to K of `experts_global` experts, of which this shard owns
+// [expert_first, expert_first + expert_count); sizes d (model) and h (hidden).
+struct ShardCase {
+  const char* name;
+  int64_t tokens;
+  int32_t top_k;
+  int32_t experts_global;
+  int32_t expert_first;
+  int32_t expert_count;
+  int32_t d;
+  int32_t h;
+  int32_t empty_global;  // a global expert no token picks (-1: none)
+  int32_t hot_global;    // a global expert picked far more often (ragged, multi-block groups)
+};
+
+// A problem of the given sizes, every other field left at its default (one expert block per
+// W1/W3, no routed-row hint unless given).
+inline Sm90ExpertProblem MakeProblem(int64_t tokens, int32_t top_k, int32_t experts,
+                                     int32_t d_model, int32_t d_hidden, int64_t routed = -1) {
+  Sm90ExpertProblem prob;
+  prob.num_tokens = tokens;
+  prob.top_k = top_k;
+  prob.num_experts = experts;
+  prob.d_model = d_model;
+  prob.d_hidden = d_hidden;
+  prob.num_routed = routed;
+  return prob;
+}
+
+// True when device 0 can run the sm_90a kernels; otherwise prints the SKIP line to `out` (the
+// tests' stdout, which scripts/gpu-check reads; a bench's stderr, keeping its stdout JSON only).
+inline bool HaveSm90Gpu(std::FILE* out = stdout) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || !Sm90DeviceSupported(0)) {
+    std::fprintf(out, "SKIP: no sm_90 GPU\n");
+    return false;
+  }
+  return true;
 }
 
 }  // namespace moe::kernels::testing

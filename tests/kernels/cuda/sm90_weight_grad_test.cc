@@ -24,69 +24,25 @@
 
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cuda/sm90_expert_backward.h"
+#include "tests/kernels/cuda/sm90_test_util.h"
 
 namespace moe::kernels {
 namespace {
 
-constexpr uint32_t kPoisonBits = 0x7FA5A5A5u;  // a float NaN no kernel produces
+using testing::DeviceBuffer;
+using testing::FloatFromBits;
+using testing::FromBf16;
+using testing::HaveSm90Gpu;
+using testing::kPoisonF32;
+using testing::MakeProblem;
+using testing::RandomBf16;
+using testing::RandomRouting;
+
+#define CHECK_CUDA SM90_TEST_CHECK_CUDA
+
 constexpr double kTolerance = 1e-3;
 
-uint16_t ToBf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (inputs are finite)
-  return static_cast<uint16_t>(u >> 16);
-}
-double FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    const cudaError_t err_ = (call);                                     \
-    if (err_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
-                   cudaGetErrorString(err_));                            \
-      return false;                                                      \
-    }                                                                    \
-  } while (0)
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  explicit DeviceBuffer(size_t count) {
-    if (cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(count, 1) * sizeof(T)) !=
-        cudaSuccess) {
-      ptr = nullptr;
-    }
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-struct Case {
-  const char* name;
-  int64_t tokens;
-  int32_t top_k;
-  int32_t experts_global;
-  int32_t expert_first;
-  int32_t expert_count;
-  int32_t d;
-  int32_t h;
-  int32_t empty_global;  // a global expert no token picks (-1: none)
-  int32_t hot_global;    // a global expert picked far more often (long, ragged reductions)
-};
-
-std::vector<uint16_t> RandomBf16(size_t n, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = ToBf16(normal(rng));
-  return v;
-}
+using Case = testing::ShardCase;
 
 // One gradient's inputs on both sides: per expert e, C_e[M, N] = sum over its slots s of
 // A[a_row(s)]^T B[b_row(s)], with rows given per slot.
@@ -117,12 +73,6 @@ std::vector<double> Reference(const GradProblem& g, const std::vector<int32_t>& 
   return ref;
 }
 
-float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Runs one launch over a prefilled output and judges it. `launch` calls the kernel under test.
 template <typename Launch>
 bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
@@ -135,7 +85,7 @@ bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
     std::normal_distribution<float> normal(0.0f, 4.0f);
     for (auto& v : before) v = normal(rng);
   } else {
-    std::fill(before.begin(), before.end(), BitsToFloat(kPoisonBits));
+    std::fill(before.begin(), before.end(), FloatFromBits(kPoisonF32));
   }
   DeviceBuffer<float> out(total);
   if (out.ptr == nullptr) return false;
@@ -190,29 +140,16 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   // Routing: K distinct global experts per token, skewed toward `hot_global`, never
   // `empty_global`; some land outside the shard.
-  std::vector<int32_t> idx(TK);
-  std::uniform_int_distribution<int32_t> pick(0, c.experts_global - 1);
-  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int32_t k = 0; k < K; ++k) {
-      int32_t e;
-      bool again;
-      do {
-        e = (c.hot_global >= 0 && unit(rng) < 0.3f) ? c.hot_global : pick(rng);
-        again = e == c.empty_global;
-        for (int32_t j = 0; j < k; ++j) again |= idx[t * K + j] == e;
-      } while (again);
-      idx[t * K + k] = e;
-    }
-  }
+  const std::vector<int32_t> idx =
+      RandomRouting(T, K, c.experts_global, c.empty_global, c.hot_global, rng);
   std::vector<int32_t> counts(E), offsets(E + 1), entries(TK), slot_of(TK);
   DispatchCpu(idx.data(), T, K, c.expert_first, E, counts.data(), offsets.data(), entries.data(),
               slot_of.data());
   const int32_t N = offsets[E];
 
-  const std::vector<uint16_t> dout = RandomBf16(T * d, rng), x = RandomBf16(T * d, rng);
-  const std::vector<uint16_t> pa = RandomBf16(static_cast<size_t>(N) * h, rng);
-  const std::vector<uint16_t> dh = RandomBf16(static_cast<size_t>(N) * 2 * h, rng);
+  const std::vector<uint16_t> dout = RandomBf16(T * d, 1.0f, rng), x = RandomBf16(T * d, 1.0f, rng);
+  const std::vector<uint16_t> pa = RandomBf16(static_cast<size_t>(N) * h, 1.0f, rng);
+  const std::vector<uint16_t> dh = RandomBf16(static_cast<size_t>(N) * 2 * h, 1.0f, rng);
 
   GradProblem w2{"dW2", d, h, &dout, &pa, {}, {}};
   GradProblem w13{"dW13", 2 * h, d, &dh, &x, {}, {}};
@@ -240,13 +177,7 @@ bool RunCase(const Case& c, uint64_t seed) {
   CHECK_CUDA(cudaMemcpy(d_off.ptr, offsets.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(d_ent.ptr, entries.data(), N * 4, cudaMemcpyHostToDevice));
 
-  Sm90ExpertProblem prob;
-  prob.num_tokens = T;
-  prob.top_k = K;
-  prob.num_experts = E;
-  prob.d_model = d;
-  prob.d_hidden = h;
-  prob.num_routed = N;
+  const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
   for (int block_n : {256, 128}) {
     Sm90GemmConfig cfg;
@@ -267,12 +198,8 @@ bool RunCase(const Case& c, uint64_t seed) {
 
 // Refusals before any launch: an unsupported block_n and a misaligned pointer.
 bool GuardChecks() {
-  Sm90ExpertProblem prob;
-  prob.num_tokens = 64;
-  prob.top_k = 2;
-  prob.num_experts = 4;
-  prob.d_model = 128;
-  prob.d_hidden = 64;
+  const Sm90ExpertProblem prob = MakeProblem(/*tokens=*/64, /*top_k=*/2, /*experts=*/4,
+                                             /*d_model=*/128, /*d_hidden=*/64);
   void* buf = nullptr;
   if (cudaMalloc(&buf, 1 << 20) != cudaSuccess) return false;
   const auto* bf = static_cast<const uint16_t*>(buf);
@@ -301,11 +228,7 @@ bool GuardChecks() {
 }
 
 int Main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || !Sm90DeviceSupported(0)) {
-    std::printf("SKIP: no sm_90 GPU\n");
-    return 77;
-  }
+  if (!HaveSm90Gpu()) return 77;
   const Case cases[] = {
       // name      T     K  Eg first cnt  d     h    empty hot
       {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},
