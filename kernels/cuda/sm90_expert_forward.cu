@@ -147,6 +147,15 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // ~24 MB of the 50 MB L2, at most 16, so weights stream once per band.
   config.group_m = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(16, (int64_t{24} << 20) / (sm90::kMinBlockM * k * 2))));
+  // The warp-specialised kernel for the forward of narrow experts (h <= 256): its producer keeps
+  // loading while the consumers run a tile's epilogue, which pays where tiles are short (the
+  // down-projection reduces over h alone). Measured on both GPUs for sonic-7b (h = 256):
+  // H100 (bench/results/2026-11-21-h100-b77ef57-tile-sweep) up 0.712 vs 0.853 ms, down 0.381 vs
+  // 0.492; H200 (docs/FUSED.md) 0.70 vs 0.84 and 0.37 vs 0.50. At h = 768 and 1024 (qwen3-a3b,
+  // olmoe) the plain kernel was as fast or faster on the H100, and the two GPUs disagreed at
+  // scale-8k, so the rule stops at 256. The backward keeps the plain kernel (docs/FUSED.md).
+  config.warp_specialized =
+      (projection == Sm90Projection::kUpSwiGLU || projection == Sm90Projection::kDown) && h <= 256;
   return config;
 }
 
