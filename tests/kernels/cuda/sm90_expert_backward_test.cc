@@ -52,18 +52,10 @@ constexpr double kDpTolerance = 1e-4;
 constexpr uint32_t kDpPoison = 0x7FA5A5A5u;  // an fp32 NaN
 constexpr int64_t kGuardRows = 130;          // poisoned rows on each side of the N output rows
 
+// The shared test shape plus the one thing only the backward needs.
 struct Case {
-  const char* name;
-  int64_t tokens;
-  int32_t top_k;
-  int32_t experts_global;
-  int32_t expert_first;
-  int32_t expert_count;
-  int32_t d;
-  int32_t h;
-  int32_t empty_global;  // a global expert no token picks (-1: none)
-  int32_t hot_global;    // a global expert picked far more often (-1: none)
-  int64_t w13_pad;       // extra elements between experts' [W1; W3] blocks (0: packed)
+  testing::ShardCase shard;
+  int64_t w13_pad;  // extra elements between experts' [W1; W3] blocks (0: packed)
 };
 
 // The fixed inputs of one case, with the fp64 references computed once for all configs.
@@ -83,14 +75,14 @@ struct Inputs {
 Inputs MakeInputs(const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Inputs in;
-  const int64_t T = c.tokens, TK = c.tokens * c.top_k;
-  const int32_t K = c.top_k, d = c.d, h = c.h, E = c.expert_count;
+  const int64_t T = c.shard.tokens, TK = c.shard.tokens * c.shard.top_k;
+  const int32_t K = c.shard.top_k, d = c.shard.d, h = c.shard.h, E = c.shard.expert_count;
   const std::vector<int32_t> idx =
-      RandomRouting(T, K, c.experts_global, c.empty_global, c.hot_global, rng);
+      RandomRouting(T, K, c.shard.experts_global, c.shard.empty_global, c.shard.hot_global, rng);
   std::vector<int32_t> counts(E), slot_of(TK);
   in.offsets.resize(E + 1);
   in.entries.resize(TK);
-  DispatchCpu(idx.data(), T, K, c.expert_first, E, counts.data(), in.offsets.data(),
+  DispatchCpu(idx.data(), T, K, c.shard.expert_first, E, counts.data(), in.offsets.data(),
               in.entries.data(), slot_of.data());
   in.n = in.offsets[E];
   const int64_t stride13 = 2 * static_cast<int64_t>(h) * d + c.w13_pad;
@@ -162,10 +154,10 @@ bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double e
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d w13_pad=%lld block_n=%d tma=%d group_m=%d "
       "ws=%d %-3s err=%.3g stray=%lld\n",
-      ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
-      c.experts_global, c.expert_first, c.d, c.h, static_cast<long long>(c.w13_pad), cfg.block_n,
-      cfg.tma_weights ? 1 : 0, cfg.group_m, cfg.warp_specialized ? 1 : 0, what, err,
-      static_cast<long long>(stray));
+      ok ? "PASS" : "FAIL", c.shard.name, static_cast<long long>(c.shard.tokens), c.shard.top_k,
+      c.shard.expert_count, c.shard.experts_global, c.shard.expert_first, c.shard.d, c.shard.h,
+      static_cast<long long>(c.w13_pad), cfg.block_n, cfg.tma_weights ? 1 : 0, cfg.group_m,
+      cfg.warp_specialized ? 1 : 0, what, err, static_cast<long long>(stray));
   return ok;
 }
 
@@ -221,7 +213,7 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
                const DeviceBuffer<uint16_t>& ddout, const DeviceBuffer<uint16_t>& dw2,
                const DeviceBuffer<int32_t>& doff, const DeviceBuffer<int32_t>& dent,
                const std::vector<Sm90GemmConfig>& configs) {
-  const int32_t h = c.h;
+  const int32_t h = c.shard.h;
   const int64_t n = in.n;
   DeviceBuffer<uint16_t> dsaved(in.saved_h.size()), ddh((n + 2 * kGuardRows) * 2 * h),
       dpa((n + 2 * kGuardRows) * h);
@@ -240,10 +232,10 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
   for (const Sm90GemmConfig& cfg : configs) {
     const size_t ws_bytes = Sm90BackwardDHWorkspaceBytes(prob, cfg);
     const int64_t tiles = (h + cfg.block_n - 1) / cfg.block_n;
-    const size_t want = tiles > 1 ? tiles * c.tokens * c.top_k * 4 : 0;
+    const size_t want = tiles > 1 ? tiles * c.shard.tokens * c.shard.top_k * 4 : 0;
     if (ws_bytes != want) {
-      std::printf("FAIL %s block_n=%d workspace %zu bytes, expected %zu\n", c.name, cfg.block_n,
-                  ws_bytes, want);
+      std::printf("FAIL %s block_n=%d workspace %zu bytes, expected %zu\n", c.shard.name,
+                  cfg.block_n, ws_bytes, want);
       ok = false;
     }
     DeviceBuffer<float> dws(ws_bytes / 4);
@@ -264,7 +256,7 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
       if (rep == 1) {
         const bool same = bits == first_bits;
         std::printf("%s %-8s block_n=%d ws=%d tiles=%lld dp bits identical over two launches\n",
-                    same ? "PASS" : "FAIL", c.name, cfg.block_n, cfg.warp_specialized ? 1 : 0,
+                    same ? "PASS" : "FAIL", c.shard.name, cfg.block_n, cfg.warp_specialized ? 1 : 0,
                     static_cast<long long>(tiles));
         ok &= same;
         break;
@@ -282,7 +274,7 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
 
 bool RunCase(const Case& c, const Inputs& in, const std::vector<Sm90GemmConfig>& da_configs,
              const std::vector<Sm90GemmConfig>& dx_configs) {
-  const int32_t d = c.d, h = c.h, E = c.expert_count;
+  const int32_t d = c.shard.d, h = c.shard.h, E = c.shard.expert_count;
   const int64_t n = in.n;
   DeviceBuffer<uint16_t> ddout(in.dout.size()), dw2(in.w2.size()), ddh(in.dh.size()),
       dw13(in.w13.size());
@@ -305,13 +297,7 @@ bool RunCase(const Case& c, const Inputs& in, const std::vector<Sm90GemmConfig>&
   CHECK_CUDA(
       cudaMemcpy(dent.ptr, in.entries.data(), in.entries.size() * 4, cudaMemcpyHostToDevice));
 
-  Sm90ExpertProblem prob;
-  prob.num_tokens = c.tokens;
-  prob.top_k = c.top_k;
-  prob.num_experts = E;
-  prob.d_model = d;
-  prob.d_hidden = h;
-  prob.num_routed = n;
+  Sm90ExpertProblem prob = testing::MakeProblem(c.shard.tokens, c.shard.top_k, E, d, h, n);
   prob.w13_expert_stride = c.w13_pad > 0 ? 2 * static_cast<int64_t>(h) * d + c.w13_pad : -1;
 
   bool ok = true;
@@ -414,25 +400,20 @@ int Main() {
   // Sizes multiples of 8 but not 64 (except "medium"); shards that leave entries outside;
   // an empty expert; a hot expert spanning ragged multi-block groups; a padded w13 stride.
   const Case cases[] = {
-      // name     T    K  Eg first cnt  d    h   empty hot pad
-      {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3, 0},
-      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5, 64},
-      {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0, 0},
-      {"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2, 0},
-      {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5, 8},
-      {"wide", 400, 2, 4, 0, 4, 1000, 200, -1, 1, 0},
+      // name      T    K  Eg first cnt  d    h   empty hot   pad
+      {{"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3}, 0},
+      {{"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5}, 64},
+      {{"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0}, 0},
+      {{"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2}, 0},
+      {{"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5}, 8},
+      {{"wide", 400, 2, 4, 0, 4, 1000, 200, -1, 1}, 0},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261122;
   for (const Case& c : cases) {
     const Inputs in = MakeInputs(c, ++seed);
-    Sm90ExpertProblem prob;
-    prob.num_tokens = c.tokens;
-    prob.top_k = c.top_k;
-    prob.num_experts = c.expert_count;
-    prob.d_model = c.d;
-    prob.d_hidden = c.h;
-    prob.num_routed = in.n;
+    const Sm90ExpertProblem prob = testing::MakeProblem(
+        c.shard.tokens, c.shard.top_k, c.shard.expert_count, c.shard.d, c.shard.h, in.n);
     // {block_n, tma_weights, group_m, warp_specialized}: both tile widths, TMA and cp.async
     // weights, bands that do and do not divide the row-block counts, both kernels, and the
     // heuristic's own choice.
