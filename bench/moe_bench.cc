@@ -101,11 +101,11 @@ struct Result {
   double bwd_ms[kNumBackwardPaths] = {};
   cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
   cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
-  double err_vs_unfused[kNumPaths] = {};     // normalised, on the first kCheckTokens tokens
+  double err_vs_unfused[kNumPaths] = {};  // normalised, on the first kCheckTokens tokens
   // Fused backwards vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
   double bwd_err = 0;
-  int auto_path = 0;                         // index in kPaths of what the service runs
-  int auto_bwd = 0;                          // index in kBackwardPaths likewise
+  int auto_path = 0;  // index in kPaths of what the service runs
+  int auto_bwd = 0;   // index in kBackwardPaths likewise
   bool dispatch_equal = false;
   int grouped_fallbacks = 0;
   int64_t chunks = 0;
@@ -282,12 +282,12 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     dp_host[v].resize(static_cast<size_t>(check_rows * K));
     dw2_host[v].resize(static_cast<size_t>(check_w2));
     dw13_host[v].resize(static_cast<size_t>(check_w13));
-    MOE_CUDA_RETURN(cudaMemcpy(dx_host[v].data(), out->get(), dx_host[v].size() * 2,
-                               cudaMemcpyDeviceToHost));
-    MOE_CUDA_RETURN(cudaMemcpy(dp_host[v].data(), dp->get(), dp_host[v].size() * 4,
-                               cudaMemcpyDeviceToHost));
-    MOE_CUDA_RETURN(cudaMemcpy(dw2_host[v].data(), dw2->get(), dw2_host[v].size() * 4,
-                               cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(
+        cudaMemcpy(dx_host[v].data(), out->get(), dx_host[v].size() * 2, cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(
+        cudaMemcpy(dp_host[v].data(), dp->get(), dp_host[v].size() * 4, cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(
+        cudaMemcpy(dw2_host[v].data(), dw2->get(), dw2_host[v].size() * 4, cudaMemcpyDeviceToHost));
     MOE_CUDA_RETURN(cudaMemcpy(dw13_host[v].data(), dw13->get(), dw13_host[v].size() * 4,
                                cudaMemcpyDeviceToHost));
   }
@@ -691,18 +691,21 @@ int Main(int argc, char** argv) {
       warmup);
   std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s; device copy: %.0f GB/s\n", *peak,
               *copy_gbs);
-  std::printf("# floors of fwd+bwd: flop_fl = 18*T*K*d*h / cuBLAS rate, byte_fl = FloorBytes / "
-              "copy bandwidth (ms)\n");
+  std::printf(
+      "# floors of fwd+bwd: flop_fl = 18*T*K*d*h / cuBLAS rate, byte_fl = FloorBytes / "
+      "copy bandwidth (ms)\n");
   std::printf(
       "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
       "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
-  std::printf("# bwd_* per backward path (unfused / fused / fused-dh), marked likewise; tot_unf = unfused fwd "
-              "+ unfused bwd, tot_svc = the service's fwd + bwd; err = worst fused-vs-unfused "
-              "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
+  std::printf(
+      "# bwd_* per backward path (unfused / fused / fused-dh), marked likewise; tot_unf = unfused "
+      "fwd "
+      "+ unfused bwd, tot_svc = the service's fwd + bwd; err = worst fused-vs-unfused "
+      "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
   std::printf("%-12s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
               "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "tot_unf",
-              "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
-              "disp_ms", "cub_ms", "equal", "chunks");
+              "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB", "disp_ms",
+              "cub_ms", "equal", "chunks");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute);
@@ -726,15 +729,15 @@ int Main(int argc, char** argv) {
       const double tot = fwd + bwd, tot_tf = 3 * flop / tot / 1e9;
       const double flop_floor_ms = 3 * flop / *peak / 1e9;
       const double byte_floor_ms = FloorBytes(*p) / *copy_gbs / 1e6;
-      const double max_err =
-          std::max({r->err_vs_unfused[1], r->err_vs_unfused[2], r->bwd_err});
+      const double max_err = std::max({r->err_vs_unfused[1], r->err_vs_unfused[2], r->bwd_err});
       auto cell = [](double ms, bool fell_back, bool service) {
         char buf[32];
         std::snprintf(buf, sizeof buf, "%.3f%s", ms, fell_back ? "!" : (service ? "*" : ""));
         return std::string(buf);
       };
       std::string cols[kNumPaths], bcols[kNumBackwardPaths];
-      for (int v = 0; v < kNumPaths; ++v) cols[v] = cell(r->fwd_ms[v], r->ran[v] != kPaths[v], v == a);
+      for (int v = 0; v < kNumPaths; ++v)
+        cols[v] = cell(r->fwd_ms[v], r->ran[v] != kPaths[v], v == a);
       for (int v = 0; v < kNumBackwardPaths; ++v) {
         bcols[v] = cell(r->bwd_ms[v], r->ran_bwd[v] != kBackwardPaths[v], v == b);
       }
@@ -742,9 +745,9 @@ int Main(int argc, char** argv) {
           "%-12s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
           "%9.4f %9.4f %6s %9lld\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
-          bcols[1].c_str(), bcols[2].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf, 100.0 * tot_tf / *peak,
-          flop_floor_ms, byte_floor_ms, max_err,
-          r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
+          bcols[1].c_str(), bcols[2].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf,
+          100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err, r->saved_bytes / 1048576.0,
+          r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
           static_cast<long long>(r->chunks));
       if (!r->dispatch_equal) ++failures;
       line =
@@ -769,8 +772,8 @@ int Main(int argc, char** argv) {
         absl::StrAppend(&line, ", \"bwd_", key, "_ms\": ", r->bwd_ms[v], ", \"ran_bwd_", key,
                         "\": \"", cuda::BackwardKernelsName(r->ran_bwd[v]), "\"");
       }
-      absl::StrAppend(&line, ", \"flop_floor_ms\": ", flop_floor_ms, ", \"byte_floor_ms\": ",
-                      byte_floor_ms, ", \"copy_gbs\": ", *copy_gbs);
+      absl::StrAppend(&line, ", \"flop_floor_ms\": ", flop_floor_ms,
+                      ", \"byte_floor_ms\": ", byte_floor_ms, ", \"copy_gbs\": ", *copy_gbs);
       absl::StrAppend(&line, ", \"fwdbwd_unfused_all_ms\": ", r->fwd_ms[0] + r->bwd_ms[0],
                       ", \"err_bwd_fused\": ", r->bwd_err);
       absl::StrAppend(&line, ", \"saved_MiB\": ", r->saved_bytes / 1048576.0,

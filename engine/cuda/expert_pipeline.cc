@@ -451,72 +451,72 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::UnfusedChunkBackward(
   const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
   const size_t nl = ch.counts.size();
   cudaStream_t s = stream_->get();
-    absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
-    if (!gbuf.ok()) return gbuf.status();
-    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
-                                              static_cast<int32_t>(K), n, gbuf->get(), s));
-    absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
-    if (!dau.ok()) return dau.status();
-    std::vector<GemmProblem> probs;
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
-      probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
-                       Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
-                       Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                       Offset(dau->get(), off * h * e), static_cast<int>(h)});
-    }
-    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
-    absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
-    if (!dh.ok()) return dh.status();
-    absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
-    if (!ap.ok()) return ap.status();
-    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
-                                                      type, shape_.activation, n, h, dh->get(),
-                                                      ap->get(), dp + ch.t0 * K, s));
-    dau->Reset();
-    h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
-    probs.clear();
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
-      probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
-                       Offset(ap->get(), off * h * e), static_cast<int>(h),
-                       Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                       grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
-    }
-    MOE_RETURN_IF_ERROR(
-        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-    gbuf->Reset();
-    ap->Reset();
-    absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-    if (!xg.ok()) return xg.status();
-    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                              static_cast<int32_t>(K), n, xg->get(), s));
-    probs.clear();
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
-      probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
-                       Offset(xg->get(), off * d * e), static_cast<int>(d),
-                       Offset(dh->get(), off * g * e), static_cast<int>(g),
-                       grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
-    }
-    MOE_RETURN_IF_ERROR(
-        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-    xg->Reset();
-    absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
-    if (!dxg.ok()) return dxg.status();
-    probs.clear();
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
-      probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
-                       Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
-                       Offset(dh->get(), off * g * e), static_cast<int>(g),
-                       Offset(dxg->get(), off * d * e), static_cast<int>(d)});
-    }
-    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+  absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
+  if (!gbuf.ok()) return gbuf.status();
+  MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
+                                            static_cast<int32_t>(K), n, gbuf->get(), s));
+  absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
+  if (!dau.ok()) return dau.status();
+  std::vector<GemmProblem> probs;
+  for (size_t l = 0; l < nl; ++l) {
+    const int64_t off = ch.offsets[l];
+    // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
+    probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
+                     Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
+                     Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                     Offset(dau->get(), off * h * e), static_cast<int>(h)});
+  }
+  MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+  absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
+  if (!dh.ok()) return dh.status();
+  absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
+  if (!ap.ok()) return ap.status();
+  MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K, type,
+                                                    shape_.activation, n, h, dh->get(), ap->get(),
+                                                    dp + ch.t0 * K, s));
+  dau->Reset();
+  h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
+  probs.clear();
+  for (size_t l = 0; l < nl; ++l) {
+    const int64_t off = ch.offsets[l];
+    // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
+    probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
+                     Offset(ap->get(), off * h * e), static_cast<int>(h),
+                     Offset(gbuf->get(), off * d * e), static_cast<int>(d),
+                     grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
+  }
+  MOE_RETURN_IF_ERROR(
+      gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+  gbuf->Reset();
+  ap->Reset();
+  absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+  if (!xg.ok()) return xg.status();
+  MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                            static_cast<int32_t>(K), n, xg->get(), s));
+  probs.clear();
+  for (size_t l = 0; l < nl; ++l) {
+    const int64_t off = ch.offsets[l];
+    // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
+    probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
+                     Offset(xg->get(), off * d * e), static_cast<int>(d),
+                     Offset(dh->get(), off * g * e), static_cast<int>(g),
+                     grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
+  }
+  MOE_RETURN_IF_ERROR(
+      gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+  xg->Reset();
+  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
+  if (!dxg.ok()) return dxg.status();
+  probs.clear();
+  for (size_t l = 0; l < nl; ++l) {
+    const int64_t off = ch.offsets[l];
+    // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
+    probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
+                     Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                     Offset(dh->get(), off * g * e), static_cast<int>(g),
+                     Offset(dxg->get(), off * d * e), static_cast<int>(d)});
+  }
+  MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
   return std::move(*dxg);
 }
 
@@ -547,17 +547,17 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
     absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "dp partial sums");
     if (!ws.ok()) return ws.status();
     MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDH(
-        prob, da_config, dout_rows, Bf16At(w.w2, 0), Bf16At(hb, 0), p + ch.t0 * K, offsets,
-        entries, dh->as<uint16_t>(), ap->as<uint16_t>(), dp + ch.t0 * K, ws->get(), ws_bytes, s));
+        prob, da_config, dout_rows, Bf16At(w.w2, 0), Bf16At(hb, 0), p + ch.t0 * K, offsets, entries,
+        dh->as<uint16_t>(), ap->as<uint16_t>(), dp + ch.t0 * K, ws->get(), ws_bytes, s));
   } else {
     // dA_u = G W2 with G's rows gathered from dout while loading, then the activation pass.
     absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
     if (!dau.ok()) return dau.status();
     MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, da_config, dout_rows, Bf16At(w.w2, 0),
                                                   offsets, entries, dau->as<uint16_t>(), s));
-    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(
-        hb, dau->get(), entries, p + ch.t0 * K, shape_.type, shape_.activation, n, h, dh->get(),
-        ap->get(), dp + ch.t0 * K, s));
+    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
+                                                      shape_.type, shape_.activation, n, h,
+                                                      dh->get(), ap->get(), dp + ch.t0 * K, s));
   }
   h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
   MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(

@@ -349,10 +349,9 @@ struct FusedCase {
 
 // Every forward path with every backward path, forced, through the whole layer (forward,
 // backward, step) against the CPU engine.
-class FusedKernelsTest
-    : public GpuTest,
-      public ::testing::WithParamInterface<
-          std::tuple<FusedCase, cuda::ForwardKernels, cuda::BackwardKernels>> {};
+class FusedKernelsTest : public GpuTest,
+                         public ::testing::WithParamInterface<
+                             std::tuple<FusedCase, cuda::ForwardKernels, cuda::BackwardKernels>> {};
 
 TEST_P(FusedKernelsTest, MatchesCpuEngine) {
   const auto& [fc, requested, requested_backward] = GetParam();
