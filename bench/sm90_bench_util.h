@@ -1,7 +1,7 @@
 // Helpers shared by the fused Hopper kernels' benchmarks (sm90_bench.cu, sm90_weight_grad_bench.cu,
 // and made to serve sm90_backward_bench.cu too): a CUDA/cuBLAS check that ends the process, the
 // preset table, uniform random routing with its dispatch structures, a device buffer, a
-// row gather by token, and CUDA-event timing.
+// row gather by token, and CUDA-event timing (each call alone, or back to back).
 //
 // Header-only and free of Abseil and GoogleTest: each bench is one standalone binary that runs
 // on a bare GPU machine. The bf16 conversion, the device buffer, the routing generator and the
@@ -153,6 +153,37 @@ std::vector<float> SortedEventTimesMs(F&& fn, int warm, int reps) {
 template <typename F>
 float MedianMs(F&& fn, int warm = 3, int reps = 20) {
   const std::vector<float> times = SortedEventTimesMs(fn, warm, reps);
+  return times[times.size() / 2];
+}
+
+// Like SortedEventTimesMs, but the `reps` calls are issued back to back with an event between
+// each and no host wait inside the timed span, the way the engine issues them: a call's time
+// may then include waiting for the tail of the one before it.
+template <typename F>
+std::vector<float> SortedBackToBackTimesMs(F&& fn, int warm, int reps) {
+  for (int i = 0; i < warm; ++i) fn();
+  SM90_BENCH_CUDA(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(reps + 1);
+  for (cudaEvent_t& e : ev) SM90_BENCH_CUDA(cudaEventCreate(&e));
+  SM90_BENCH_CUDA(cudaEventRecord(ev[0]));
+  for (int i = 0; i < reps; ++i) {
+    fn();
+    SM90_BENCH_CUDA(cudaEventRecord(ev[i + 1]));
+  }
+  SM90_BENCH_CUDA(cudaEventSynchronize(ev[reps]));
+  std::vector<float> times(reps);
+  for (int i = 0; i < reps; ++i) {
+    SM90_BENCH_CUDA(cudaEventElapsedTime(&times[i], ev[i], ev[i + 1]));
+  }
+  for (cudaEvent_t e : ev) SM90_BENCH_CUDA(cudaEventDestroy(e));
+  std::sort(times.begin(), times.end());
+  return times;
+}
+
+// The median of SortedBackToBackTimesMs, picked as MedianMs picks it.
+template <typename F>
+float MedianBackToBackMs(F&& fn, int warm = 3, int reps = 20) {
+  const std::vector<float> times = SortedBackToBackTimesMs(fn, warm, reps);
   return times[times.size() / 2];
 }
 
