@@ -83,14 +83,6 @@ bool FusedKernelsTake(const ExpertShape& shape, const kernels::Sm90ExpertProblem
 
 }  // namespace
 
-// Chosen by measurement (H100, bench/results/2026-11-21-h100-6674063-fused-backward): the fused
-// backward won where the per-expert GEMMs are small and many (sonic-7b 2.48 vs 6.23 ms, qwen3-a3b
-// 5.58 vs 6.90 at 1.6 G multiply-adds per expert, scale-8k 2.19 vs 3.19 at 1.07 G) and lost
-// where cuBLAS runs large per-expert GEMMs closer to the tensor-core rate (olmoe and scale-32k
-// at 4.3 G: 7.04 vs 6.72 and 6.87 vs 6.75; deepseek-v3 3.8 G: 37.7 vs 35.0). The same threshold
-// as the forward's separates them.
-const double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
-
 const char* BackwardKernelsName(BackwardKernels k) {
   switch (k) {
     case BackwardKernels::kAuto:

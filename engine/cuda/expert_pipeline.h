@@ -141,14 +141,20 @@ inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply
 
 // The one place that decides the backward's kernels for one chunk, like UseFusedForward:
 // `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1 or when the average per-expert GEMM
-// work exceeds kFusedBackwardMaxWorkPerExpert, else kFused; kFused is then reduced to kUnfused
-// unless the fused kernels take the problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The
-// backward path does not depend on the forward's: both read and write the same buffers.
+// work exceeds kFusedBackwardMaxWorkPerExpert, else kFused; a fused result (kFused or a forced
+// kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take the problem (SwiGLU,
+// bf16, sm_90, Sm90CanImplement). The backward path does not depend on the forward's: both read
+// and write the same buffers.
 BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90);
 
-// Set by measurement (docs/PERFORMANCE.md): see the definition's comment.
-extern const double kFusedBackwardMaxWorkPerExpert;
+// Chosen by measurement (H100, bench/results/2026-11-21-h100-6674063-fused-backward and
+// -3556f45-final): the fused backward won where the per-expert GEMMs are small and many
+// (sonic-7b 2.47 vs 5.84 ms, qwen3-a3b 5.52 vs 6.91 at 1.6 G multiply-adds per expert, scale-8k
+// 2.17 vs 3.13 at 1.07 G) and lost or tied where cuBLAS runs large per-expert GEMMs closer to
+// the tensor-core rate (olmoe at 4.3 G: 7.18 vs 6.83; scale-32k at 4.3 G: within 2%, either
+// way in two runs; deepseek-v3 at 3.8 G: 37.7 vs 35.0). The forward's threshold separates them.
+inline constexpr double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
 
 // Test hooks: pipelines created afterwards take these as their shape's `forward` / `backward`
 // when not kAuto (the engine tests force each path through the CUDA layer). kAuto restores the
