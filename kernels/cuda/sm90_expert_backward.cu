@@ -52,20 +52,9 @@ int64_t DHColumnTiles(const Sm90ExpertProblem& problem, const Sm90GemmConfig& co
 sm90::GemmParams DAParams(const Sm90ExpertProblem& problem, const uint16_t* dout,
                           const uint16_t* w2, const int32_t* offsets, const int32_t* entries,
                           uint16_t* out0) {
-  sm90::GemmParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(dout);
-  params.b0 = reinterpret_cast<const __nv_bfloat16*>(w2);
-  params.b1 = params.b0;
-  params.offsets = offsets;
-  params.entries = entries;
-  params.out0 = reinterpret_cast<__nv_bfloat16*>(out0);
-  params.out1 = nullptr;
-  params.num_experts = problem.num_experts;
-  params.k_dim = problem.d_model;
-  params.n_dim = problem.d_hidden;
-  params.top_k = problem.top_k;
-  params.b_expert_stride = static_cast<int64_t>(problem.d_model) * problem.d_hidden;
-  return params;
+  return sm90::MakeGemmParams(problem, dout, w2, w2, offsets, entries, out0, problem.d_model,
+                              problem.d_hidden,
+                              static_cast<int64_t>(problem.d_model) * problem.d_hidden);
 }
 
 }  // namespace
@@ -139,19 +128,10 @@ cudaError_t LaunchSm90BackwardDX(const Sm90ExpertProblem& problem, const Sm90Gem
       offsets == nullptr) {
     return cudaErrorInvalidValue;
   }
-  sm90::GemmParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(dh);
-  params.b0 = reinterpret_cast<const __nv_bfloat16*>(w13);
-  params.b1 = params.b0;
-  params.offsets = offsets;
-  params.entries = nullptr;  // slot order in and out: the index is never read
-  params.out0 = reinterpret_cast<__nv_bfloat16*>(dxg);
-  params.out1 = nullptr;
-  params.num_experts = problem.num_experts;
-  params.k_dim = 2 * problem.d_hidden;
-  params.n_dim = problem.d_model;
-  params.top_k = problem.top_k;
-  params.b_expert_stride = stride;
+  // Slot order in and out: the index is never read.
+  sm90::GemmParams params =
+      sm90::MakeGemmParams(problem, dh, w13, w13, offsets, /*entries=*/nullptr, dxg,
+                           2 * problem.d_hidden, problem.d_model, stride);
   // A in slot order, B MN-major, rows out in slot order.
   return sm90::DispatchGemm(sm90::GemmVariant<false, false, true, true>{}, config, params, w13, w13,
                             stream);

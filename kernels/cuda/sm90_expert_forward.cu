@@ -18,6 +18,7 @@ using sm90::CeilDiv;
 using sm90::DispatchGemm;
 using sm90::GemmParams;
 using sm90::GemmVariant;
+using sm90::MakeGemmParams;
 
 // Lives here rather than in sm90_grouped_gemm.cuh, which several .cu files include: a
 // non-template kernel defined in a header would be defined once per file.
@@ -168,21 +169,11 @@ cudaError_t LaunchSm90ExpertUp(const Sm90ExpertProblem& problem, const Sm90GemmC
       offsets == nullptr || entries == nullptr) {
     return cudaErrorInvalidValue;
   }
-  GemmParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(x);
-  params.b0 = reinterpret_cast<const __nv_bfloat16*>(w1);
-  params.b1 = reinterpret_cast<const __nv_bfloat16*>(w3);
-  params.offsets = offsets;
-  params.entries = entries;
-  params.out0 = reinterpret_cast<__nv_bfloat16*>(h);
+  GemmParams params = MakeGemmParams(
+      problem, x, w1, w3, offsets, entries, h, problem.d_model, problem.d_hidden,
+      problem.w13_expert_stride >= 0 ? problem.w13_expert_stride
+                                     : static_cast<int64_t>(problem.d_hidden) * problem.d_model);
   params.out1 = reinterpret_cast<__nv_bfloat16*>(a);
-  params.num_experts = problem.num_experts;
-  params.k_dim = problem.d_model;
-  params.n_dim = problem.d_hidden;
-  params.top_k = problem.top_k;
-  params.b_expert_stride = problem.w13_expert_stride >= 0
-                               ? problem.w13_expert_stride
-                               : static_cast<int64_t>(problem.d_hidden) * problem.d_model;
   return DispatchGemm(GemmVariant<true, true, false, false>{}, config, params, w1, w3, stream);
 }
 
@@ -194,19 +185,9 @@ cudaError_t LaunchSm90ExpertDown(const Sm90ExpertProblem& problem, const Sm90Gem
       entries == nullptr) {
     return cudaErrorInvalidValue;
   }
-  GemmParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
-  params.b0 = reinterpret_cast<const __nv_bfloat16*>(w2);
-  params.b1 = params.b0;
-  params.offsets = offsets;
-  params.entries = entries;
-  params.out0 = reinterpret_cast<__nv_bfloat16*>(y);
-  params.out1 = nullptr;
-  params.num_experts = problem.num_experts;
-  params.k_dim = problem.d_hidden;
-  params.n_dim = problem.d_model;
-  params.top_k = problem.top_k;
-  params.b_expert_stride = static_cast<int64_t>(problem.d_model) * problem.d_hidden;
+  GemmParams params =
+      MakeGemmParams(problem, a, w2, w2, offsets, entries, y, problem.d_hidden, problem.d_model,
+                     static_cast<int64_t>(problem.d_model) * problem.d_hidden);
   return DispatchGemm(GemmVariant<false, false, false, false>{}, config, params, w2, w2, stream);
 }
 

@@ -24,6 +24,30 @@ inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The parameters every grouped-GEMM launch sets: A rows (x, dout, A or dH), the weights B (b1:
+// W3 in the up-projection, else the same as b0), the dispatch index, the first output, the
+// reduction (k) and output (n) widths and the elements between experts' weight blocks. The
+// epilogue's extra outputs are the caller's to add.
+inline GemmParams MakeGemmParams(const Sm90ExpertProblem& problem, const uint16_t* a,
+                                 const uint16_t* b0, const uint16_t* b1, const int32_t* offsets,
+                                 const int32_t* entries, uint16_t* out0, int32_t k_dim,
+                                 int32_t n_dim, int64_t b_expert_stride) {
+  GemmParams params = {};
+  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
+  params.b0 = reinterpret_cast<const __nv_bfloat16*>(b0);
+  params.b1 = reinterpret_cast<const __nv_bfloat16*>(b1);
+  params.offsets = offsets;
+  params.entries = entries;
+  params.out0 = reinterpret_cast<__nv_bfloat16*>(out0);
+  params.out1 = nullptr;
+  params.num_experts = problem.num_experts;
+  params.k_dim = k_dim;
+  params.n_dim = n_dim;
+  params.top_k = problem.top_k;
+  params.b_expert_stride = b_expert_stride;
+  return params;
+}
+
 inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
