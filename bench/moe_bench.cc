@@ -8,8 +8,9 @@
 // fused path that the device or the sizes do not allow runs unfused, and the line says which
 // path really ran. Each fused forward's output is checked against the unfused one on the
 // first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms per
-// backward path, unfused (per-expert cuBLAS), fused (the sm90 backward kernels) and fused-dh
-// (the same with the SwiGLU backward in the dA kernel's epilogue), everything
+// backward path, unfused (per-expert cuBLAS), fused (the sm90 backward kernels), fused-dh
+// (the same with the SwiGLU backward in the dA kernel's epilogue) and hybrid (sm90 dA and dW2,
+// cuBLAS dW13 and dXg), everything
 // down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
 // overwritten, not read; the fused results are checked against the unfused ones (dx and dp on
 // the first 16384 tokens, the first 16 Mi elements of each weight gradient; > 2e-2 fails).
@@ -88,10 +89,10 @@ constexpr int kNumPaths = 3;
 constexpr int64_t kCheckTokens = 16384;
 
 // The backward paths timed per preset, in print order.
-constexpr cuda::BackwardKernels kBackwardPaths[] = {cuda::BackwardKernels::kUnfused,
-                                                    cuda::BackwardKernels::kFused,
-                                                    cuda::BackwardKernels::kFusedEpilogue};
-constexpr int kNumBackwardPaths = 3;
+constexpr cuda::BackwardKernels kBackwardPaths[] = {
+    cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused,
+    cuda::BackwardKernels::kFusedEpilogue, cuda::BackwardKernels::kHybrid};
+constexpr int kNumBackwardPaths = 4;
 // Weight-gradient elements compared between the backward paths (the first ones of each tensor:
 // deepseek-v3's dW13 alone is 15 GB).
 constexpr int64_t kCheckGradElements = int64_t{1} << 24;
@@ -698,14 +699,15 @@ int Main(int argc, char** argv) {
       "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
       "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
   std::printf(
-      "# bwd_* per backward path (unfused / fused / fused-dh), marked likewise; tot_unf = unfused "
-      "fwd "
-      "+ unfused bwd, tot_svc = the service's fwd + bwd; err = worst fused-vs-unfused "
+      "# bwd_* per backward path (unfused / fused / fused-dh / hybrid), marked likewise; "
+      "tot_unf = unfused fwd + unfused bwd, tot_svc = the service's fwd + bwd; err = worst "
+      "fused-vs-unfused "
       "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
-  std::printf("%-12s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
-              "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "tot_unf",
-              "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB", "disp_ms",
-              "cub_ms", "equal", "chunks");
+  std::printf(
+      "%-12s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
+      "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "bwd_hyb",
+      "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
+      "disp_ms", "cub_ms", "equal", "chunks");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute);
@@ -742,12 +744,12 @@ int Main(int argc, char** argv) {
         bcols[v] = cell(r->bwd_ms[v], r->ran_bwd[v] != kBackwardPaths[v], v == b);
       }
       std::printf(
-          "%-12s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
+          "%-12s %9s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
           "%9.4f %9.4f %6s %9lld\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
-          bcols[1].c_str(), bcols[2].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf,
-          100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err, r->saved_bytes / 1048576.0,
-          r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
+          bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot,
+          tot_tf, 100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err,
+          r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
           static_cast<long long>(r->chunks));
       if (!r->dispatch_equal) ++failures;
       line =

@@ -93,6 +93,8 @@ const char* BackwardKernelsName(BackwardKernels k) {
       return "fused";
     case BackwardKernels::kFusedEpilogue:
       return "fused-dh";
+    case BackwardKernels::kHybrid:
+      return "hybrid";
   }
   return "?";
 }
@@ -416,12 +418,8 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
         MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_rows, a_tmp.get()));
         hb = h_rows;
       }
-      const BackwardKernels path = ChunkBackwardKernels(ch);
-      absl::StatusOr<DeviceBuffer> dxb =
-          path == BackwardKernels::kUnfused
-              ? UnfusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta, dp, &h_tmp)
-              : FusedChunkBackward(plan, ch, x, hb, p, dout, w, grads, beta != 0.f,
-                                   path == BackwardKernels::kFusedEpilogue, dp, &h_tmp);
+      absl::StatusOr<DeviceBuffer> dxb = ChunkBackward(plan, ch, ChunkBackwardKernels(ch), x, hb, p,
+                                                       dout, w, grads, beta == 0.f, dp, &h_tmp);
       if (!dxb.ok()) return dxb.status();
       dxg = std::move(*dxb);
     }
@@ -432,10 +430,38 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
   return absl::OkStatus();
 }
 
-absl::StatusOr<DeviceBuffer> ExpertPipeline::UnfusedChunkBackward(
-    const DispatchPlan& plan, const ChunkPlan& ch, const void* x, const void* hb, const float* p,
-    const void* dout, const ExpertWeights& w, const ExpertGrads& grads, float beta, float* dp,
-    DeviceBuffer* h_tmp) {
+namespace {
+
+// Which of the backward's four GEMMs a path runs as sm90 kernels; the others are per-expert
+// cuBLAS calls on rows gathered into a buffer first.
+struct FusedGemms {
+  bool da = false;
+  bool dw2 = false;
+  bool dw13 = false;
+  bool dx = false;
+  bool dh_epilogue = false;  // dA's epilogue does the SwiGLU backward (LaunchSm90BackwardDH)
+};
+
+FusedGemms FusedGemmsOf(BackwardKernels path) {
+  switch (path) {
+    case BackwardKernels::kFused:
+      return {true, true, true, true, false};
+    case BackwardKernels::kFusedEpilogue:
+      return {true, true, true, true, true};
+    case BackwardKernels::kHybrid:
+      return {true, true, false, false, false};
+    default:
+      return {};
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<DeviceBuffer> ExpertPipeline::ChunkBackward(
+    const DispatchPlan& plan, const ChunkPlan& ch, BackwardKernels path, const void* x,
+    const void* hb, const float* p, const void* dout, const ExpertWeights& w,
+    const ExpertGrads& grads, bool overwrite, float* dp, DeviceBuffer* h_tmp) {
+  const FusedGemms fused = FusedGemmsOf(path);
   const ElemType type = shape_.type;
   const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
   const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
@@ -443,96 +469,32 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::UnfusedChunkBackward(
   const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
   const size_t nl = ch.counts.size();
   cudaStream_t s = stream_->get();
-  absl::StatusOr<DeviceBuffer> gbuf = Alloc(n * d * e, "gathered dout");
-  if (!gbuf.ok()) return gbuf.status();
-  MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
-                                            static_cast<int32_t>(K), n, gbuf->get(), s));
-  absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
-  if (!dau.ok()) return dau.status();
-  std::vector<GemmProblem> probs;
-  for (size_t l = 0; l < nl; ++l) {
-    const int64_t off = ch.offsets[l];
-    // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
-    probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
-                     Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
-                     Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                     Offset(dau->get(), off * h * e), static_cast<int>(h)});
-  }
-  MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
-  absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
-  if (!dh.ok()) return dh.status();
-  absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
-  if (!ap.ok()) return ap.status();
-  MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K, type,
-                                                    shape_.activation, n, h, dh->get(), ap->get(),
-                                                    dp + ch.t0 * K, s));
-  dau->Reset();
-  h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
-  probs.clear();
-  for (size_t l = 0; l < nl; ++l) {
-    const int64_t off = ch.offsets[l];
-    // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
-    probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
-                     Offset(ap->get(), off * h * e), static_cast<int>(h),
-                     Offset(gbuf->get(), off * d * e), static_cast<int>(d),
-                     grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
-  }
-  MOE_RETURN_IF_ERROR(
-      gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-  gbuf->Reset();
-  ap->Reset();
-  absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-  if (!xg.ok()) return xg.status();
-  MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                            static_cast<int32_t>(K), n, xg->get(), s));
-  probs.clear();
-  for (size_t l = 0; l < nl; ++l) {
-    const int64_t off = ch.offsets[l];
-    // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
-    probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
-                     Offset(xg->get(), off * d * e), static_cast<int>(d),
-                     Offset(dh->get(), off * g * e), static_cast<int>(g),
-                     grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
-  }
-  MOE_RETURN_IF_ERROR(
-      gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-  xg->Reset();
-  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
-  if (!dxg.ok()) return dxg.status();
-  probs.clear();
-  for (size_t l = 0; l < nl; ++l) {
-    const int64_t off = ch.offsets[l];
-    // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
-    probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
-                     Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
-                     Offset(dh->get(), off * g * e), static_cast<int>(g),
-                     Offset(dxg->get(), off * d * e), static_cast<int>(d)});
-  }
-  MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
-  return std::move(*dxg);
-}
-
-absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
-    const DispatchPlan& plan, const ChunkPlan& ch, const void* x, const void* hb, const float* p,
-    const void* dout, const ExpertWeights& w, const ExpertGrads& grads, bool accumulate,
-    bool epilogue, float* dp, DeviceBuffer* h_tmp) {
-  const int64_t e = 2;  // bf16: UseFusedBackward admits nothing else
-  const int64_t d = shape_.d_model, h = shape_.d_hidden, g = shape_.gate_width();
-  const int64_t K = shape_.top_k, n = ch.routed;
-  const int32_t* entries = plan.entries.as<int32_t>() + ch.t0 * K;
+  const float beta = overwrite ? 0.f : 1.f;
+  // The sm90 kernels read the per-expert offsets on the device and gather rows while loading
+  // (bf16 only: UseFusedBackward admits nothing else for a fused GEMM).
   const int32_t* offsets = DeviceOffsets(plan, ch);
-  cudaStream_t s = stream_->get();
   const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
   auto config = [&](kernels::Sm90Projection projection) {
     return kernels::Sm90ChooseConfig(prob, projection, num_sms_);
   };
   const uint16_t* dout_rows = Bf16At(dout, ch.t0 * d * e);
-  const kernels::Sm90GemmConfig da_config = config(kernels::Sm90Projection::kBackwardDA);
+  std::vector<GemmProblem> probs;
+
+  // G = dout[entries], stored only when a cuBLAS GEMM (dA or dW2) reads it.
+  DeviceBuffer gbuf;
+  if (!fused.da || !fused.dw2) {
+    absl::StatusOr<DeviceBuffer> b = Alloc(n * d * e, "gathered dout");
+    if (!b.ok()) return b.status();
+    gbuf = std::move(*b);
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(dout, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, gbuf.get(), s));
+  }
   absl::StatusOr<DeviceBuffer> dh = Alloc(n * g * e, "dH");
   if (!dh.ok()) return dh.status();
   absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
   if (!ap.ok()) return ap.status();
-  if (epilogue) {
+  const kernels::Sm90GemmConfig da_config = config(kernels::Sm90Projection::kBackwardDA);
+  if (fused.dh_epilogue) {
     // dA_u stays in registers: the dA kernel's epilogue writes dH, pA and dp (via per-column-
     // tile partial sums in `ws` when h spans several tiles).
     const size_t ws_bytes = kernels::Sm90BackwardDHWorkspaceBytes(prob, da_config);
@@ -542,28 +504,89 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::FusedChunkBackward(
         prob, da_config, dout_rows, Bf16At(w.w2, 0), Bf16At(hb, 0), p + ch.t0 * K, offsets, entries,
         dh->as<uint16_t>(), ap->as<uint16_t>(), dp + ch.t0 * K, ws->get(), ws_bytes, s));
   } else {
-    // dA_u = G W2 with G's rows gathered from dout while loading, then the activation pass.
     absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
     if (!dau.ok()) return dau.status();
-    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, da_config, dout_rows, Bf16At(w.w2, 0),
-                                                  offsets, entries, dau->as<uint16_t>(), s));
-    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K,
-                                                      shape_.type, shape_.activation, n, h,
-                                                      dh->get(), ap->get(), dp + ch.t0 * K, s));
+    if (fused.da) {
+      // dA_u = G W2 with G's rows gathered from dout while loading.
+      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, da_config, dout_rows, Bf16At(w.w2, 0),
+                                                    offsets, entries, dau->as<uint16_t>(), s));
+    } else {
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dA_l^T [h, m] = W2_l^T (col-major view of row-major [d, h]) x G_l^T [d, m].
+        probs.push_back({static_cast<int>(h), ch.counts[l], static_cast<int>(d),
+                         Offset(w.w2, static_cast<int64_t>(l) * d * h * e), static_cast<int>(h),
+                         Offset(gbuf.get(), off * d * e), static_cast<int>(d),
+                         Offset(dau->get(), off * h * e), static_cast<int>(h)});
+      }
+      MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+      probs.clear();
+    }
+    MOE_CUDA_RETURN(kernels::LaunchActivationBackward(hb, dau->get(), entries, p + ch.t0 * K, type,
+                                                      shape_.activation, n, h, dh->get(), ap->get(),
+                                                      dp + ch.t0 * K, s));
   }
   h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
-  MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
-      prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(), offsets,
-      entries, grads.dw2, accumulate, s));
+
+  if (fused.dw2) {
+    MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
+        prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(),
+        offsets, entries, grads.dw2, !overwrite, s));
+  } else {
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
+      probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
+                       Offset(ap->get(), off * h * e), static_cast<int>(h),
+                       Offset(gbuf.get(), off * d * e), static_cast<int>(d),
+                       grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
+    }
+    MOE_RETURN_IF_ERROR(
+        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+    probs.clear();
+  }
+  gbuf.Reset();
   ap->Reset();
-  MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
-      prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
-      Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, accumulate, s));
+
+  if (fused.dw13) {
+    MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
+        prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
+        Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, s));
+  } else {
+    absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
+    if (!xg.ok()) return xg.status();
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, xg->get(), s));
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
+      probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
+                       Offset(xg->get(), off * d * e), static_cast<int>(d),
+                       Offset(dh->get(), off * g * e), static_cast<int>(g),
+                       grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
+    }
+    MOE_RETURN_IF_ERROR(
+        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+    probs.clear();
+  }
+
   absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
   if (!dxg.ok()) return dxg.status();
-  MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(prob, config(kernels::Sm90Projection::kBackwardDX),
-                                                dh->as<uint16_t>(), Bf16At(w.w13, 0), offsets,
-                                                dxg->as<uint16_t>(), s));
+  if (fused.dx) {
+    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(
+        prob, config(kernels::Sm90Projection::kBackwardDX), dh->as<uint16_t>(), Bf16At(w.w13, 0),
+        offsets, dxg->as<uint16_t>(), s));
+  } else {
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
+      probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
+                       Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                       Offset(dh->get(), off * g * e), static_cast<int>(g),
+                       Offset(dxg->get(), off * d * e), static_cast<int>(d)});
+    }
+    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
+  }
   return std::move(*dxg);
 }
 

@@ -68,7 +68,17 @@ const char* ForwardKernelsName(ForwardKernels k);
 //             (LaunchSm90BackwardDH: dA_u never reaches memory). Correct, but measured 0.80-0.98x
 //             the speed of the two launches it replaces (docs/FUSED.md), so only a forced option:
 //             kAuto never picks it.
-enum class BackwardKernels { kAuto = 0, kUnfused = 1, kFused = 2, kFusedEpilogue = 3 };
+//   kHybrid:  sm90 dA and dW2 (dout rows gathered on load, never stored) + the SwiGLU backward
+//             pass, then gather x + cuBLAS dW13 + cuBLAS dXg + combine: for large per-expert
+//             GEMMs, where cuBLAS's dW13 and dXg kernels ran as fast as or faster than the sm90
+//             ones but the sm90 dA beat cuBLAS's plus the dout gather it needs.
+enum class BackwardKernels {
+  kAuto = 0,
+  kUnfused = 1,
+  kFused = 2,
+  kFusedEpilogue = 3,
+  kHybrid = 4,
+};
 const char* BackwardKernelsName(BackwardKernels k);
 
 struct ExpertShape {
@@ -225,22 +235,17 @@ class ExpertPipeline {
   kernels::Sm90ExpertProblem Sm90Problem(const ChunkPlan& chunk) const;
   // The chunk's per-expert offsets [count + 1] on the device (in plan.counts).
   const int32_t* DeviceOffsets(const DispatchPlan& plan, const ChunkPlan& ch) const;
-  // The backward of one chunk with routed rows, after its H rows `hb` (saved, or recomputed
-  // into *h_tmp, which is released once read) are at hand: dp rows, the weight gradients (the
-  // unfused GEMMs take beta, the fused kernels `accumulate`: add to the buffers, else
-  // overwrite) and, returned, dXg [routed, d] in slot order for the combine.
-  absl::StatusOr<DeviceBuffer> UnfusedChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
-                                                    const void* x, const void* hb, const float* p,
-                                                    const void* dout, const ExpertWeights& w,
-                                                    const ExpertGrads& grads, float beta, float* dp,
-                                                    DeviceBuffer* h_tmp);
-  // `epilogue`: dH, pA and dp from the dA kernel's epilogue (kFusedEpilogue), else the
-  // separate activation pass.
-  absl::StatusOr<DeviceBuffer> FusedChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
-                                                  const void* x, const void* hb, const float* p,
-                                                  const void* dout, const ExpertWeights& w,
-                                                  const ExpertGrads& grads, bool accumulate,
-                                                  bool epilogue, float* dp, DeviceBuffer* h_tmp);
+  // The backward of one chunk with routed rows by `path` (each of its four GEMMs by the sm90
+  // kernel or per-expert cuBLAS, see BackwardKernels), after its H rows `hb` (saved, or
+  // recomputed into *h_tmp, which is released once read) are at hand: dp rows, the weight
+  // gradients (`overwrite`: write them, else add to them) and, returned, dXg [routed, d] in
+  // slot order for the combine. Gathered copies of dout or x exist only while a cuBLAS GEMM
+  // needs them.
+  absl::StatusOr<DeviceBuffer> ChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
+                                             BackwardKernels path, const void* x, const void* hb,
+                                             const float* p, const void* dout,
+                                             const ExpertWeights& w, const ExpertGrads& grads,
+                                             bool overwrite, float* dp, DeviceBuffer* h_tmp);
   // The forward's up-projection of one chunk by `kernels_used`: H [routed, g] into hb and, when
   // `a` is not null, A [routed, h] (the fused kernel always needs `a`). Forward and the
   // recompute-mode Backward both run this.

@@ -431,7 +431,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(cuda::ForwardKernels::kUnfused, cuda::ForwardKernels::kFusedUp,
                           cuda::ForwardKernels::kFusedUpDown),
         ::testing::Values(cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused,
-                          cuda::BackwardKernels::kFusedEpilogue)),
+                          cuda::BackwardKernels::kFusedEpilogue, cuda::BackwardKernels::kHybrid)),
     [](const ::testing::TestParamInfo<FusedKernelsTest::ParamType>& info) {
       const Case& c = std::get<0>(info.param).c;
       std::string name = "T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +

@@ -148,8 +148,8 @@ ExpertShape SwiGluBf16Backward(int64_t d, int64_t h, BackwardKernels backward) {
 }
 
 TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
-  for (BackwardKernels k :
-       {BackwardKernels::kUnfused, BackwardKernels::kFused, BackwardKernels::kFusedEpilogue}) {
+  for (BackwardKernels k : {BackwardKernels::kUnfused, BackwardKernels::kFused,
+                            BackwardKernels::kFusedEpilogue, BackwardKernels::kHybrid}) {
     const ExpertShape s = SwiGluBf16Backward(40, 24, k);
     EXPECT_EQ(UseFusedBackward(s, Problem(s, 37), /*device_sm90=*/true), k)
         << BackwardKernelsName(k);
@@ -157,7 +157,8 @@ TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
 }
 
 TEST(UseFusedBackwardTest, FallsBackOffSm90ForOddSizesOtherActivationsAndDtypes) {
-  for (BackwardKernels k : {BackwardKernels::kFused, BackwardKernels::kFusedEpilogue}) {
+  for (BackwardKernels k :
+       {BackwardKernels::kFused, BackwardKernels::kFusedEpilogue, BackwardKernels::kHybrid}) {
     ExpertShape s = SwiGluBf16Backward(64, 64, k);
     EXPECT_EQ(UseFusedBackward(s, Problem(s, 64), /*device_sm90=*/false),
               BackwardKernels::kUnfused);
