@@ -115,9 +115,13 @@ BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90) {
   BackwardKernels k = shape.backward;
   if (k == BackwardKernels::kAuto) {
-    k = FusedDisabledByEnv() || WorkPerExpert(shape, problem) > kFusedBackwardMaxWorkPerExpert
-            ? BackwardKernels::kUnfused
-            : BackwardKernels::kFused;
+    const double work = WorkPerExpert(shape, problem);
+    if (FusedDisabledByEnv() || work > kHybridBackwardMaxWorkPerExpert) {
+      k = BackwardKernels::kUnfused;
+    } else {
+      k = work > kFusedBackwardMaxWorkPerExpert ? BackwardKernels::kHybrid
+                                                : BackwardKernels::kFused;
+    }
   }
   if (k == BackwardKernels::kUnfused) return k;
   return FusedKernelsTake(shape, problem, device_sm90) ? k : BackwardKernels::kUnfused;

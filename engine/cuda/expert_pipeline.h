@@ -55,9 +55,9 @@ enum class ForwardKernels {
 };
 const char* ForwardKernelsName(ForwardKernels k);
 
-// Which kernels run the expert backward. kAuto is what the service uses: kFused where
-// UseFusedBackward allows it and the per-expert GEMM work is at most
-// kFusedBackwardMaxWorkPerExpert, else kUnfused; MOE_DISABLE_FUSED=1 makes it kUnfused too.
+// Which kernels run the expert backward. kAuto is what the service uses: by the per-expert GEMM
+// work, kFused, then kHybrid, then kUnfused (UseFusedBackward has the thresholds);
+// MOE_DISABLE_FUSED=1 makes it kUnfused.
 //   kUnfused: gather dout + cuBLAS dA + SwiGLU backward pass + cuBLAS dW2 + gather x + cuBLAS
 //             dW13 + cuBLAS dXg + combine, per-expert cuBLAS calls over 4 streams;
 //   kFused:   sm90 dA (dout rows gathered on load, W2 read as stored) + the same SwiGLU
@@ -150,10 +150,11 @@ inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpD
 inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
 
 // The one place that decides the backward's kernels for one chunk, like UseFusedForward:
-// `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1 or when the average per-expert GEMM
-// work exceeds kFusedBackwardMaxWorkPerExpert, else kFused; a fused result (kFused or a forced
-// kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take the problem (SwiGLU,
-// bf16, sm_90, Sm90CanImplement). The backward path does not depend on the forward's: both read
+// `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1; else by the average per-expert
+// GEMM work: kFused up to kFusedBackwardMaxWorkPerExpert, kHybrid up to
+// kHybridBackwardMaxWorkPerExpert, kUnfused above. A result that runs any sm90 kernel (kFused,
+// kHybrid, a forced kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take the
+// problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The backward path does not depend on the forward's: both read
 // and write the same buffers.
 BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90);
@@ -165,6 +166,13 @@ BackwardKernels UseFusedBackward(const ExpertShape& shape,
 // the tensor-core rate (olmoe at 4.3 G: 7.18 vs 6.83; scale-32k at 4.3 G: within 2%, either
 // way in two runs; deepseek-v3 at 3.8 G: 37.7 vs 35.0). The forward's threshold separates them.
 inline constexpr double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
+// Above that, the hybrid (sm90 dA and dW2: no gathered copy of dout; cuBLAS dW13 and dXg)
+// measured faster than both others at 3.8-4.3 G multiply-adds per expert (H100,
+// bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs 6.65 unfused and 7.16 fused,
+// scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and 37.31) and slower than the
+// unfused path at mixtral's 120 G (19.93 vs 18.43: cuBLAS's dA is then as fast and the sm90
+// dW2 slower). Between, it was not measured; the bound stays at 2^33.
+inline constexpr double kHybridBackwardMaxWorkPerExpert = 8589934592.0;  // 2^33 multiply-adds
 
 // Test hooks: pipelines created afterwards take these as their shape's `forward` / `backward`
 // when not kAuto (the engine tests force each path through the CUDA layer). kAuto restores the
