@@ -8,7 +8,8 @@
 // is the median of 10 CUDA-event timed launches after 2 warm-ups. Before timing, the fused
 // result of three experts (first, middle, last) is compared with cuBLAS's (normalised error),
 // so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
-// the launchers at both block_n, and other instantiations (the drain-each-step ring)
+// the launchers at both block_n with warp_specialized off (the 256-thread kernel) and on (the
+// epilogue-overlapping variants: ping-pong, two CTAs an SM), and other ring shapes of those
 // launched directly.
 // Usage: sm90_weight_grad_bench [preset ...] (default: the five of kBackwardPresets).
 // Presets, routing, buffers, the gather and timing come from bench/sm90_bench_util.h.
@@ -163,9 +164,15 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
         "\"N\":%lld,\"M\":%d,\"Ncols\":%d,\"ms\":%.4f,\"tflops\":%.1f,\"gather_ms\":%.4f}\n",
         ps.name, g.name, static_cast<long long>(N), g.m, g.n, cublas_ms, flop / cublas_ms * 1e-9,
         gather_ms);
-    for (int block_n : {256, 128}) {
+    // The launchers: warp_specialized false is the 256-thread kernel (block_n 256 / 128, one
+    // CTA an SM); true is the epilogue-overlapping pair (block_n 256: ping-pong, 128: two CTAs
+    // an SM).
+    for (int config_i = 0; config_i < 4; ++config_i) {
+      const int block_n = config_i % 2 == 0 ? 256 : 128;
+      const bool ws = config_i >= 2;
       Sm90GemmConfig cfg;
       cfg.block_n = block_n;
+      cfg.warp_specialized = ws;
       CUDA_OK(cudaMemset(g.c, 0xFF, block * E * 4));  // NaN: unwritten elements show
       CUDA_OK(g.fused(cfg, false));
       CUDA_OK(cudaDeviceSynchronize());
@@ -174,9 +181,9 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       const double acc_ms = MedianMs([&] { CUDA_OK(g.fused(cfg, true)); });
       std::printf(
           "{\"kind\":\"wgrad\",\"preset\":\"%s\",\"grad\":\"%s\",\"impl\":\"fused\","
-          "\"block_n\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"accumulate_ms\":%.4f,"
+          "\"block_n\":%d,\"warp_specialized\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"accumulate_ms\":%.4f,"
           "\"vs_cublas\":%.2f,\"diff_vs_cublas\":%.3g,\"check\":\"%s\"}\n",
-          ps.name, g.name, block_n, static_cast<long long>(N), ms, flop / ms * 1e-9, acc_ms,
+          ps.name, g.name, block_n, ws ? 1 : 0, static_cast<long long>(N), ms, flop / ms * 1e-9, acc_ms,
           cublas_ms / ms, diff, diff < 1e-3 ? "ok" : "MISMATCH");
       std::fflush(stdout);
     }
@@ -196,11 +203,20 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);
     };
     using moe::kernels::sm90::LaunchWeightGradKernel;
+    using moe::kernels::sm90::LaunchWeightGradPingpong;
+    // 32-row slabs of the one-CTA kernel (n256, n128, with and without drain) measured 15-30%
+    // slower than 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2), and
+    // drain-each-step no better (-b94c092-weight-grad). Here: the epilogue-overlapping
+    // variants' other ring shapes (2cta: 96 KB ring a CTA; pp: 192 KB).
     const Variant variants[] = {
-        // 32-row slabs (n256, n128, with and without drain) measured 15-30% slower than
-        // 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2).
-        {"n256_slab64_drain", g.gather_a ? LaunchWeightGradKernel<256, 64, true, true>
-                                         : LaunchWeightGradKernel<256, 64, false, true>},
+        {"2cta_n128_s64", g.gather_a ? LaunchWeightGradKernel<128, 64, true, false, 2>
+                                     : LaunchWeightGradKernel<128, 64, false, false, 2>},
+        {"2cta_n128_s32", g.gather_a ? LaunchWeightGradKernel<128, 32, true, false, 2>
+                                     : LaunchWeightGradKernel<128, 32, false, false, 2>},
+        {"2cta_n128_s32_drain", g.gather_a ? LaunchWeightGradKernel<128, 32, true, true, 2>
+                                           : LaunchWeightGradKernel<128, 32, false, true, 2>},
+        {"pp_s32", g.gather_a ? LaunchWeightGradPingpong<32, true>
+                              : LaunchWeightGradPingpong<32, false>},
     };
     for (const Variant& v : variants) {
       params.accumulate = 0;
@@ -228,6 +244,18 @@ int main(int argc, char** argv) {
   if (!moe::kernels::testing::HaveSm90Gpu(stderr)) return 77;
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) return 1;
+  {  // the two-CTA variant must really get two CTAs an SM
+    auto* kernel = moe::kernels::sm90::sm90_weight_grad_kernel<128, 64, true, true, 2>;
+    constexpr int kSmem = moe::kernels::sm90::WgradSmemBytes<128, 64, 2>();
+    CUDA_OK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    CUDA_OK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared));
+    int blocks = 0;
+    CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, kernel, moe::kernels::sm90::kWgradThreads, kSmem));
+    std::printf("{\"kind\":\"occupancy\",\"impl\":\"2cta_n128_s64_drain\",\"ctas_per_sm\":%d}\n",
+                blocks);
+  }
   for (std::string_view name : moe::bench::kBackwardPresets) {
     bool want = argc == 1;
     for (int i = 1; i < argc; ++i) want |= name == argv[i];

@@ -30,6 +30,17 @@ constexpr int kSlabRows = 64;
 template <bool kGatherA>
 cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradParams& params,
                                cudaStream_t stream) {
+  if (config.warp_specialized) {
+    switch (config.block_n) {
+      case 256:  // ping-pong: two consumer warpgroups with a 128 x 128 tile each
+        return sm90::LaunchWeightGradPingpong<kSlabRows, kGatherA>(params, stream);
+      case 128:  // two CTAs per SM, 128 x 128 tiles
+        return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA, /*kDrain=*/true,
+                                            /*kCtasPerSm=*/2>(params, stream);
+      default:
+        return cudaErrorInvalidValue;  // unsupported block_n
+    }
+  }
   switch (config.block_n) {
     case 256:
       return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA>(params, stream);

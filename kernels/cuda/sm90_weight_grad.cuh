@@ -71,6 +71,11 @@ struct WeightGradParams {
 constexpr int kWgradThreads = 256;  // two consumer warpgroups, 64 C rows each
 constexpr int kWgradBlockM = 128;
 constexpr int kWgradRingBytes = 192 * 1024;  // shared memory given to the load ring
+// With two CTAs per SM each gets half (2 x (96 KB ring + 5 KB) fits the SM's 228 KB).
+template <int kCtasPerSm>
+__host__ __device__ constexpr int WgradRingBytes() {
+  return kCtasPerSm == 1 ? kWgradRingBytes : 96 * 1024;
+}
 
 // wgmma descriptor offsets for a slab of kSlabRows reduction rows stored as blocks of
 // kSlabRows x 64 columns: the next 8-row group of the reduction is 1024 bytes on (stride
@@ -99,14 +104,15 @@ struct WgmmaMnMajor<256> {
   }
 };
 
-// How the 256 threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk
-// of kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
-template <int kCols, int kSlabRows>
+// How kThreads threads (all 256, or the ping-pong kernel's 128-thread producer) share one
+// kSlabRows x kCols slab: each thread copies one 16-byte chunk of kRows rows, kRowStep rows
+// apart (so all of a thread's rows have the same r % 8).
+template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
 struct SlabShape {
   static constexpr int kChunksPerRow = kCols / 8;
-  static constexpr int kRowStep = kWgradThreads / kChunksPerRow;
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
   static constexpr int kRows = kSlabRows / kRowStep;
-  static_assert(kWgradThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
+  static_assert(kThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
                 "slab split");
   __device__ __forceinline__ static int Row(int tid, int j) {
     return tid / kChunksPerRow + j * kRowStep;
@@ -116,11 +122,12 @@ struct SlabShape {
 // Copies this thread's share of one slab into the swizzled MN-major layout at `dst`: row j
 // from row_ptr[j] (already offset to this thread's column). Rows at or past `rows_valid`, and
 // every row when !col_ok, are zero-filled without reading.
-template <int kCols, int kSlabRows>
+template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
 __device__ __forceinline__ void LoadSlab(
-    uint32_t dst, const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows>::kRows],
+    uint32_t dst,
+    const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows, kThreads>::kRows],
     bool col_ok, int rows_valid, const __nv_bfloat16* any_valid, int tid) {
-  using S = SlabShape<kCols, kSlabRows>;
+  using S = SlabShape<kCols, kSlabRows, kThreads>;
   const int q = tid % S::kChunksPerRow;  // chunk within the slab's row
   const uint32_t block = dst + (q >> 3) * MnMajorSlab<kSlabRows>::kBlockBytes;
 #pragma unroll
@@ -168,28 +175,30 @@ __host__ __device__ constexpr int WgradStageBytes() {
 }
 // Ring depth: as many stages as fit kWgradRingBytes, at most 10 (cp.async.wait_group's count,
 // stages - 3, stays small).
-template <int kN, int kSlabRows>
+template <int kN, int kSlabRows, int kCtasPerSm = 1>
 __host__ __device__ constexpr int WgradStages() {
-  return kWgradRingBytes / WgradStageBytes<kN, kSlabRows>() < 10
-             ? kWgradRingBytes / WgradStageBytes<kN, kSlabRows>()
+  return WgradRingBytes<kCtasPerSm>() / WgradStageBytes<kN, kSlabRows>() < 10
+             ? WgradRingBytes<kCtasPerSm>() / WgradStageBytes<kN, kSlabRows>()
              : 10;
 }
-template <int kN, int kSlabRows>
+template <int kN, int kSlabRows, int kCtasPerSm = 1>
 __host__ __device__ constexpr int WgradSmemBytes() {
-  return WgradStages<kN, kSlabRows>() * WgradStageBytes<kN, kSlabRows>() + 1024 /* alignment */ +
-         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+  return WgradStages<kN, kSlabRows, kCtasPerSm>() * WgradStageBytes<kN, kSlabRows>() +
+         1024 /* alignment */ + (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
 }
 
 // Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
 // lane/4 and lane/4 + 8 of its warp's 16 (the wgmma fragment), stored as float2. With
 // accumulate, all old values are read first so the loads overlap.
+// StoreWgradRows: one warpgroup's 64 rows (from row_base) x kN columns (from n0); `t` is the
+// thread's index within its warpgroup.
 template <int kN>
-__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
-                                               float (&acc)[kN / 2], int tid) {
-  const int lane = tid & 31;
-  const int row0 = ti.m0 + (tid >> 7) * 64 + ((tid & 127) >> 5) * 16 + (lane >> 2);
-  const int col0 = ti.n0 + 2 * (lane & 3);
-  float* c = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim;
+__device__ __forceinline__ void StoreWgradRows(const WeightGradParams& p, int expert, int row_base,
+                                               int n0, float (&acc)[kN / 2], int t) {
+  const int lane = t & 31;
+  const int row0 = row_base + (t >> 5) * 16 + (lane >> 2);
+  const int col0 = n0 + 2 * (lane & 3);
+  float* c = p.c + static_cast<int64_t>(expert) * p.m_dim * p.n_dim;
   if (p.accumulate) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -221,21 +230,28 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
     }
   }
 }
+template <int kN>
+__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
+                                               float (&acc)[kN / 2], int tid) {
+  StoreWgradRows<kN>(p, ti.expert, ti.m0 + (tid >> 7) * 64, ti.n0, acc, tid & 127);
+}
 
 // With accumulate, the epilogue reads the tile's old values; kAhead steps before it (when the
 // load cursor issues the tile's last slab), each thread asks L2 for its share of the lines
 // (2 threads a row, kN/2 columns each), so those reads find L2 instead of stalling the SM on
 // device memory between two tiles (accumulating launches 1.1-1.3x faster on the presets).
-template <int kN>
+// kThreads 256: 2 threads a row; 128 (the ping-pong producer): one thread a row.
+template <int kN, int kThreads = kWgradThreads>
 __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
                                                   int tid) {
-  const int row = ti.m0 + (tid >> 1);
+  constexpr int kPerRow = kThreads / kWgradBlockM;
+  const int row = ti.m0 + tid / kPerRow;
   if (row >= p.m_dim) return;
   const float* line = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim +
                       static_cast<int64_t>(row) * p.n_dim;
 #pragma unroll
-  for (int i = 0; i < kN / 2 / 32; ++i) {  // 32 floats = one 128-byte line
-    const int col = ti.n0 + (tid & 1) * (kN / 2) + 32 * i;
+  for (int i = 0; i < kN / kPerRow / 32; ++i) {  // 32 floats = one 128-byte line
+    const int col = ti.n0 + (tid % kPerRow) * (kN / kPerRow) + 32 * i;
     if (col < p.n_dim) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line + col));
   }
 }
@@ -246,15 +262,16 @@ __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, con
 // kDrain: each step waits for ALL its wgmmas before the next barrier, so a stage is free one
 // step after its use and loads run stages-1 steps ahead (more bytes in flight, at the cost of
 // an empty tensor pipe at every barrier); otherwise the previous step's wgmmas may still run,
-// and loads run stages-2 ahead.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
-__global__ void __launch_bounds__(kWgradThreads, 1)
+// and loads run stages-2 ahead. kCtasPerSm: 2 runs two CTAs on each SM (registers capped at
+// 128 a thread, half the ring each), so one CTA's epilogue overlaps the other's main loop.
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1>
+__global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
     sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
   using ShapeA = SlabShape<kWgradBlockM, kSlabRows>;
   using ShapeB = SlabShape<kN, kSlabRows>;
   using ShapeG = SlabShape<kGatherA ? kWgradBlockM : kN, kSlabRows>;  // the gathered operand
   using Slab = MnMajorSlab<kSlabRows>;
-  constexpr int kStages = WgradStages<kN, kSlabRows>();
+  constexpr int kStages = WgradStages<kN, kSlabRows, kCtasPerSm>();
   constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
   constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
   constexpr int kAhead = kDrain ? kStages - 1 : kStages - 2;
@@ -415,13 +432,275 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   CpAsyncWait<0>();
 }
 
-// Host side: one launch of an instantiation, one CTA per SM (the tile count is known only on
-// the device). Kept with the kernel so a benchmark can time instantiations the public
+// Host side: one launch of an instantiation, kCtasPerSm CTAs per SM (the tile count is known
+// only on the device). Kept with the kernel so a benchmark can time instantiations the public
 // launchers do not choose.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1>
 cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain>;
-  constexpr int kSmem = WgradSmemBytes<kN, kSlabRows>();
+  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm>;
+  constexpr int kSmem = WgradSmemBytes<kN, kSlabRows, kCtasPerSm>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  static_assert(kCtasPerSm == 1 || kSmem <= 113 * 1024, "two CTAs must fit one SM's 228 KB");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (kCtasPerSm > 1 && err == cudaSuccess) {  // all of the SM's shared memory, for both CTAs
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  }
+  int device = 0, sms = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err != cudaSuccess) return err;
+  kernel<<<sms * kCtasPerSm, kWgradThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ping-pong variant: warpgroup 0 produces, warpgroups 1 and 2 consume, each consumer taking
+// its OWN 128 x 128 output tile (two m64n128 wgmmas per k16 step, 128 accumulators a thread),
+// the CTA's tiles alternating between them, so one consumer's fp32 stores run while the other
+// issues MMAs.
+//   Producer (setmaxnreg 56): walks the CTA's tiles in order, and per ring step waits for the
+//     slot's `empty`, issues both operands' slabs by cp.async (the gathered one through the
+//     index with the per-warp fetch and shuffle of the 256-thread kernel; rows past the
+//     expert's count zero-filled on BOTH operands, so nothing read from a neighbouring expert
+//     can leak in as NaN or Inf), then cp.async.mbarrier.arrive.noinc on `full` (128
+//     arrivals, each firing once that thread's copies have landed). It also asks L2 for a
+//     tile's old C (accumulate) when it issues the tile's last slab.
+//   Consumers (setmaxnreg 224): consumer c takes the CTA's local tiles j with j % 2 == c and
+//     counts the other's steps to keep its place in the ring. Ordering barrier: consumer c
+//     starts tile j's MMAs only after the other consumer has issued all of tile j-1's (named
+//     barrier 1 + c, 256 threads: the other's bar.arrive, this one's bar.sync). That makes the
+//     two main loops take turns (the ping-pong) and keeps every `full` wait at most one phase
+//     ahead: try_wait.parity only tells the current phase from the previous one, and without
+//     the order a consumer skipping the other's tile could wait on a slot two fills ahead and
+//     pass on the stale parity. Each ring slot is released (`empty`, one arrival a warp, 4
+//     a use) once the wgmmas that read it have retired.
+// Results stay deterministic: each tile is one consumer's, summed in slab order.
+template <int kSlabRows>
+__host__ __device__ constexpr int WgradPingpongStages() {
+  return kWgradRingBytes / WgradStageBytes<kWgradBlockM, kSlabRows>();
+}
+template <int kSlabRows>
+__host__ __device__ constexpr int WgradPingpongSmemBytes() {
+  return WgradPingpongStages<kSlabRows>() * WgradStageBytes<kWgradBlockM, kSlabRows>() +
+         1024 /* alignment */ + 2 * WgradPingpongStages<kSlabRows>() * 8 /* full, empty */ +
+         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+}
+constexpr int kWgradPingpongThreads = 384;
+
+__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+template <int kSlabRows, bool kGatherA>
+__global__ void __launch_bounds__(kWgradPingpongThreads, 1)
+    sm90_weight_grad_pingpong_kernel(const __grid_constant__ WeightGradParams p) {
+  constexpr int kN = 128;  // each consumer's tile: 128 x 128
+  constexpr int kProducerThreads = 128;
+  using Shape = SlabShape<kN, kSlabRows, kProducerThreads>;  // both operands are 128 wide
+  using Slab = MnMajorSlab<kSlabRows>;
+  constexpr int kStages = WgradPingpongStages<kSlabRows>();
+  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
+  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
+  static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
+  static_assert(kStages >= 2, "need at least 2 stages");
+  static_assert(Slab::kBlockBytes % 1024 == 0, "swizzled blocks must stay 1024-byte aligned");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  int* offs = reinterpret_cast<int*>(empty + kStages);
+  int* active = offs + (kMaxExperts + 1);
+  int* num_active = active + kMaxExperts;
+
+  const int tid = threadIdx.x;
+  const int num_experts = p.num_experts;
+
+  // ---- Phase 0 (all 384 threads): offsets, the list of experts with rows, the barriers.
+  for (int e = tid; e <= num_experts; e += kWgradPingpongThreads) offs[e] = p.offsets[e];
+  if (tid == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(SmemAddr(&full[s]), kProducerThreads);
+      MbarInit(SmemAddr(&empty[s]), 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (tid < 32) {
+    int n = 0;
+    for (int e0 = 0; e0 < num_experts; e0 += 32) {
+      const int e = e0 + tid;
+      const bool has_rows = e < num_experts && offs[e + 1] > offs[e];
+      const uint32_t mask = __ballot_sync(0xffffffffu, has_rows);
+      if (has_rows) active[n + __popc(mask & ((1u << tid) - 1u))] = e;
+      n += __popc(mask);
+    }
+    if (tid == 0) *num_active = n;
+  }
+  __syncthreads();
+
+  const int m_tiles = (p.m_dim + kWgradBlockM - 1) / kWgradBlockM;
+  const int n_tiles = (p.n_dim + kN - 1) / kN;
+  const int total = *num_active * m_tiles * n_tiles;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
+
+  const int wg = tid >> 7;
+  const int t = tid & 127;
+  const int lane = tid & 31;
+  if (wg == 0) {
+    // ---- Producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
+    static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
+                  "a warp's gathered rows must fit its lanes");
+    const bool fetcher = lane < Shape::kRows * kRowSetLanes;
+    const int fetch_row = (t - lane) / Shape::kChunksPerRow + lane % kRowSetLanes +
+                          (lane / kRowSetLanes) * Shape::kRowStep;
+    const int col = (t % Shape::kChunksPerRow) * 8;  // this thread's column in both slabs
+    int ld_tile = blockIdx.x;
+    int ld_kt = 0;
+    WgradTile ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
+    int raw = 0;
+    auto fetch_raw = [&]() {
+      const int r = ld_kt * kSlabRows + fetch_row;
+      raw = (fetcher && r < ld.count) ? p.entries[ld.slot0 + r] : 0;
+    };
+    fetch_raw();
+    int stage = 0;
+    uint32_t phase = 0;
+    while (ld_tile < total) {
+      MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
+      const uint32_t s_a = base + stage * kStageBytes;
+      const uint32_t s_b = s_a + kTileABytes;
+      const int rows_valid = ld.count - ld_kt * kSlabRows;
+      const int slot_base = ld.slot0 + ld_kt * kSlabRows;
+      const int tok = FastDivide(raw, p.top_k);
+      const __nv_bfloat16* g_ptr[Shape::kRows];  // the gathered operand's rows
+      const __nv_bfloat16* s_ptr[Shape::kRows];  // the slot-order operand's rows
+      const __nv_bfloat16* g_col = kGatherA ? p.a + ld.m0 + col : p.b + ld.n0 + col;
+      const __nv_bfloat16* s_col = kGatherA ? p.b + ld.n0 + col : p.a + ld.m0 + col;
+      const int g_ld = kGatherA ? p.m_dim : p.n_dim;
+      const int s_ld = kGatherA ? p.n_dim : p.m_dim;
+      const __nv_bfloat16* s0 = s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
+#pragma unroll
+      for (int j = 0; j < Shape::kRows; ++j) {
+        const int tk = __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / Shape::kChunksPerRow);
+        g_ptr[j] = g_col + static_cast<int64_t>(tk) * g_ld;
+        s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
+      }
+      const bool a_col_ok = ld.m0 + col < p.m_dim;
+      const bool b_col_ok = ld.n0 + col < p.n_dim;
+      if constexpr (kGatherA) {
+        LoadSlab<kN, kSlabRows, kProducerThreads>(s_a, g_ptr, a_col_ok, rows_valid, p.a, t);
+        LoadSlab<kN, kSlabRows, kProducerThreads>(s_b, s_ptr, b_col_ok, rows_valid, p.b, t);
+      } else {
+        LoadSlab<kN, kSlabRows, kProducerThreads>(s_a, s_ptr, a_col_ok, rows_valid, p.a, t);
+        LoadSlab<kN, kSlabRows, kProducerThreads>(s_b, g_ptr, b_col_ok, rows_valid, p.b, t);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                       SmemAddr(&full[stage]))
+                   : "memory");
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+      // The last slab of a tile: its consumer's epilogue follows soon after.
+      if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN, kProducerThreads>(p, ld, t);
+      if (++ld_kt == ld.num_k) {
+        ld_kt = 0;
+        ld_tile += gridDim.x;
+        if (ld_tile < total) {
+          ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
+        }
+      }
+      if (ld_tile < total) fetch_raw();
+    }
+    CpAsyncWait<0>();  // no copy may outlive its issuing thread
+  } else {
+    // ---- Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    const int cw = wg - 1;
+    int stage = 0;
+    uint32_t phase = 0;
+    float acc0[kN / 2], acc1[kN / 2];  // rows 0..63 and 64..127 of the tile
+    int j = 0;  // the CTA's local tile index
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++j) {
+      const WgradTile ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+      if ((j & 1) != cw) {  // the other consumer's tile: skip its steps in the ring
+        stage += ti.num_k;
+        while (stage >= kStages) {
+          stage -= kStages;
+          phase ^= 1;
+        }
+        continue;
+      }
+      if (j > 0) NamedBarrierSync(1 + cw, 256);  // the other has issued tile j-1's MMAs
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) {
+        acc0[i] = 0.0f;
+        acc1[i] = 0.0f;
+      }
+      int release = -1;  // slot whose wgmmas may still run
+      for (int kt = 0; kt < ti.num_k; ++kt) {
+        MbarWait(SmemAddr(&full[stage]), phase);
+        FenceProxyAsync();  // the slabs were written by cp.async (generic proxy)
+        const uint32_t s_a = base + stage * kStageBytes;
+        const uint32_t s_b = s_a + kTileABytes;
+        const uint64_t desc_a0 = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_a1 = MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        WgmmaFence();
+#pragma unroll
+        for (int k = 0; k < kSlabRows / 16; ++k) {
+          WgmmaMnMajor<kN>::Run(acc0, desc_a0 + k * Slab::kK16DescStep,
+                                desc_b + k * Slab::kK16DescStep);
+          WgmmaMnMajor<kN>::Run(acc1, desc_a1 + k * Slab::kK16DescStep,
+                                desc_b + k * Slab::kK16DescStep);
+        }
+        WgmmaCommit();
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        WgmmaWait<1>();  // the previous step's wgmmas have retired: its slot is free
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        if (release >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[release]));
+        release = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      // Every MMA of tile j is issued: the other consumer may start tile j+1 (if it exists).
+      if (tile + static_cast<int>(gridDim.x) < total) NamedBarrierArrive(2 - cw, 256);
+      WgmmaWait<0>();
+      FenceOperands(acc0);
+      FenceOperands(acc1);
+      if (lane == 0) MbarArrive(SmemAddr(&empty[release]));
+
+      // ---- Epilogue, overlapping the other consumer's main loop.
+      StoreWgradRows<kN>(p, ti.expert, ti.m0, ti.n0, acc0, t);
+      StoreWgradRows<kN>(p, ti.expert, ti.m0 + 64, ti.n0, acc1, t);
+    }
+  }
+}
+
+template <int kSlabRows, bool kGatherA>
+cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA>;
+  constexpr int kSmem = WgradPingpongSmemBytes<kSlabRows>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -431,7 +710,7 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t 
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (err != cudaSuccess) return err;
-  kernel<<<sms, kWgradThreads, kSmem, stream>>>(params);
+  kernel<<<sms, kWgradPingpongThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -124,10 +124,12 @@ bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
   }
   const bool ok = err < kTolerance && touched_empty == 0 && deterministic;
   std::printf(
-      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d block_n=%d accumulate=%d err=%.3g "
+      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d block_n=%d ws=%d accumulate=%d "
+      "err=%.3g "
       "nonfinite=%lld empty_touched=%lld deterministic=%d\n",
       ok ? "PASS" : "FAIL", c.name, g.what, static_cast<long long>(c.tokens), c.top_k, E,
-      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n, accumulate ? 1 : 0, err,
+      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n,
+      cfg.warp_specialized ? 1 : 0, accumulate ? 1 : 0, err,
       static_cast<long long>(nonfinite), static_cast<long long>(touched_empty),
       deterministic ? 1 : 0);
   return ok;
@@ -179,9 +181,12 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
-  for (int block_n : {256, 128}) {
+  // warp_specialized selects the epilogue-overlapping variants (block_n 256: ping-pong, 128:
+  // two CTAs an SM).
+  for (int config_i = 0; config_i < 4; ++config_i) {
     Sm90GemmConfig cfg;
-    cfg.block_n = block_n;
+    cfg.block_n = config_i % 2 == 0 ? 256 : 128;
+    cfg.warp_specialized = config_i >= 2;
     for (bool accumulate : {false, true}) {
       ok &= CheckOne(c, cfg, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW2(prob, cfg, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr, out,
