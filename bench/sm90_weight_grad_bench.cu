@@ -206,17 +206,24 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     using moe::kernels::sm90::LaunchWeightGradPingpong;
     // 32-row slabs of the one-CTA kernel (n256, n128, with and without drain) measured 15-30%
     // slower than 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2), and
-    // drain-each-step no better (-b94c092-weight-grad). Here: the epilogue-overlapping
-    // variants' other ring shapes (2cta: 96 KB ring a CTA; pp: 192 KB).
+    // drain-each-step no better (-b94c092-weight-grad). Two CTAs an SM without drain, or with
+    // 32-row slabs, measured 3-25% slower than with drain and 64-row slabs
+    // (-d4750ec-weight-grad-overlap/run1). Here: the epilogue-overlapping variants' other
+    // shapes: 2cta = two CTAs an SM (96 KB ring each), pp<P>_s<rows>_f<ahead> = ping-pong with P
+    // producer warpgroups, slabs of <rows>, the gathered index fetched <ahead> steps early.
     const Variant variants[] = {
-        {"2cta_n128_s64", g.gather_a ? LaunchWeightGradKernel<128, 64, true, false, 2>
-                                     : LaunchWeightGradKernel<128, 64, false, false, 2>},
-        {"2cta_n128_s32", g.gather_a ? LaunchWeightGradKernel<128, 32, true, false, 2>
-                                     : LaunchWeightGradKernel<128, 32, false, false, 2>},
-        {"2cta_n128_s32_drain", g.gather_a ? LaunchWeightGradKernel<128, 32, true, true, 2>
-                                           : LaunchWeightGradKernel<128, 32, false, true, 2>},
-        {"pp_s32", g.gather_a ? LaunchWeightGradPingpong<32, true>
-                              : LaunchWeightGradPingpong<32, false>},
+        {"2cta_n128_s48_drain", g.gather_a ? LaunchWeightGradKernel<128, 48, true, true, 2>
+                                           : LaunchWeightGradKernel<128, 48, false, true, 2>},
+        {"2cta_n128_s48", g.gather_a ? LaunchWeightGradKernel<128, 48, true, false, 2>
+                                     : LaunchWeightGradKernel<128, 48, false, false, 2>},
+        {"pp1_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 1, 2>
+                                  : LaunchWeightGradPingpong<64, false, 1, 2>},
+        {"pp2_s64_f1", g.gather_a ? LaunchWeightGradPingpong<64, true, 2, 1>
+                                  : LaunchWeightGradPingpong<64, false, 2, 1>},
+        {"pp2_s64_f4", g.gather_a ? LaunchWeightGradPingpong<64, true, 2, 4>
+                                  : LaunchWeightGradPingpong<64, false, 2, 4>},
+        {"pp2_s32_f2", g.gather_a ? LaunchWeightGradPingpong<32, true, 2, 2>
+                                  : LaunchWeightGradPingpong<32, false, 2, 2>},
     };
     for (const Variant& v : variants) {
       params.accumulate = 0;

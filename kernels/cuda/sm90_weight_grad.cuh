@@ -458,18 +458,21 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The ping-pong variant: warpgroup 0 produces, warpgroups 1 and 2 consume, each consumer taking
-// its OWN 128 x 128 output tile (two m64n128 wgmmas per k16 step, 128 accumulators a thread),
-// the CTA's tiles alternating between them, so one consumer's fp32 stores run while the other
-// issues MMAs.
-//   Producer (setmaxnreg 56): walks the CTA's tiles in order, and per ring step waits for the
-//     slot's `empty`, issues both operands' slabs by cp.async (the gathered one through the
-//     index with the per-warp fetch and shuffle of the 256-thread kernel; rows past the
-//     expert's count zero-filled on BOTH operands, so nothing read from a neighbouring expert
-//     can leak in as NaN or Inf), then cp.async.mbarrier.arrive.noinc on `full` (128
-//     arrivals, each firing once that thread's copies have landed). It also asks L2 for a
-//     tile's old C (accumulate) when it issues the tile's last slab.
-//   Consumers (setmaxnreg 224): consumer c takes the CTA's local tiles j with j % 2 == c and
+// The ping-pong variant: kProducerWgs producer warpgroups and two consumer warpgroups, each
+// consumer taking its OWN 128 x 128 output tile (two m64n128 wgmmas per k16 step, 128
+// accumulators a thread), the CTA's tiles alternating between them, so one consumer's fp32
+// stores run while the other issues MMAs.
+//   Producers (setmaxnreg down): walk the CTA's tiles in order, and per ring step wait for the
+//     slot's `empty`, issue their slabs by cp.async (one producer warpgroup: both operands;
+//     two: warpgroup 0 A, warpgroup 1 B), then cp.async.mbarrier.arrive.noinc on `full` (128
+//     arrivals a producer warpgroup, each firing once that thread's copies have landed). The
+//     gathered operand's index comes through the per-warp fetch and shuffle of the 256-thread
+//     kernel, fetched kFetchAhead steps early (a fetch cursor runs ahead of the load cursor),
+//     so no step waits on it. Rows past the expert's count are zero-filled on BOTH operands
+//     (cp.async with no source bytes), so nothing read from a neighbouring expert can leak in
+//     as NaN or Inf. The warpgroup that loads the slot-order operand also asks L2 for a tile's
+//     old C (accumulate) when it issues the tile's last slab.
+//   Consumers (setmaxnreg up): consumer c takes the CTA's local tiles j with j % 2 == c and
 //     counts the other's steps to keep its place in the ring. Ordering barrier: consumer c
 //     starts tile j's MMAs only after the other consumer has issued all of tile j-1's (named
 //     barrier 1 + c, 256 threads: the other's bar.arrive, this one's bar.sync). That makes the
@@ -489,7 +492,6 @@ __host__ __device__ constexpr int WgradPingpongSmemBytes() {
          1024 /* alignment */ + 2 * WgradPingpongStages<kSlabRows>() * 8 /* full, empty */ +
          (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
 }
-constexpr int kWgradPingpongThreads = 384;
 
 __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -501,16 +503,138 @@ __device__ __forceinline__ void MbarArrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-template <int kSlabRows, bool kGatherA>
-__global__ void __launch_bounds__(kWgradPingpongThreads, 1)
+// A walk over the CTA's tiles one ring step at a time.
+template <int kN, int kSlabRows>
+struct WgradCursor {
+  int tile;
+  int kt;
+  WgradTile ti;
+  __device__ __forceinline__ void Start(int first, int m_tiles, int n_tiles, const int* active,
+                                        const int* offs) {
+    tile = first;
+    kt = 0;
+    ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+  }
+  __device__ __forceinline__ void Advance(int total, int m_tiles, int n_tiles, const int* active,
+                                          const int* offs) {
+    if (++kt == ti.num_k) {
+      kt = 0;
+      tile += gridDim.x;
+      if (tile < total) ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+    }
+  }
+};
+
+// One producer warpgroup's loop (t: its thread 0..127): loads A's slab when kLoadA, B's when
+// kLoadB, into every ring step.
+template <int kSlabRows, bool kGatherA, bool kLoadA, bool kLoadB, int kFetchAhead>
+__device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p, uint32_t base,
+                                                      uint64_t* full, uint64_t* empty,
+                                                      const int* active, const int* offs,
+                                                      int total, int m_tiles, int n_tiles, int t) {
+  constexpr int kN = 128;
+  constexpr int kThreads = 128;
+  using Shape = SlabShape<kN, kSlabRows, kThreads>;  // both operands are 128 wide
+  constexpr int kStages = WgradPingpongStages<kSlabRows>();
+  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
+  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
+  constexpr bool kGathers = kGatherA ? kLoadA : kLoadB;  // this warpgroup loads gathered rows
+  constexpr bool kSlots = kGatherA ? kLoadB : kLoadA;    // ... and/or slot-order rows
+  constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
+  static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
+                "a warp's gathered rows must fit its lanes");
+  const int lane = t & 31;
+  const bool fetcher = lane < Shape::kRows * kRowSetLanes;
+  const int fetch_row = (t - lane) / Shape::kChunksPerRow + lane % kRowSetLanes +
+                        (lane / kRowSetLanes) * Shape::kRowStep;
+  const int col = (t % Shape::kChunksPerRow) * 8;  // this thread's column in both slabs
+  WgradCursor<kN, kSlabRows> ld;
+  ld.Start(blockIdx.x, m_tiles, n_tiles, active, offs);
+  // The gathered index, kFetchAhead steps early: raw[0] is the load cursor's step.
+  WgradCursor<kN, kSlabRows> fc = ld;
+  int raw[kFetchAhead];
+  auto fetch = [&]() {
+    const int r = fc.kt * kSlabRows + fetch_row;
+    const int v = (fc.tile < total && fetcher && r < fc.ti.count) ? p.entries[fc.ti.slot0 + r] : 0;
+    if (fc.tile < total) fc.Advance(total, m_tiles, n_tiles, active, offs);
+    return v;
+  };
+  if constexpr (kGathers) {
+#pragma unroll
+    for (int i = 0; i < kFetchAhead; ++i) raw[i] = fetch();
+  }
+  int stage = 0;
+  uint32_t phase = 0;
+  while (ld.tile < total) {
+    int tok = 0;
+    if constexpr (kGathers) {
+      tok = FastDivide(raw[0], p.top_k);
+#pragma unroll
+      for (int i = 0; i + 1 < kFetchAhead; ++i) raw[i] = raw[i + 1];
+      raw[kFetchAhead - 1] = fetch();
+    }
+    MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
+    const uint32_t s_a = base + stage * kStageBytes;
+    const uint32_t s_b = s_a + kTileABytes;
+    const int rows_valid = ld.ti.count - ld.kt * kSlabRows;
+    const int slot_base = ld.ti.slot0 + ld.kt * kSlabRows;
+    const __nv_bfloat16* g_col = kGatherA ? p.a + ld.ti.m0 + col : p.b + ld.ti.n0 + col;
+    const __nv_bfloat16* s_col = kGatherA ? p.b + ld.ti.n0 + col : p.a + ld.ti.m0 + col;
+    const int g_ld = kGatherA ? p.m_dim : p.n_dim;
+    const int s_ld = kGatherA ? p.n_dim : p.m_dim;
+    const bool a_col_ok = ld.ti.m0 + col < p.m_dim;
+    const bool b_col_ok = ld.ti.n0 + col < p.n_dim;
+    if constexpr (kGathers) {
+      const __nv_bfloat16* g_ptr[Shape::kRows];
+#pragma unroll
+      for (int j = 0; j < Shape::kRows; ++j) {
+        const int tk =
+            __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / Shape::kChunksPerRow);
+        g_ptr[j] = g_col + static_cast<int64_t>(tk) * g_ld;
+      }
+      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_a : s_b, g_ptr, kGatherA ? a_col_ok : b_col_ok,
+                                        rows_valid, kGatherA ? p.a : p.b, t);
+    }
+    if constexpr (kSlots) {
+      const __nv_bfloat16* s_ptr[Shape::kRows];
+      const __nv_bfloat16* s0 =
+          s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
+#pragma unroll
+      for (int j = 0; j < Shape::kRows; ++j) {
+        s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
+      }
+      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_b : s_a, s_ptr, kGatherA ? b_col_ok : a_col_ok,
+                                        rows_valid, kGatherA ? p.b : p.a, t);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                     SmemAddr(&full[stage]))
+                 : "memory");
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+    // The last slab of a tile: its consumer's epilogue follows soon after.
+    if (kSlots && p.accumulate && ld.kt == ld.ti.num_k - 1) {
+      PrefetchWgradTile<kN, kThreads>(p, ld.ti, t);
+    }
+    ld.Advance(total, m_tiles, n_tiles, active, offs);
+  }
+  CpAsyncWait<0>();  // no copy may outlive its issuing thread
+}
+
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 2, int kFetchAhead = 2>
+__global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
     sm90_weight_grad_pingpong_kernel(const __grid_constant__ WeightGradParams p) {
   constexpr int kN = 128;  // each consumer's tile: 128 x 128
-  constexpr int kProducerThreads = 128;
-  using Shape = SlabShape<kN, kSlabRows, kProducerThreads>;  // both operands are 128 wide
+  constexpr int kThreads = 128 * (kProducerWgs + 2);
   using Slab = MnMajorSlab<kSlabRows>;
   constexpr int kStages = WgradPingpongStages<kSlabRows>();
   constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
   constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
+  // Registers a thread after setmaxnreg: producers, consumers (128 * (P p + 2 c) <= 64K).
+  constexpr int kProducerRegs = kProducerWgs == 1 ? 56 : 72;
+  constexpr int kConsumerRegs = kProducerWgs == 1 ? 224 : 184;
+  static_assert(kProducerWgs == 1 || kProducerWgs == 2, "one or two producer warpgroups");
   static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
   static_assert(kStages >= 2, "need at least 2 stages");
   static_assert(Slab::kBlockBytes % 1024 == 0, "swizzled blocks must stay 1024-byte aligned");
@@ -518,7 +642,8 @@ __global__ void __launch_bounds__(kWgradPingpongThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
   int* offs = reinterpret_cast<int*>(empty + kStages);
   int* active = offs + (kMaxExperts + 1);
@@ -527,11 +652,11 @@ __global__ void __launch_bounds__(kWgradPingpongThreads, 1)
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
 
-  // ---- Phase 0 (all 384 threads): offsets, the list of experts with rows, the barriers.
-  for (int e = tid; e <= num_experts; e += kWgradPingpongThreads) offs[e] = p.offsets[e];
+  // ---- Phase 0 (all threads): offsets, the list of experts with rows, the barriers.
+  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = p.offsets[e];
   if (tid == 32) {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(SmemAddr(&full[s]), kProducerThreads);
+      MbarInit(SmemAddr(&full[s]), 128 * kProducerWgs);
       MbarInit(SmemAddr(&empty[s]), 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -558,79 +683,23 @@ __global__ void __launch_bounds__(kWgradPingpongThreads, 1)
   const int wg = tid >> 7;
   const int t = tid & 127;
   const int lane = tid & 31;
-  if (wg == 0) {
-    // ---- Producer.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
-    static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
-                  "a warp's gathered rows must fit its lanes");
-    const bool fetcher = lane < Shape::kRows * kRowSetLanes;
-    const int fetch_row = (t - lane) / Shape::kChunksPerRow + lane % kRowSetLanes +
-                          (lane / kRowSetLanes) * Shape::kRowStep;
-    const int col = (t % Shape::kChunksPerRow) * 8;  // this thread's column in both slabs
-    int ld_tile = blockIdx.x;
-    int ld_kt = 0;
-    WgradTile ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
-    int raw = 0;
-    auto fetch_raw = [&]() {
-      const int r = ld_kt * kSlabRows + fetch_row;
-      raw = (fetcher && r < ld.count) ? p.entries[ld.slot0 + r] : 0;
-    };
-    fetch_raw();
-    int stage = 0;
-    uint32_t phase = 0;
-    while (ld_tile < total) {
-      MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
-      const uint32_t s_a = base + stage * kStageBytes;
-      const uint32_t s_b = s_a + kTileABytes;
-      const int rows_valid = ld.count - ld_kt * kSlabRows;
-      const int slot_base = ld.slot0 + ld_kt * kSlabRows;
-      const int tok = FastDivide(raw, p.top_k);
-      const __nv_bfloat16* g_ptr[Shape::kRows];  // the gathered operand's rows
-      const __nv_bfloat16* s_ptr[Shape::kRows];  // the slot-order operand's rows
-      const __nv_bfloat16* g_col = kGatherA ? p.a + ld.m0 + col : p.b + ld.n0 + col;
-      const __nv_bfloat16* s_col = kGatherA ? p.b + ld.n0 + col : p.a + ld.m0 + col;
-      const int g_ld = kGatherA ? p.m_dim : p.n_dim;
-      const int s_ld = kGatherA ? p.n_dim : p.m_dim;
-      const __nv_bfloat16* s0 = s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
-#pragma unroll
-      for (int j = 0; j < Shape::kRows; ++j) {
-        const int tk = __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / Shape::kChunksPerRow);
-        g_ptr[j] = g_col + static_cast<int64_t>(tk) * g_ld;
-        s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
-      }
-      const bool a_col_ok = ld.m0 + col < p.m_dim;
-      const bool b_col_ok = ld.n0 + col < p.n_dim;
-      if constexpr (kGatherA) {
-        LoadSlab<kN, kSlabRows, kProducerThreads>(s_a, g_ptr, a_col_ok, rows_valid, p.a, t);
-        LoadSlab<kN, kSlabRows, kProducerThreads>(s_b, s_ptr, b_col_ok, rows_valid, p.b, t);
-      } else {
-        LoadSlab<kN, kSlabRows, kProducerThreads>(s_a, s_ptr, a_col_ok, rows_valid, p.a, t);
-        LoadSlab<kN, kSlabRows, kProducerThreads>(s_b, g_ptr, b_col_ok, rows_valid, p.b, t);
-      }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                       SmemAddr(&full[stage]))
-                   : "memory");
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-      // The last slab of a tile: its consumer's epilogue follows soon after.
-      if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN, kProducerThreads>(p, ld, t);
-      if (++ld_kt == ld.num_k) {
-        ld_kt = 0;
-        ld_tile += gridDim.x;
-        if (ld_tile < total) {
-          ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
-        }
-      }
-      if (ld_tile < total) fetch_raw();
+  if (wg < kProducerWgs) {
+    // ---- Producers.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
+    if constexpr (kProducerWgs == 1) {
+      WgradPingpongProducer<kSlabRows, kGatherA, true, true, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
+    } else if (wg == 0) {
+      WgradPingpongProducer<kSlabRows, kGatherA, true, false, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
+    } else {
+      WgradPingpongProducer<kSlabRows, kGatherA, false, true, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
     }
-    CpAsyncWait<0>();  // no copy may outlive its issuing thread
   } else {
     // ---- Consumers.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    const int cw = wg - 1;
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+    const int cw = wg - kProducerWgs;
     int stage = 0;
     uint32_t phase = 0;
     float acc0[kN / 2], acc1[kN / 2];  // rows 0..63 and 64..127 of the tile
@@ -658,7 +727,8 @@ __global__ void __launch_bounds__(kWgradPingpongThreads, 1)
         const uint32_t s_a = base + stage * kStageBytes;
         const uint32_t s_b = s_a + kTileABytes;
         const uint64_t desc_a0 = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
-        const uint64_t desc_a1 = MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_a1 =
+            MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
         const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
         FenceOperands(acc0);
         FenceOperands(acc1);
@@ -697,9 +767,9 @@ __global__ void __launch_bounds__(kWgradPingpongThreads, 1)
   }
 }
 
-template <int kSlabRows, bool kGatherA>
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 2, int kFetchAhead = 2>
 cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA>;
+  auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA, kProducerWgs, kFetchAhead>;
   constexpr int kSmem = WgradPingpongSmemBytes<kSlabRows>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
@@ -710,7 +780,7 @@ cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (err != cudaSuccess) return err;
-  kernel<<<sms, kWgradPingpongThreads, kSmem, stream>>>(params);
+  kernel<<<sms, 128 * (kProducerWgs + 2), kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 
