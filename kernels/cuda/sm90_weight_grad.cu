@@ -2,13 +2,20 @@
 // sm90_expert_backward.h): argument checks and the switch that turns the config's block_n
 // into the kernel's template constants.
 //
-// Both gradients are one kernel, sm90_weight_grad_kernel, seen from two sides: dW2 = dout^T pA
-// gathers its A operand (dout rows by token) and reads B (pA) in slot order; dW13 = dH^T x
-// reads A (dH) in slot order and gathers B (x). Only block_n of the config applies: operands
-// are loaded by cp.async (a gathered row set has no tensor-map box), and the tile order is
-// fixed expert-major, so tma_weights, group_m and warp_specialized are ignored. The grid is
-// one CTA per SM; the number of tiles is known only on the device (experts with rows), so
-// CTAs past it exit at once.
+// Both gradients are one kernel family seen from two sides: dW2 = dout^T pA gathers its A
+// operand (dout rows by token) and reads B (pA) in slot order; dW13 = dH^T x reads A (dH) in
+// slot order and gathers B (x). block_n and warp_specialized of the config pick the kernel:
+//   block_n 256: sm90_weight_grad_kernel with 128 x 256 tiles, one CTA an SM;
+//   block_n 128: the same kernel with 128 x 128 tiles and TWO CTAs an SM (96 KB ring each), so
+//     one CTA's epilogue overlaps the other's main loop: faster than one CTA an SM on every
+//     preset, gradient and accumulate mode measured (1.15-1.37x,
+//     bench/results/2026-11-21-h100-*-weight-grad-overlap);
+//   block_n 256 with warp_specialized: the ping-pong kernel (a producer warpgroup, two consumers
+//     with a 128 x 128 tile each); it overlaps the epilogue but its main loop is slower, so it
+//     measured slower than block_n 256 everywhere (same results).
+// Operands are loaded by cp.async (a gathered row set has no tensor-map box) and the tile order
+// is fixed expert-major, so tma_weights and group_m are ignored. The number of tiles is known
+// only on the device (experts with rows), so CTAs past it exit at once.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -30,22 +37,15 @@ constexpr int kSlabRows = 64;
 template <bool kGatherA>
 cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradParams& params,
                                cudaStream_t stream) {
-  if (config.warp_specialized) {
-    switch (config.block_n) {
-      case 256:  // ping-pong: two consumer warpgroups with a 128 x 128 tile each
-        return sm90::LaunchWeightGradPingpong<kSlabRows, kGatherA>(params, stream);
-      case 128:  // two CTAs per SM, 128 x 128 tiles
-        return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA, /*kDrain=*/true,
-                                            /*kCtasPerSm=*/2>(params, stream);
-      default:
-        return cudaErrorInvalidValue;  // unsupported block_n
-    }
-  }
   switch (config.block_n) {
     case 256:
+      if (config.warp_specialized) {  // ping-pong: two consumers with a 128 x 128 tile each
+        return sm90::LaunchWeightGradPingpong<kSlabRows, kGatherA>(params, stream);
+      }
       return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA>(params, stream);
-    case 128:
-      return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA>(params, stream);
+    case 128:  // two CTAs an SM (faster than one everywhere measured), warp_specialized or not
+      return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA, /*kDrain=*/true,
+                                          /*kCtasPerSm=*/2>(params, stream);
     default:
       return cudaErrorInvalidValue;  // unsupported block_n
   }

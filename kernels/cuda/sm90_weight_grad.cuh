@@ -22,6 +22,12 @@
 // belongs to exactly one tile and is summed in a fixed order, so results are deterministic
 // without atomics; the epilogue stores (or adds) fp32 pairs straight from the accumulator
 // fragments, where each quad of lanes covers one full 32-byte sector.
+// The epilogue runs with the tensor cores idle in a CTA; two ways to overlap it are here:
+// two CTAs an SM with 128 x 128 tiles (kCtasPerSm = 2: registers capped at 128, half the ring
+// each), and a warp-specialised ping-pong kernel (sm90_weight_grad_pingpong_kernel below). The
+// first beats one CTA of 128 x 128 tiles everywhere and one CTA of 128 x 256 on some shapes; the
+// ping-pong's single warpgroup issuing MMAs at a time measured slower than both
+// (bench/results/2026-11-21-h100-*-weight-grad-overlap).
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
@@ -622,7 +628,7 @@ __device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p,
   CpAsyncWait<0>();  // no copy may outlive its issuing thread
 }
 
-template <int kSlabRows, bool kGatherA, int kProducerWgs = 2, int kFetchAhead = 2>
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
 __global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
     sm90_weight_grad_pingpong_kernel(const __grid_constant__ WeightGradParams p) {
   constexpr int kN = 128;  // each consumer's tile: 128 x 128
@@ -767,7 +773,7 @@ __global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
   }
 }
 
-template <int kSlabRows, bool kGatherA, int kProducerWgs = 2, int kFetchAhead = 2>
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
 cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_t stream) {
   auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA, kProducerWgs, kFetchAhead>;
   constexpr int kSmem = WgradPingpongSmemBytes<kSlabRows>();

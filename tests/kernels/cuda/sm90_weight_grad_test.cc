@@ -1,7 +1,8 @@
 // Checks the fused Hopper weight gradients (LaunchSm90WeightGradW2/W13 of
-// kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for both tile widths, on
-// sizes that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no
-// rows, and shards that own only part of the global experts.
+// kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for the three kernels
+// behind the launchers (block_n 256, block_n 128 with two CTAs an SM, the ping-pong), on sizes
+// that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no rows,
+// and shards that own only part of the global experts.
 //
 // A plain main with no GoogleTest or Abseil, so the same binary runs on the bare GPU machine;
 // exit 0 = pass, 1 = a check failed, 77 = skipped (no sm_90 GPU). Inputs are fresh random bf16
@@ -181,12 +182,12 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
-  // warp_specialized selects the epilogue-overlapping variants (block_n 256: ping-pong, 128:
-  // two CTAs an SM).
-  for (int config_i = 0; config_i < 4; ++config_i) {
+  // The three kernels behind the launchers: block_n 256 (one CTA an SM), block_n 128 (two CTAs
+  // an SM), and block_n 256 with warp_specialized (ping-pong).
+  for (int config_i = 0; config_i < 3; ++config_i) {
     Sm90GemmConfig cfg;
-    cfg.block_n = config_i % 2 == 0 ? 256 : 128;
-    cfg.warp_specialized = config_i >= 2;
+    cfg.block_n = config_i == 1 ? 128 : 256;
+    cfg.warp_specialized = config_i == 2;
     for (bool accumulate : {false, true}) {
       ok &= CheckOne(c, cfg, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW2(prob, cfg, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr, out,
@@ -242,6 +243,9 @@ int Main() {
       {"shard", 513, 6, 16, 4, 8, 136, 328, 9, 5},  // top_k 6: a divisor that is no power of 2
       // > 132 tiles, so every CTA's load cursor crosses tile (and expert) boundaries.
       {"many", 600, 4, 20, 2, 16, 1032, 264, 7, 11},
+      // 4-8 tiles a CTA over 39 experts of ragged counts: the ping-pong's consumers skip each
+      // other's tiles many times (the ordering barrier keeps their ring waits in phase).
+      {"deep", 1200, 4, 40, 0, 40, 520, 264, 3, 7},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261121;
