@@ -11,7 +11,8 @@
 // the launchers' three kernels (block_n 256: one CTA an SM; block_n 128: two CTAs an SM;
 // block_n 256 with warp_specialized: ping-pong), then other instantiations launched directly
 // (the old one-CTA block_n 128, other ring shapes of the epilogue-overlapping kernels).
-// Usage: sm90_weight_grad_bench [preset ...] (default: the five of kBackwardPresets).
+// Usage: [WGRAD_ONLY=s] [WGRAD_SKIP=s] sm90_weight_grad_bench [preset ...] (default: the five
+// of kBackwardPresets); the two variables filter the directly launched variants by name.
 // Presets, routing, buffers, the gather and timing come from bench/sm90_bench_util.h.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string_view>
@@ -75,6 +77,16 @@ double NormalisedDiff(const std::vector<float>& a, const std::vector<float>& b) 
     den += static_cast<double>(b[i]) * b[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The directly launched variants to time: all, or those whose name contains $WGRAD_ONLY, less
+// those whose name contains $WGRAD_SKIP (so an experimental one can run in its own process).
+bool WantVariant(std::string_view name) {
+  const char* only = std::getenv("WGRAD_ONLY");
+  const char* skip = std::getenv("WGRAD_SKIP");
+  if (only != nullptr && *only != '\0' && name.find(only) == std::string_view::npos) return false;
+  if (skip != nullptr && *skip != '\0' && name.find(skip) != std::string_view::npos) return false;
+  return true;
 }
 
 void RunPreset(const Preset& ps, cublasHandle_t handle) {
@@ -198,6 +210,7 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     params.m_dim = g.m;
     params.n_dim = g.n;
     params.top_k = moe::kernels::sm90::MakeFastDivisor(K);
+    params.slot_rows = static_cast<int32_t>(N);
     struct Variant {
       const char* name;
       cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);
@@ -219,6 +232,11 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
                                  : LaunchWeightGradKernel<128, 64, false>},
         {"2cta_n128_s48_drain", g.gather_a ? LaunchWeightGradKernel<128, 48, true, true, 2>
                                            : LaunchWeightGradKernel<128, 48, false, true, 2>},
+        // The slot-order operand's full slabs by TMA (kTmaSlots).
+        {"n256_tma", g.gather_a ? LaunchWeightGradKernel<256, 64, true, false, 1, true>
+                                : LaunchWeightGradKernel<256, 64, false, false, 1, true>},
+        {"2cta_n128_tma", g.gather_a ? LaunchWeightGradKernel<128, 64, true, true, 2, true>
+                                     : LaunchWeightGradKernel<128, 64, false, true, 2, true>},
         {"pp2_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 2, 2>
                                   : LaunchWeightGradPingpong<64, false, 2, 2>},
         {"pp1_s96_f2", g.gather_a ? LaunchWeightGradPingpong<96, true, 1, 2>
@@ -229,6 +247,7 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
                                    : LaunchWeightGradPingpong<128, false, 2, 2>},
     };
     for (const Variant& v : variants) {
+      if (!WantVariant(v.name)) continue;
       params.accumulate = 0;
       CUDA_OK(cudaMemset(g.c, 0xFF, block * E * 4));
       CUDA_OK(v.launch(params, nullptr));

@@ -32,6 +32,8 @@
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -62,6 +64,10 @@ __device__ __forceinline__ int FastDivide(int n, FastDivisor div) {
 
 // Everything the kernel reads (by value, __grid_constant__).
 struct WeightGradParams {
+  // kTmaSlots only: a 2-D map over the operand read in slot order ([slot_rows, cols] bf16,
+  // boxes of 64 columns x kSlabRows rows, 128-byte swizzle), encoded by the launch function.
+  CUtensorMap slot_map;
+  int32_t slot_rows;       // rows of that operand (>= offsets[experts]), for the map
   const __nv_bfloat16* a;  // [rows, m_dim]: columns become C's rows
   const __nv_bfloat16* b;  // [rows, n_dim]: columns become C's columns
   const int32_t* offsets;  // [experts + 1]
@@ -190,7 +196,38 @@ __host__ __device__ constexpr int WgradStages() {
 template <int kN, int kSlabRows, int kCtasPerSm = 1>
 __host__ __device__ constexpr int WgradSmemBytes() {
   return WgradStages<kN, kSlabRows, kCtasPerSm>() * WgradStageBytes<kN, kSlabRows>() +
-         1024 /* alignment */ + (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+         1024 /* alignment */ + (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */ +
+         WgradStages<kN, kSlabRows, kCtasPerSm>() * 8 /* kTmaSlots: a TMA mbarrier a stage */;
+}
+
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (as sm90_launch.cuh does),
+// so nothing links libcuda directly.
+inline void* WgradTensorMapEncoder() {
+  static void* encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return fn;
+  }();
+  return encode;
+}
+
+// TMA: one box of a 2-D tensor map into shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                          int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
 }
 
 // Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
@@ -270,7 +307,12 @@ __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, con
 // an empty tensor pipe at every barrier); otherwise the previous step's wgmmas may still run,
 // and loads run stages-2 ahead. kCtasPerSm: 2 runs two CTAs on each SM (registers capped at
 // 128 a thread, half the ring each), so one CTA's epilogue overlaps the other's main loop.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1>
+// kTmaSlots: the operand read in slot order comes by TMA (p.slot_map, thread 0, completing a
+// per-stage mbarrier) for every FULL slab; a tile's last, partial slab still comes by cp.async
+// with its rows past the expert's count zero-filled (thread 0 then arrives with no bytes), so
+// no row of a neighbouring expert ever enters the ring: its NaN or Inf could not leak in.
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1,
+          bool kTmaSlots = false>
 __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
     sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
   using ShapeA = SlabShape<kWgradBlockM, kSlabRows>;
@@ -292,12 +334,17 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
   int* offs = reinterpret_cast<int*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
   int* active = offs + (kMaxExperts + 1);
   int* num_active = active + kMaxExperts;
+  uint64_t* tma_bar = reinterpret_cast<uint64_t*>(num_active + 1);  // kTmaSlots: one a stage
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
 
   // ---- Phase 0: offsets cached in shared memory; warp 0 lists the experts with rows, in
   // order (experts with none get no tile, so their C blocks are never touched).
+  if (kTmaSlots && tid == 32) {
+    for (int s = 0; s < kStages; ++s) MbarInit(SmemAddr(&tma_bar[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   for (int e = tid; e <= num_experts; e += kWgradThreads) offs[e] = p.offsets[e];
   __syncthreads();
   if (tid < 32) {
@@ -380,8 +427,29 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
           b_ptr[j] = b_col + static_cast<int64_t>(gathered_token(tok, j)) * p.n_dim;
         }
       }
-      LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a, tid);
-      LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
+      // With kTmaSlots a full slab of the slot-order operand comes by TMA instead.
+      const bool tma = kTmaSlots && rows_valid >= kSlabRows;
+      if (!(tma && !kGatherA)) {
+        LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a,
+                                          tid);
+      }
+      if (!(tma && kGatherA)) {
+        LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
+      }
+      if (kTmaSlots && tid == 0) {
+        const uint32_t bar = SmemAddr(&tma_bar[stage]);
+        if (tma) {
+          constexpr int kSlotCols = kGatherA ? kN : kWgradBlockM;
+          MbarArriveExpectTx(bar, kSlotCols * kSlabRows * 2);
+#pragma unroll
+          for (int q = 0; q < kSlotCols / 64; ++q) {
+            TmaLoad2d((kGatherA ? s_b : s_a) + q * MnMajorSlab<kSlabRows>::kBlockBytes,
+                      &p.slot_map, bar, (kGatherA ? ld.n0 : ld.m0) + 64 * q, slot_base);
+          }
+        } else {
+          MbarArrive(bar);  // the cp.async path: the phase completes with no bytes
+        }
+      }
       // The cursor's last slab of a tile is kAhead steps before that tile's epilogue.
       if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN>(p, ld, tid);
       if (++ld_kt == ld.num_k) {
@@ -410,6 +478,7 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
     for (int kt = 0; kt < ti.num_k; ++kt, ++it) {
       const int stage = it % kStages;
       CpAsyncWait<kAhead - 1>();
+      if constexpr (kTmaSlots) MbarWait(SmemAddr(&tma_bar[stage]), (it / kStages) & 1);
       FenceProxyAsync();
       __syncthreads();  // stage visible to all; the stage the loads below refill is idle
       const uint32_t s_a = base + stage * kStageBytes + wg * Slab::kBlockBytes;
@@ -441,9 +510,27 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
 // Host side: one launch of an instantiation, kCtasPerSm CTAs per SM (the tile count is known
 // only on the device). Kept with the kernel so a benchmark can time instantiations the public
 // launchers do not choose.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1>
-cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm>;
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1,
+          bool kTmaSlots = false>
+cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream_t stream) {
+  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm, kTmaSlots>;
+  WeightGradParams params = params_in;
+  if constexpr (kTmaSlots) {
+    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(WgradTensorMapEncoder());
+    if (encode == nullptr) return cudaErrorNotSupported;
+    const int cols = kGatherA ? params.n_dim : params.m_dim;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols),
+                                static_cast<cuuint64_t>(params.slot_rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(kSlabRows)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result = encode(
+        &params.slot_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+        const_cast<__nv_bfloat16*>(kGatherA ? params.b : params.a), dims, strides, box,
+        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  }
   constexpr int kSmem = WgradSmemBytes<kN, kSlabRows, kCtasPerSm>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   static_assert(kCtasPerSm == 1 || kSmem <= 113 * 1024, "two CTAs must fit one SM's 228 KB");
@@ -504,9 +591,6 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 }
 __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 // A walk over the CTA's tiles one ring step at a time.

@@ -26,6 +26,7 @@
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 #include "tests/kernels/cuda/sm90_test_util.h"
+#include "tests/kernels/cuda/sm90_weight_grad_variants.h"
 
 namespace moe::kernels {
 namespace {
@@ -76,7 +77,7 @@ std::vector<double> Reference(const GradProblem& g, const std::vector<int32_t>& 
 
 // Runs one launch over a prefilled output and judges it. `launch` calls the kernel under test.
 template <typename Launch>
-bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
+bool CheckOne(const Case& c, const char* what, const GradProblem& g,
               const std::vector<int32_t>& offsets, const std::vector<double>& ref, bool accumulate,
               std::mt19937_64& rng, Launch launch) {
   const int E = c.expert_count;
@@ -125,12 +126,11 @@ bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
   }
   const bool ok = err < kTolerance && touched_empty == 0 && deterministic;
   std::printf(
-      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d block_n=%d ws=%d accumulate=%d "
+      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d %s accumulate=%d "
       "err=%.3g "
       "nonfinite=%lld empty_touched=%lld deterministic=%d\n",
       ok ? "PASS" : "FAIL", c.name, g.what, static_cast<long long>(c.tokens), c.top_k, E,
-      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n,
-      cfg.warp_specialized ? 1 : 0, accumulate ? 1 : 0, err,
+      c.experts_global, c.expert_first, c.d, c.h, offsets[E], what, accumulate ? 1 : 0, err,
       static_cast<long long>(nonfinite), static_cast<long long>(touched_empty),
       deterministic ? 1 : 0);
   return ok;
@@ -188,14 +188,31 @@ bool RunCase(const Case& c, uint64_t seed) {
     Sm90GemmConfig cfg;
     cfg.block_n = config_i == 1 ? 128 : 256;
     cfg.warp_specialized = config_i == 2;
+    char what[64];
+    std::snprintf(what, sizeof(what), "block_n=%d ws=%d", cfg.block_n,
+                  cfg.warp_specialized ? 1 : 0);
     for (bool accumulate : {false, true}) {
-      ok &= CheckOne(c, cfg, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
+      ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW2(prob, cfg, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr, out,
                                       acc, nullptr);
       });
-      ok &= CheckOne(c, cfg, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
+      ok &= CheckOne(c, what, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW13(prob, cfg, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr, out, acc,
                                        nullptr);
+      });
+    }
+  }
+  // The instantiations the bench times beside the launchers' (sm90_weight_grad_variants.h).
+  for (int v = 0; v < testing::WeightGradVariantCount(); ++v) {
+    const char* what = testing::WeightGradVariantName(v);
+    for (bool accumulate : {false, true}) {
+      ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
+        return testing::LaunchWeightGradVariant(v, true, d_dout.ptr, d_pa.ptr, d_off.ptr,
+                                                d_ent.ptr, out, E, d, h, K, N, acc, nullptr);
+      });
+      ok &= CheckOne(c, what, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
+        return testing::LaunchWeightGradVariant(v, false, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr,
+                                                out, E, 2 * h, d, K, N, acc, nullptr);
       });
     }
   }
