@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -202,9 +203,15 @@ bool RunCase(const Case& c, uint64_t seed) {
       });
     }
   }
-  // The instantiations the bench times beside the launchers' (sm90_weight_grad_variants.h).
+  // The instantiations the bench times beside the launchers' (sm90_weight_grad_variants.h);
+  // $WGRAD_ONLY / $WGRAD_SKIP keep or drop those whose name contains the string, so a new one
+  // can first run in a process of its own.
+  const char* only = std::getenv("WGRAD_ONLY");
+  const char* skip = std::getenv("WGRAD_SKIP");
   for (int v = 0; v < testing::WeightGradVariantCount(); ++v) {
     const char* what = testing::WeightGradVariantName(v);
+    if (only != nullptr && *only != '\0' && std::strstr(what, only) == nullptr) continue;
+    if (skip != nullptr && *skip != '\0' && std::strstr(what, skip) != nullptr) continue;
     for (bool accumulate : {false, true}) {
       ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return testing::LaunchWeightGradVariant(v, true, d_dout.ptr, d_pa.ptr, d_off.ptr,
