@@ -8,9 +8,9 @@
 // is the median of 10 CUDA-event timed launches after 2 warm-ups. Before timing, the fused
 // result of three experts (first, middle, last) is compared with cuBLAS's (normalised error),
 // so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
-// the launchers' three kernels (block_n 256: one CTA an SM; block_n 128: two CTAs an SM;
-// block_n 256 with warp_specialized: ping-pong), then other instantiations launched directly
-// (the old one-CTA block_n 128, other ring shapes of the epilogue-overlapping kernels).
+// the launchers' four kernels (block_n 256 / 128, warp_specialized off / on: see
+// kernels/cuda/sm90_weight_grad.cu), then other instantiations launched directly (two CTAs an
+// SM with other slabs or TMA, the ping-pong kernel).
 // Usage: [WGRAD_ONLY=s] [WGRAD_SKIP=s] sm90_weight_grad_bench [preset ...] (default: the five
 // of kBackwardPresets); the two variables filter the directly launched variants by name.
 // Presets, routing, buffers, the gather and timing come from bench/sm90_bench_util.h.
@@ -176,12 +176,11 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
         "\"N\":%lld,\"M\":%d,\"Ncols\":%d,\"ms\":%.4f,\"tflops\":%.1f,\"gather_ms\":%.4f}\n",
         ps.name, g.name, static_cast<long long>(N), g.m, g.n, cublas_ms, flop / cublas_ms * 1e-9,
         gather_ms);
-    // The launchers: block_n 256 (256-thread kernel, one CTA an SM), block_n 128 (the same
-    // kernel with 128 x 128 tiles, two CTAs an SM), block_n 256 with warp_specialized
-    // (ping-pong).
-    for (int config_i = 0; config_i < 3; ++config_i) {
-      const int block_n = config_i == 1 ? 128 : 256;
-      const bool ws = config_i == 2;
+    // The launchers: block_n 256 and 128 (one CTA an SM), and each with warp_specialized
+    // (256: the slot-order operand by TMA; 128: two CTAs an SM).
+    for (int config_i = 0; config_i < 4; ++config_i) {
+      const int block_n = config_i % 2 == 0 ? 256 : 128;
+      const bool ws = config_i >= 2;
       Sm90GemmConfig cfg;
       cfg.block_n = block_n;
       cfg.warp_specialized = ws;
@@ -220,23 +219,20 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
     // 32-row slabs of the one-CTA kernel (n256, n128, with and without drain) measured 15-30%
     // slower than 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2), and
     // drain-each-step no better (-b94c092-weight-grad). Two CTAs an SM without drain, or with
-    // 32-row slabs, measured 3-25% slower than with drain and 64-row slabs
-    // (-d4750ec-weight-grad-overlap/run1); ping-pong with the index fetched 1 or 4 steps early
-    // or 32-row slabs, no faster or 3-30% slower than 2 steps and 64 rows (run2-af6a1a6
-    // there). Here: the old block_n 128 kernel and the epilogue-overlapping variants' other
-    // shapes: 2cta = two CTAs an SM (96 KB ring each), pp<P>_s<rows>_f<ahead> = ping-pong with
-    // P producer warpgroups, slabs of <rows>, the gathered index fetched <ahead> steps early.
+    // 32-row slabs, measured 3-25% slower than with drain and 64-row slabs, and the ping-pong
+    // with the index fetched 1 or 4 steps early or 32-row slabs no faster or 3-30% slower than
+    // 2 steps and 64 rows (-402c3e4-weight-grad-overlap/run1-d4750ec, run2-af6a1a6). Here: the
+    // epilogue-overlapping kernels' other shapes: 2cta = two CTAs an SM (96 KB ring each),
+    // _tma = the slot-order operand by TMA, pp<P>_s<rows>_f<ahead> = ping-pong with P producer
+    // warpgroups, slabs of <rows>, the gathered index fetched <ahead> steps early. The same
+    // list is in tests/kernels/cuda/sm90_weight_grad_variants.cu.
     const Variant variants[] = {
-        // The launchers' block_n 128 before this change: one CTA an SM.
-        {"n128_1cta", g.gather_a ? LaunchWeightGradKernel<128, 64, true>
-                                 : LaunchWeightGradKernel<128, 64, false>},
         {"2cta_n128_s48_drain", g.gather_a ? LaunchWeightGradKernel<128, 48, true, true, 2>
                                            : LaunchWeightGradKernel<128, 48, false, true, 2>},
-        // The slot-order operand's full slabs by TMA (kTmaSlots).
-        {"n256_tma", g.gather_a ? LaunchWeightGradKernel<256, 64, true, false, 1, true>
-                                : LaunchWeightGradKernel<256, 64, false, false, 1, true>},
         {"2cta_n128_tma", g.gather_a ? LaunchWeightGradKernel<128, 64, true, true, 2, true>
                                      : LaunchWeightGradKernel<128, 64, false, true, 2, true>},
+        {"pp1_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 1, 2>
+                                  : LaunchWeightGradPingpong<64, false, 1, 2>},
         {"pp2_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 2, 2>
                                   : LaunchWeightGradPingpong<64, false, 2, 2>},
         {"pp1_s96_f2", g.gather_a ? LaunchWeightGradPingpong<96, true, 1, 2>

@@ -25,9 +25,12 @@
 // The epilogue runs with the tensor cores idle in a CTA; two ways to overlap it are here:
 // two CTAs an SM with 128 x 128 tiles (kCtasPerSm = 2: registers capped at 128, half the ring
 // each), and a warp-specialised ping-pong kernel (sm90_weight_grad_pingpong_kernel below). The
-// first beats one CTA of 128 x 128 tiles everywhere and one CTA of 128 x 256 on some shapes; the
-// ping-pong's single warpgroup issuing MMAs at a time measured slower than both
-// (bench/results/2026-11-21-h100-*-weight-grad-overlap).
+// first beats one CTA of 128 x 128 tiles on four of five presets (not deepseek-v3) and one CTA
+// of 128 x 256 on some shapes; the ping-pong, with one warpgroup issuing MMAs at a time,
+// measured slower than both. Neither pays much because the epilogue is a small share of the
+// time: the main loop (operand copies and wgmma) is what bounds the kernel, and reading the
+// slot-order operand by TMA (kTmaSlots) helped more than either
+// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap).
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_

@@ -1,6 +1,7 @@
 // Checks the fused Hopper weight gradients (LaunchSm90WeightGradW2/W13 of
 // kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for the three kernels
-// behind the launchers (block_n 256, block_n 128 with two CTAs an SM, the ping-pong), on sizes
+// behind the launchers (block_n 256 and 128, each with warp_specialized off and on) and the
+// other instantiations the bench times (sm90_weight_grad_variants.h), on sizes
 // that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no rows,
 // and shards that own only part of the global experts.
 //
@@ -183,12 +184,12 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
-  // The three kernels behind the launchers: block_n 256 (one CTA an SM), block_n 128 (two CTAs
-  // an SM), and block_n 256 with warp_specialized (ping-pong).
-  for (int config_i = 0; config_i < 3; ++config_i) {
+  // The four kernels behind the launchers: block_n 256 and 128, each without and with
+  // warp_specialized (256: the slot-order operand by TMA; 128: two CTAs an SM).
+  for (int config_i = 0; config_i < 4; ++config_i) {
     Sm90GemmConfig cfg;
-    cfg.block_n = config_i == 1 ? 128 : 256;
-    cfg.warp_specialized = config_i == 2;
+    cfg.block_n = config_i % 2 == 0 ? 256 : 128;
+    cfg.warp_specialized = config_i >= 2;
     char what[64];
     std::snprintf(what, sizeof(what), "block_n=%d ws=%d", cfg.block_n,
                   cfg.warp_specialized ? 1 : 0);

@@ -21,13 +21,12 @@ struct Variant {
 };
 
 constexpr Variant kVariants[] = {
-    {"n128_1cta", LaunchWeightGradKernel<128, 64, true>, LaunchWeightGradKernel<128, 64, false>},
     {"2cta_n128_s48_drain", LaunchWeightGradKernel<128, 48, true, true, 2>,
      LaunchWeightGradKernel<128, 48, false, true, 2>},
-    {"n256_tma", LaunchWeightGradKernel<256, 64, true, false, 1, true>,
-     LaunchWeightGradKernel<256, 64, false, false, 1, true>},
     {"2cta_n128_tma", LaunchWeightGradKernel<128, 64, true, true, 2, true>,
      LaunchWeightGradKernel<128, 64, false, true, 2, true>},
+    {"pp1_s64_f2", LaunchWeightGradPingpong<64, true, 1, 2>,
+     LaunchWeightGradPingpong<64, false, 1, 2>},
     {"pp2_s64_f2", LaunchWeightGradPingpong<64, true, 2, 2>,
      LaunchWeightGradPingpong<64, false, 2, 2>},
     {"pp1_s96_f2", LaunchWeightGradPingpong<96, true, 1, 2>,
