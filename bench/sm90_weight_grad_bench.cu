@@ -192,10 +192,11 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       const double acc_ms = MedianMs([&] { CUDA_OK(g.fused(cfg, true)); });
       std::printf(
           "{\"kind\":\"wgrad\",\"preset\":\"%s\",\"grad\":\"%s\",\"impl\":\"fused\","
-          "\"block_n\":%d,\"warp_specialized\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"accumulate_ms\":%.4f,"
+          "\"block_n\":%d,\"warp_specialized\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,"
+          "\"accumulate_ms\":%.4f,"
           "\"vs_cublas\":%.2f,\"diff_vs_cublas\":%.3g,\"check\":\"%s\"}\n",
-          ps.name, g.name, block_n, ws ? 1 : 0, static_cast<long long>(N), ms, flop / ms * 1e-9, acc_ms,
-          cublas_ms / ms, diff, diff < 1e-3 ? "ok" : "MISMATCH");
+          ps.name, g.name, block_n, ws ? 1 : 0, static_cast<long long>(N), ms, flop / ms * 1e-9,
+          acc_ms, cublas_ms / ms, diff, diff < 1e-3 ? "ok" : "MISMATCH");
       std::fflush(stdout);
     }
     // Other slab heights, launched directly (same checks as above).

@@ -46,8 +46,7 @@ cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradPar
     case 256:
       if (config.warp_specialized) {  // the slot-order operand's full slabs by TMA
         return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA, /*kDrain=*/false,
-                                            /*kCtasPerSm=*/1, /*kTmaSlots=*/true>(params,
-                                                                                  stream);
+                                            /*kCtasPerSm=*/1, /*kTmaSlots=*/true>(params, stream);
       }
       return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA>(params, stream);
     case 128:

@@ -446,8 +446,8 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
           MbarArriveExpectTx(bar, kSlotCols * kSlabRows * 2);
 #pragma unroll
           for (int q = 0; q < kSlotCols / 64; ++q) {
-            TmaLoad2d((kGatherA ? s_b : s_a) + q * MnMajorSlab<kSlabRows>::kBlockBytes,
-                      &p.slot_map, bar, (kGatherA ? ld.n0 : ld.m0) + 64 * q, slot_base);
+            TmaLoad2d((kGatherA ? s_b : s_a) + q * MnMajorSlab<kSlabRows>::kBlockBytes, &p.slot_map,
+                      bar, (kGatherA ? ld.n0 : ld.m0) + 64 * q, slot_base);
           }
         } else {
           MbarArrive(bar);  // the cp.async path: the phase completes with no bytes
@@ -527,11 +527,11 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
     const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(kSlabRows)};
     const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult result = encode(
-        &params.slot_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-        const_cast<__nv_bfloat16*>(kGatherA ? params.b : params.a), dims, strides, box,
-        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUresult result =
+        encode(&params.slot_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+               const_cast<__nv_bfloat16*>(kGatherA ? params.b : params.a), dims, strides, box,
+               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (result != CUDA_SUCCESS) return cudaErrorInvalidValue;
   }
   constexpr int kSmem = WgradSmemBytes<kN, kSlabRows, kCtasPerSm>();
@@ -623,16 +623,16 @@ struct WgradCursor {
 template <int kSlabRows, bool kGatherA, bool kLoadA, bool kLoadB, int kFetchAhead>
 __device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p, uint32_t base,
                                                       uint64_t* full, uint64_t* empty,
-                                                      const int* active, const int* offs,
-                                                      int total, int m_tiles, int n_tiles, int t) {
+                                                      const int* active, const int* offs, int total,
+                                                      int m_tiles, int n_tiles, int t) {
   constexpr int kN = 128;
   constexpr int kThreads = 128;
   using Shape = SlabShape<kN, kSlabRows, kThreads>;  // both operands are 128 wide
   constexpr int kStages = WgradPingpongStages<kSlabRows>();
   constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
   constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
-  constexpr bool kGathers = kGatherA ? kLoadA : kLoadB;  // this warpgroup loads gathered rows
-  constexpr bool kSlots = kGatherA ? kLoadB : kLoadA;    // ... and/or slot-order rows
+  constexpr bool kGathers = kGatherA ? kLoadA : kLoadB;    // this warpgroup loads gathered rows
+  constexpr bool kSlots = kGatherA ? kLoadB : kLoadA;      // ... and/or slot-order rows
   constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
   static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
                 "a warp's gathered rows must fit its lanes");
@@ -690,8 +690,7 @@ __device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p,
     }
     if constexpr (kSlots) {
       const __nv_bfloat16* s_ptr[Shape::kRows];
-      const __nv_bfloat16* s0 =
-          s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
+      const __nv_bfloat16* s0 = s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
 #pragma unroll
       for (int j = 0; j < Shape::kRows; ++j) {
         s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
@@ -699,9 +698,9 @@ __device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p,
       LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_b : s_a, s_ptr, kGatherA ? b_col_ok : a_col_ok,
                                         rows_valid, kGatherA ? p.b : p.a, t);
     }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                     SmemAddr(&full[stage]))
-                 : "memory");
+    asm volatile(
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
+        : "memory");
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
@@ -796,7 +795,7 @@ __global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
     int stage = 0;
     uint32_t phase = 0;
     float acc0[kN / 2], acc1[kN / 2];  // rows 0..63 and 64..127 of the tile
-    int j = 0;  // the CTA's local tile index
+    int j = 0;                         // the CTA's local tile index
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++j) {
       const WgradTile ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
       if ((j & 1) != cw) {  // the other consumer's tile: skip its steps in the ring
@@ -820,8 +819,7 @@ __global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
         const uint32_t s_a = base + stage * kStageBytes;
         const uint32_t s_b = s_a + kTileABytes;
         const uint64_t desc_a0 = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
-        const uint64_t desc_a1 =
-            MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_a1 = MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
         const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
         FenceOperands(acc0);
         FenceOperands(acc1);

@@ -215,8 +215,8 @@ bool RunCase(const Case& c, uint64_t seed) {
     if (skip != nullptr && *skip != '\0' && std::strstr(what, skip) != nullptr) continue;
     for (bool accumulate : {false, true}) {
       ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
-        return testing::LaunchWeightGradVariant(v, true, d_dout.ptr, d_pa.ptr, d_off.ptr,
-                                                d_ent.ptr, out, E, d, h, K, N, acc, nullptr);
+        return testing::LaunchWeightGradVariant(v, true, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr,
+                                                out, E, d, h, K, N, acc, nullptr);
       });
       ok &= CheckOne(c, what, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
         return testing::LaunchWeightGradVariant(v, false, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr,

@@ -1,10 +1,9 @@
 // The instantiations behind sm90_weight_grad_variants.h: the same list (names and template
 // arguments) as the directly launched variants of bench/sm90_weight_grad_bench.cu.
-#include "tests/kernels/cuda/sm90_weight_grad_variants.h"
-
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/sm90_weight_grad.cuh"
+#include "tests/kernels/cuda/sm90_weight_grad_variants.h"
 
 namespace moe::kernels::testing {
 namespace {
