@@ -11,7 +11,8 @@ dir=${1:-.carry/w}
 mkdir -p "$dir"
 nv="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a"
 srcs="kernels/cuda/sm90_weight_grad.cu kernels/cuda/sm90_expert_forward.cu kernels/cpu/dispatch.cc"
-$nv -I. -o "$dir/sm90_weight_grad_test" tests/kernels/cuda/sm90_weight_grad_test.cc $srcs
+tsrcs="tests/kernels/cuda/sm90_weight_grad_test.cc tests/kernels/cuda/sm90_weight_grad_variants.cu"
+$nv -I. -o "$dir/sm90_weight_grad_test" $tsrcs $srcs
 # Wrong layouts, each a one-line edit of the kernel header in a scratch copy.
 broken() {  # name sed-expression
   local tmp
@@ -23,7 +24,7 @@ broken() {  # name sed-expression
     exit 1
   fi
   cp kernels/cuda/sm90_weight_grad.cu "$tmp/kernels/cuda/"
-  $nv -I"$tmp" -I. -o "$dir/sm90_weight_grad_test_$1" tests/kernels/cuda/sm90_weight_grad_test.cc \
+  $nv -I"$tmp" -I. -o "$dir/sm90_weight_grad_test_$1" $tsrcs \
     "$tmp/kernels/cuda/sm90_weight_grad.cu" kernels/cuda/sm90_expert_forward.cu kernels/cpu/dispatch.cc
   rm -rf "$tmp"
 }

@@ -22,10 +22,21 @@
 // belongs to exactly one tile and is summed in a fixed order, so results are deterministic
 // without atomics; the epilogue stores (or adds) fp32 pairs straight from the accumulator
 // fragments, where each quad of lanes covers one full 32-byte sector.
+// The epilogue runs with the tensor cores idle in a CTA; two ways to overlap it are here:
+// two CTAs an SM with 128 x 128 tiles (kCtasPerSm = 2: registers capped at 128, half the ring
+// each), and a warp-specialised ping-pong kernel (sm90_weight_grad_pingpong_kernel below). The
+// first beats one CTA of 128 x 128 tiles on four of five presets (not deepseek-v3) and one CTA
+// of 128 x 256 on some shapes; the ping-pong, with one warpgroup issuing MMAs at a time,
+// measured slower than both. Neither pays much because the epilogue is a small share of the
+// time: the main loop (operand copies and wgmma) is what bounds the kernel, and reading the
+// slot-order operand by TMA (kTmaSlots) helped more than either
+// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap).
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -56,6 +67,10 @@ __device__ __forceinline__ int FastDivide(int n, FastDivisor div) {
 
 // Everything the kernel reads (by value, __grid_constant__).
 struct WeightGradParams {
+  // kTmaSlots only: a 2-D map over the operand read in slot order ([slot_rows, cols] bf16,
+  // boxes of 64 columns x kSlabRows rows, 128-byte swizzle), encoded by the launch function.
+  CUtensorMap slot_map;
+  int32_t slot_rows;       // rows of that operand (>= offsets[experts]), for the map
   const __nv_bfloat16* a;  // [rows, m_dim]: columns become C's rows
   const __nv_bfloat16* b;  // [rows, n_dim]: columns become C's columns
   const int32_t* offsets;  // [experts + 1]
@@ -71,6 +86,11 @@ struct WeightGradParams {
 constexpr int kWgradThreads = 256;  // two consumer warpgroups, 64 C rows each
 constexpr int kWgradBlockM = 128;
 constexpr int kWgradRingBytes = 192 * 1024;  // shared memory given to the load ring
+// With two CTAs per SM each gets half (2 x (96 KB ring + 5 KB) fits the SM's 228 KB).
+template <int kCtasPerSm>
+__host__ __device__ constexpr int WgradRingBytes() {
+  return kCtasPerSm == 1 ? kWgradRingBytes : 96 * 1024;
+}
 
 // wgmma descriptor offsets for a slab of kSlabRows reduction rows stored as blocks of
 // kSlabRows x 64 columns: the next 8-row group of the reduction is 1024 bytes on (stride
@@ -99,14 +119,15 @@ struct WgmmaMnMajor<256> {
   }
 };
 
-// How the 256 threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk
-// of kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
-template <int kCols, int kSlabRows>
+// How kThreads threads (all 256, or the ping-pong kernel's 128-thread producer) share one
+// kSlabRows x kCols slab: each thread copies one 16-byte chunk of kRows rows, kRowStep rows
+// apart (so all of a thread's rows have the same r % 8).
+template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
 struct SlabShape {
   static constexpr int kChunksPerRow = kCols / 8;
-  static constexpr int kRowStep = kWgradThreads / kChunksPerRow;
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
   static constexpr int kRows = kSlabRows / kRowStep;
-  static_assert(kWgradThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
+  static_assert(kThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
                 "slab split");
   __device__ __forceinline__ static int Row(int tid, int j) {
     return tid / kChunksPerRow + j * kRowStep;
@@ -116,11 +137,12 @@ struct SlabShape {
 // Copies this thread's share of one slab into the swizzled MN-major layout at `dst`: row j
 // from row_ptr[j] (already offset to this thread's column). Rows at or past `rows_valid`, and
 // every row when !col_ok, are zero-filled without reading.
-template <int kCols, int kSlabRows>
+template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
 __device__ __forceinline__ void LoadSlab(
-    uint32_t dst, const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows>::kRows],
+    uint32_t dst,
+    const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows, kThreads>::kRows],
     bool col_ok, int rows_valid, const __nv_bfloat16* any_valid, int tid) {
-  using S = SlabShape<kCols, kSlabRows>;
+  using S = SlabShape<kCols, kSlabRows, kThreads>;
   const int q = tid % S::kChunksPerRow;  // chunk within the slab's row
   const uint32_t block = dst + (q >> 3) * MnMajorSlab<kSlabRows>::kBlockBytes;
 #pragma unroll
@@ -168,28 +190,61 @@ __host__ __device__ constexpr int WgradStageBytes() {
 }
 // Ring depth: as many stages as fit kWgradRingBytes, at most 10 (cp.async.wait_group's count,
 // stages - 3, stays small).
-template <int kN, int kSlabRows>
+template <int kN, int kSlabRows, int kCtasPerSm = 1>
 __host__ __device__ constexpr int WgradStages() {
-  return kWgradRingBytes / WgradStageBytes<kN, kSlabRows>() < 10
-             ? kWgradRingBytes / WgradStageBytes<kN, kSlabRows>()
+  return WgradRingBytes<kCtasPerSm>() / WgradStageBytes<kN, kSlabRows>() < 10
+             ? WgradRingBytes<kCtasPerSm>() / WgradStageBytes<kN, kSlabRows>()
              : 10;
 }
-template <int kN, int kSlabRows>
+template <int kN, int kSlabRows, int kCtasPerSm = 1>
 __host__ __device__ constexpr int WgradSmemBytes() {
-  return WgradStages<kN, kSlabRows>() * WgradStageBytes<kN, kSlabRows>() + 1024 /* alignment */ +
-         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+  return WgradStages<kN, kSlabRows, kCtasPerSm>() * WgradStageBytes<kN, kSlabRows>() +
+         1024 /* alignment */ + (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */ +
+         WgradStages<kN, kSlabRows, kCtasPerSm>() * 8 /* kTmaSlots: a TMA mbarrier a stage */;
+}
+
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (as sm90_launch.cuh does),
+// so nothing links libcuda directly.
+inline void* WgradTensorMapEncoder() {
+  static void* encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return fn;
+  }();
+  return encode;
+}
+
+// TMA: one box of a 2-D tensor map into shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                          int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
 }
 
 // Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
 // lane/4 and lane/4 + 8 of its warp's 16 (the wgmma fragment), stored as float2. With
 // accumulate, all old values are read first so the loads overlap.
+// StoreWgradRows: one warpgroup's 64 rows (from row_base) x kN columns (from n0); `t` is the
+// thread's index within its warpgroup.
 template <int kN>
-__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
-                                               float (&acc)[kN / 2], int tid) {
-  const int lane = tid & 31;
-  const int row0 = ti.m0 + (tid >> 7) * 64 + ((tid & 127) >> 5) * 16 + (lane >> 2);
-  const int col0 = ti.n0 + 2 * (lane & 3);
-  float* c = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim;
+__device__ __forceinline__ void StoreWgradRows(const WeightGradParams& p, int expert, int row_base,
+                                               int n0, float (&acc)[kN / 2], int t) {
+  const int lane = t & 31;
+  const int row0 = row_base + (t >> 5) * 16 + (lane >> 2);
+  const int col0 = n0 + 2 * (lane & 3);
+  float* c = p.c + static_cast<int64_t>(expert) * p.m_dim * p.n_dim;
   if (p.accumulate) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -221,21 +276,28 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
     }
   }
 }
+template <int kN>
+__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
+                                               float (&acc)[kN / 2], int tid) {
+  StoreWgradRows<kN>(p, ti.expert, ti.m0 + (tid >> 7) * 64, ti.n0, acc, tid & 127);
+}
 
 // With accumulate, the epilogue reads the tile's old values; kAhead steps before it (when the
 // load cursor issues the tile's last slab), each thread asks L2 for its share of the lines
 // (2 threads a row, kN/2 columns each), so those reads find L2 instead of stalling the SM on
 // device memory between two tiles (accumulating launches 1.1-1.3x faster on the presets).
-template <int kN>
+// kThreads 256: 2 threads a row; 128 (the ping-pong producer): one thread a row.
+template <int kN, int kThreads = kWgradThreads>
 __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
                                                   int tid) {
-  const int row = ti.m0 + (tid >> 1);
+  constexpr int kPerRow = kThreads / kWgradBlockM;
+  const int row = ti.m0 + tid / kPerRow;
   if (row >= p.m_dim) return;
   const float* line = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim +
                       static_cast<int64_t>(row) * p.n_dim;
 #pragma unroll
-  for (int i = 0; i < kN / 2 / 32; ++i) {  // 32 floats = one 128-byte line
-    const int col = ti.n0 + (tid & 1) * (kN / 2) + 32 * i;
+  for (int i = 0; i < kN / kPerRow / 32; ++i) {  // 32 floats = one 128-byte line
+    const int col = ti.n0 + (tid % kPerRow) * (kN / kPerRow) + 32 * i;
     if (col < p.n_dim) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line + col));
   }
 }
@@ -246,15 +308,21 @@ __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, con
 // kDrain: each step waits for ALL its wgmmas before the next barrier, so a stage is free one
 // step after its use and loads run stages-1 steps ahead (more bytes in flight, at the cost of
 // an empty tensor pipe at every barrier); otherwise the previous step's wgmmas may still run,
-// and loads run stages-2 ahead.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
-__global__ void __launch_bounds__(kWgradThreads, 1)
+// and loads run stages-2 ahead. kCtasPerSm: 2 runs two CTAs on each SM (registers capped at
+// 128 a thread, half the ring each), so one CTA's epilogue overlaps the other's main loop.
+// kTmaSlots: the operand read in slot order comes by TMA (p.slot_map, thread 0, completing a
+// per-stage mbarrier) for every FULL slab; a tile's last, partial slab still comes by cp.async
+// with its rows past the expert's count zero-filled (thread 0 then arrives with no bytes), so
+// no row of a neighbouring expert ever enters the ring: its NaN or Inf could not leak in.
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1,
+          bool kTmaSlots = false>
+__global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
     sm90_weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
   using ShapeA = SlabShape<kWgradBlockM, kSlabRows>;
   using ShapeB = SlabShape<kN, kSlabRows>;
   using ShapeG = SlabShape<kGatherA ? kWgradBlockM : kN, kSlabRows>;  // the gathered operand
   using Slab = MnMajorSlab<kSlabRows>;
-  constexpr int kStages = WgradStages<kN, kSlabRows>();
+  constexpr int kStages = WgradStages<kN, kSlabRows, kCtasPerSm>();
   constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
   constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
   constexpr int kAhead = kDrain ? kStages - 1 : kStages - 2;
@@ -269,12 +337,17 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   int* offs = reinterpret_cast<int*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
   int* active = offs + (kMaxExperts + 1);
   int* num_active = active + kMaxExperts;
+  uint64_t* tma_bar = reinterpret_cast<uint64_t*>(num_active + 1);  // kTmaSlots: one a stage
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
 
   // ---- Phase 0: offsets cached in shared memory; warp 0 lists the experts with rows, in
   // order (experts with none get no tile, so their C blocks are never touched).
+  if (kTmaSlots && tid == 32) {
+    for (int s = 0; s < kStages; ++s) MbarInit(SmemAddr(&tma_bar[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   for (int e = tid; e <= num_experts; e += kWgradThreads) offs[e] = p.offsets[e];
   __syncthreads();
   if (tid < 32) {
@@ -357,8 +430,29 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
           b_ptr[j] = b_col + static_cast<int64_t>(gathered_token(tok, j)) * p.n_dim;
         }
       }
-      LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a, tid);
-      LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
+      // With kTmaSlots a full slab of the slot-order operand comes by TMA instead.
+      const bool tma = kTmaSlots && rows_valid >= kSlabRows;
+      if (!(tma && !kGatherA)) {
+        LoadSlab<kWgradBlockM, kSlabRows>(s_a, a_ptr, ld.m0 + col_a < p.m_dim, rows_valid, p.a,
+                                          tid);
+      }
+      if (!(tma && kGatherA)) {
+        LoadSlab<kN, kSlabRows>(s_b, b_ptr, ld.n0 + col_b < p.n_dim, rows_valid, p.b, tid);
+      }
+      if (kTmaSlots && tid == 0) {
+        const uint32_t bar = SmemAddr(&tma_bar[stage]);
+        if (tma) {
+          constexpr int kSlotCols = kGatherA ? kN : kWgradBlockM;
+          MbarArriveExpectTx(bar, kSlotCols * kSlabRows * 2);
+#pragma unroll
+          for (int q = 0; q < kSlotCols / 64; ++q) {
+            TmaLoad2d((kGatherA ? s_b : s_a) + q * MnMajorSlab<kSlabRows>::kBlockBytes, &p.slot_map,
+                      bar, (kGatherA ? ld.n0 : ld.m0) + 64 * q, slot_base);
+          }
+        } else {
+          MbarArrive(bar);  // the cp.async path: the phase completes with no bytes
+        }
+      }
       // The cursor's last slab of a tile is kAhead steps before that tile's epilogue.
       if (p.accumulate && ld_kt == ld.num_k - 1) PrefetchWgradTile<kN>(p, ld, tid);
       if (++ld_kt == ld.num_k) {
@@ -387,6 +481,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     for (int kt = 0; kt < ti.num_k; ++kt, ++it) {
       const int stage = it % kStages;
       CpAsyncWait<kAhead - 1>();
+      if constexpr (kTmaSlots) MbarWait(SmemAddr(&tma_bar[stage]), (it / kStages) & 1);
       FenceProxyAsync();
       __syncthreads();  // stage visible to all; the stage the loads below refill is idle
       const uint32_t s_a = base + stage * kStageBytes + wg * Slab::kBlockBytes;
@@ -415,13 +510,358 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   CpAsyncWait<0>();
 }
 
-// Host side: one launch of an instantiation, one CTA per SM (the tile count is known only on
-// the device). Kept with the kernel so a benchmark can time instantiations the public
+// Host side: one launch of an instantiation, kCtasPerSm CTAs per SM (the tile count is known
+// only on the device). Kept with the kernel so a benchmark can time instantiations the public
 // launchers do not choose.
-template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false>
-cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain>;
-  constexpr int kSmem = WgradSmemBytes<kN, kSlabRows>();
+template <int kN, int kSlabRows, bool kGatherA, bool kDrain = false, int kCtasPerSm = 1,
+          bool kTmaSlots = false>
+cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream_t stream) {
+  auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm, kTmaSlots>;
+  WeightGradParams params = params_in;
+  if constexpr (kTmaSlots) {
+    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(WgradTensorMapEncoder());
+    if (encode == nullptr) return cudaErrorNotSupported;
+    const int cols = kGatherA ? params.n_dim : params.m_dim;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols),
+                                static_cast<cuuint64_t>(params.slot_rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(kSlabRows)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result =
+        encode(&params.slot_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+               const_cast<__nv_bfloat16*>(kGatherA ? params.b : params.a), dims, strides, box,
+               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  }
+  constexpr int kSmem = WgradSmemBytes<kN, kSlabRows, kCtasPerSm>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  static_assert(kCtasPerSm == 1 || kSmem <= 113 * 1024, "two CTAs must fit one SM's 228 KB");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (kCtasPerSm > 1 && err == cudaSuccess) {  // all of the SM's shared memory, for both CTAs
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  }
+  int device = 0, sms = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err != cudaSuccess) return err;
+  kernel<<<sms * kCtasPerSm, kWgradThreads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ping-pong variant: kProducerWgs producer warpgroups and two consumer warpgroups, each
+// consumer taking its OWN 128 x 128 output tile (two m64n128 wgmmas per k16 step, 128
+// accumulators a thread), the CTA's tiles alternating between them, so one consumer's fp32
+// stores run while the other issues MMAs.
+//   Producers (setmaxnreg down): walk the CTA's tiles in order, and per ring step wait for the
+//     slot's `empty`, issue their slabs by cp.async (one producer warpgroup: both operands;
+//     two: warpgroup 0 A, warpgroup 1 B), then cp.async.mbarrier.arrive.noinc on `full` (128
+//     arrivals a producer warpgroup, each firing once that thread's copies have landed). The
+//     gathered operand's index comes through the per-warp fetch and shuffle of the 256-thread
+//     kernel, fetched kFetchAhead steps early (a fetch cursor runs ahead of the load cursor),
+//     so no step waits on it. Rows past the expert's count are zero-filled on BOTH operands
+//     (cp.async with no source bytes), so nothing read from a neighbouring expert can leak in
+//     as NaN or Inf. The warpgroup that loads the slot-order operand also asks L2 for a tile's
+//     old C (accumulate) when it issues the tile's last slab.
+//   Consumers (setmaxnreg up): consumer c takes the CTA's local tiles j with j % 2 == c and
+//     counts the other's steps to keep its place in the ring. Ordering barrier: consumer c
+//     starts tile j's MMAs only after the other consumer has issued all of tile j-1's (named
+//     barrier 1 + c, 256 threads: the other's bar.arrive, this one's bar.sync). That makes the
+//     two main loops take turns (the ping-pong) and keeps every `full` wait at most one phase
+//     ahead: try_wait.parity only tells the current phase from the previous one, and without
+//     the order a consumer skipping the other's tile could wait on a slot two fills ahead and
+//     pass on the stale parity. Each ring slot is released (`empty`, one arrival a warp, 4
+//     a use) once the wgmmas that read it have retired.
+// Results stay deterministic: each tile is one consumer's, summed in slab order.
+template <int kSlabRows>
+__host__ __device__ constexpr int WgradPingpongStages() {
+  return kWgradRingBytes / WgradStageBytes<kWgradBlockM, kSlabRows>();
+}
+template <int kSlabRows>
+__host__ __device__ constexpr int WgradPingpongSmemBytes() {
+  return WgradPingpongStages<kSlabRows>() * WgradStageBytes<kWgradBlockM, kSlabRows>() +
+         1024 /* alignment */ + 2 * WgradPingpongStages<kSlabRows>() * 8 /* full, empty */ +
+         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
+}
+
+__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// A walk over the CTA's tiles one ring step at a time.
+template <int kN, int kSlabRows>
+struct WgradCursor {
+  int tile;
+  int kt;
+  WgradTile ti;
+  __device__ __forceinline__ void Start(int first, int m_tiles, int n_tiles, const int* active,
+                                        const int* offs) {
+    tile = first;
+    kt = 0;
+    ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+  }
+  __device__ __forceinline__ void Advance(int total, int m_tiles, int n_tiles, const int* active,
+                                          const int* offs) {
+    if (++kt == ti.num_k) {
+      kt = 0;
+      tile += gridDim.x;
+      if (tile < total) ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+    }
+  }
+};
+
+// One producer warpgroup's loop (t: its thread 0..127): loads A's slab when kLoadA, B's when
+// kLoadB, into every ring step.
+template <int kSlabRows, bool kGatherA, bool kLoadA, bool kLoadB, int kFetchAhead>
+__device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p, uint32_t base,
+                                                      uint64_t* full, uint64_t* empty,
+                                                      const int* active, const int* offs, int total,
+                                                      int m_tiles, int n_tiles, int t) {
+  constexpr int kN = 128;
+  constexpr int kThreads = 128;
+  using Shape = SlabShape<kN, kSlabRows, kThreads>;  // both operands are 128 wide
+  constexpr int kStages = WgradPingpongStages<kSlabRows>();
+  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
+  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
+  constexpr bool kGathers = kGatherA ? kLoadA : kLoadB;    // this warpgroup loads gathered rows
+  constexpr bool kSlots = kGatherA ? kLoadB : kLoadA;      // ... and/or slot-order rows
+  constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
+  static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
+                "a warp's gathered rows must fit its lanes");
+  const int lane = t & 31;
+  const bool fetcher = lane < Shape::kRows * kRowSetLanes;
+  const int fetch_row = (t - lane) / Shape::kChunksPerRow + lane % kRowSetLanes +
+                        (lane / kRowSetLanes) * Shape::kRowStep;
+  const int col = (t % Shape::kChunksPerRow) * 8;  // this thread's column in both slabs
+  WgradCursor<kN, kSlabRows> ld;
+  ld.Start(blockIdx.x, m_tiles, n_tiles, active, offs);
+  // The gathered index, kFetchAhead steps early: raw[0] is the load cursor's step.
+  WgradCursor<kN, kSlabRows> fc = ld;
+  int raw[kFetchAhead];
+  auto fetch = [&]() {
+    const int r = fc.kt * kSlabRows + fetch_row;
+    const int v = (fc.tile < total && fetcher && r < fc.ti.count) ? p.entries[fc.ti.slot0 + r] : 0;
+    if (fc.tile < total) fc.Advance(total, m_tiles, n_tiles, active, offs);
+    return v;
+  };
+  if constexpr (kGathers) {
+#pragma unroll
+    for (int i = 0; i < kFetchAhead; ++i) raw[i] = fetch();
+  }
+  int stage = 0;
+  uint32_t phase = 0;
+  while (ld.tile < total) {
+    int tok = 0;
+    if constexpr (kGathers) {
+      tok = FastDivide(raw[0], p.top_k);
+#pragma unroll
+      for (int i = 0; i + 1 < kFetchAhead; ++i) raw[i] = raw[i + 1];
+      raw[kFetchAhead - 1] = fetch();
+    }
+    MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
+    const uint32_t s_a = base + stage * kStageBytes;
+    const uint32_t s_b = s_a + kTileABytes;
+    const int rows_valid = ld.ti.count - ld.kt * kSlabRows;
+    const int slot_base = ld.ti.slot0 + ld.kt * kSlabRows;
+    const __nv_bfloat16* g_col = kGatherA ? p.a + ld.ti.m0 + col : p.b + ld.ti.n0 + col;
+    const __nv_bfloat16* s_col = kGatherA ? p.b + ld.ti.n0 + col : p.a + ld.ti.m0 + col;
+    const int g_ld = kGatherA ? p.m_dim : p.n_dim;
+    const int s_ld = kGatherA ? p.n_dim : p.m_dim;
+    const bool a_col_ok = ld.ti.m0 + col < p.m_dim;
+    const bool b_col_ok = ld.ti.n0 + col < p.n_dim;
+    if constexpr (kGathers) {
+      const __nv_bfloat16* g_ptr[Shape::kRows];
+#pragma unroll
+      for (int j = 0; j < Shape::kRows; ++j) {
+        const int tk =
+            __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / Shape::kChunksPerRow);
+        g_ptr[j] = g_col + static_cast<int64_t>(tk) * g_ld;
+      }
+      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_a : s_b, g_ptr, kGatherA ? a_col_ok : b_col_ok,
+                                        rows_valid, kGatherA ? p.a : p.b, t);
+    }
+    if constexpr (kSlots) {
+      const __nv_bfloat16* s_ptr[Shape::kRows];
+      const __nv_bfloat16* s0 = s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
+#pragma unroll
+      for (int j = 0; j < Shape::kRows; ++j) {
+        s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
+      }
+      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_b : s_a, s_ptr, kGatherA ? b_col_ok : a_col_ok,
+                                        rows_valid, kGatherA ? p.b : p.a, t);
+    }
+    asm volatile(
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
+        : "memory");
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+    // The last slab of a tile: its consumer's epilogue follows soon after.
+    if (kSlots && p.accumulate && ld.kt == ld.ti.num_k - 1) {
+      PrefetchWgradTile<kN, kThreads>(p, ld.ti, t);
+    }
+    ld.Advance(total, m_tiles, n_tiles, active, offs);
+  }
+  CpAsyncWait<0>();  // no copy may outlive its issuing thread
+}
+
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
+__global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
+    sm90_weight_grad_pingpong_kernel(const __grid_constant__ WeightGradParams p) {
+  constexpr int kN = 128;  // each consumer's tile: 128 x 128
+  constexpr int kThreads = 128 * (kProducerWgs + 2);
+  using Slab = MnMajorSlab<kSlabRows>;
+  constexpr int kStages = WgradPingpongStages<kSlabRows>();
+  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
+  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
+  // Registers a thread after setmaxnreg: producers, consumers (128 * (P p + 2 c) <= 64K).
+  constexpr int kProducerRegs = kProducerWgs == 1 ? 56 : 72;
+  constexpr int kConsumerRegs = kProducerWgs == 1 ? 224 : 184;
+  static_assert(kProducerWgs == 1 || kProducerWgs == 2, "one or two producer warpgroups");
+  static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
+  static_assert(kStages >= 2, "need at least 2 stages");
+  static_assert(Slab::kBlockBytes % 1024 == 0, "swizzled blocks must stay 1024-byte aligned");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  int* offs = reinterpret_cast<int*>(empty + kStages);
+  int* active = offs + (kMaxExperts + 1);
+  int* num_active = active + kMaxExperts;
+
+  const int tid = threadIdx.x;
+  const int num_experts = p.num_experts;
+
+  // ---- Phase 0 (all threads): offsets, the list of experts with rows, the barriers.
+  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = p.offsets[e];
+  if (tid == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(SmemAddr(&full[s]), 128 * kProducerWgs);
+      MbarInit(SmemAddr(&empty[s]), 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (tid < 32) {
+    int n = 0;
+    for (int e0 = 0; e0 < num_experts; e0 += 32) {
+      const int e = e0 + tid;
+      const bool has_rows = e < num_experts && offs[e + 1] > offs[e];
+      const uint32_t mask = __ballot_sync(0xffffffffu, has_rows);
+      if (has_rows) active[n + __popc(mask & ((1u << tid) - 1u))] = e;
+      n += __popc(mask);
+    }
+    if (tid == 0) *num_active = n;
+  }
+  __syncthreads();
+
+  const int m_tiles = (p.m_dim + kWgradBlockM - 1) / kWgradBlockM;
+  const int n_tiles = (p.n_dim + kN - 1) / kN;
+  const int total = *num_active * m_tiles * n_tiles;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
+
+  const int wg = tid >> 7;
+  const int t = tid & 127;
+  const int lane = tid & 31;
+  if (wg < kProducerWgs) {
+    // ---- Producers.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
+    if constexpr (kProducerWgs == 1) {
+      WgradPingpongProducer<kSlabRows, kGatherA, true, true, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
+    } else if (wg == 0) {
+      WgradPingpongProducer<kSlabRows, kGatherA, true, false, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
+    } else {
+      WgradPingpongProducer<kSlabRows, kGatherA, false, true, kFetchAhead>(
+          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
+    }
+  } else {
+    // ---- Consumers.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+    const int cw = wg - kProducerWgs;
+    int stage = 0;
+    uint32_t phase = 0;
+    float acc0[kN / 2], acc1[kN / 2];  // rows 0..63 and 64..127 of the tile
+    int j = 0;                         // the CTA's local tile index
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++j) {
+      const WgradTile ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
+      if ((j & 1) != cw) {  // the other consumer's tile: skip its steps in the ring
+        stage += ti.num_k;
+        while (stage >= kStages) {
+          stage -= kStages;
+          phase ^= 1;
+        }
+        continue;
+      }
+      if (j > 0) NamedBarrierSync(1 + cw, 256);  // the other has issued tile j-1's MMAs
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) {
+        acc0[i] = 0.0f;
+        acc1[i] = 0.0f;
+      }
+      int release = -1;  // slot whose wgmmas may still run
+      for (int kt = 0; kt < ti.num_k; ++kt) {
+        MbarWait(SmemAddr(&full[stage]), phase);
+        FenceProxyAsync();  // the slabs were written by cp.async (generic proxy)
+        const uint32_t s_a = base + stage * kStageBytes;
+        const uint32_t s_b = s_a + kTileABytes;
+        const uint64_t desc_a0 = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_a1 = MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
+        const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        WgmmaFence();
+#pragma unroll
+        for (int k = 0; k < kSlabRows / 16; ++k) {
+          WgmmaMnMajor<kN>::Run(acc0, desc_a0 + k * Slab::kK16DescStep,
+                                desc_b + k * Slab::kK16DescStep);
+          WgmmaMnMajor<kN>::Run(acc1, desc_a1 + k * Slab::kK16DescStep,
+                                desc_b + k * Slab::kK16DescStep);
+        }
+        WgmmaCommit();
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        WgmmaWait<1>();  // the previous step's wgmmas have retired: its slot is free
+        FenceOperands(acc0);
+        FenceOperands(acc1);
+        if (release >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[release]));
+        release = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      // Every MMA of tile j is issued: the other consumer may start tile j+1 (if it exists).
+      if (tile + static_cast<int>(gridDim.x) < total) NamedBarrierArrive(2 - cw, 256);
+      WgmmaWait<0>();
+      FenceOperands(acc0);
+      FenceOperands(acc1);
+      if (lane == 0) MbarArrive(SmemAddr(&empty[release]));
+
+      // ---- Epilogue, overlapping the other consumer's main loop.
+      StoreWgradRows<kN>(p, ti.expert, ti.m0, ti.n0, acc0, t);
+      StoreWgradRows<kN>(p, ti.expert, ti.m0 + 64, ti.n0, acc1, t);
+    }
+  }
+}
+
+template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
+cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA, kProducerWgs, kFetchAhead>;
+  constexpr int kSmem = WgradPingpongSmemBytes<kSlabRows>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -431,7 +871,7 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params, cudaStream_t 
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (err != cudaSuccess) return err;
-  kernel<<<sms, kWgradThreads, kSmem, stream>>>(params);
+  kernel<<<sms, 128 * (kProducerWgs + 2), kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -12,7 +12,10 @@ target_link_libraries(sm90_expert_backward_test PRIVATE moe::kernels_sm90 moe::k
 add_test(NAME Sm90ExpertBackward COMMAND sm90_expert_backward_test)
 set_tests_properties(Sm90ExpertBackward PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300)
 
-add_executable(sm90_weight_grad_test ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad_test.cc)
+# With the kernel instantiations the launchers do not choose (sm90_weight_grad_variants.cu).
+add_executable(sm90_weight_grad_test ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/sm90_weight_grad_variants.cu)
 target_link_libraries(sm90_weight_grad_test PRIVATE moe::kernels_sm90 moe::kernels_cpu)
+set_target_properties(sm90_weight_grad_test PROPERTIES CUDA_ARCHITECTURES 90a)
 add_test(NAME Sm90WeightGrad COMMAND sm90_weight_grad_test)
 set_tests_properties(Sm90WeightGrad PROPERTIES LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300)

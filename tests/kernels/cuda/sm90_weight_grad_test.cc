@@ -1,7 +1,9 @@
 // Checks the fused Hopper weight gradients (LaunchSm90WeightGradW2/W13 of
-// kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for both tile widths, on
-// sizes that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no
-// rows, and shards that own only part of the global experts.
+// kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for the three kernels
+// behind the launchers (block_n 256 and 128, each with warp_specialized off and on) and the
+// other instantiations the bench times (sm90_weight_grad_variants.h), on sizes
+// that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no rows,
+// and shards that own only part of the global experts.
 //
 // A plain main with no GoogleTest or Abseil, so the same binary runs on the bare GPU machine;
 // exit 0 = pass, 1 = a check failed, 77 = skipped (no sm_90 GPU). Inputs are fresh random bf16
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -25,6 +28,7 @@
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 #include "tests/kernels/cuda/sm90_test_util.h"
+#include "tests/kernels/cuda/sm90_weight_grad_variants.h"
 
 namespace moe::kernels {
 namespace {
@@ -75,7 +79,7 @@ std::vector<double> Reference(const GradProblem& g, const std::vector<int32_t>& 
 
 // Runs one launch over a prefilled output and judges it. `launch` calls the kernel under test.
 template <typename Launch>
-bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
+bool CheckOne(const Case& c, const char* what, const GradProblem& g,
               const std::vector<int32_t>& offsets, const std::vector<double>& ref, bool accumulate,
               std::mt19937_64& rng, Launch launch) {
   const int E = c.expert_count;
@@ -124,10 +128,11 @@ bool CheckOne(const Case& c, const Sm90GemmConfig& cfg, const GradProblem& g,
   }
   const bool ok = err < kTolerance && touched_empty == 0 && deterministic;
   std::printf(
-      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d block_n=%d accumulate=%d err=%.3g "
+      "%s %-7s %-4s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d N=%d %s accumulate=%d "
+      "err=%.3g "
       "nonfinite=%lld empty_touched=%lld deterministic=%d\n",
       ok ? "PASS" : "FAIL", c.name, g.what, static_cast<long long>(c.tokens), c.top_k, E,
-      c.experts_global, c.expert_first, c.d, c.h, offsets[E], cfg.block_n, accumulate ? 1 : 0, err,
+      c.experts_global, c.expert_first, c.d, c.h, offsets[E], what, accumulate ? 1 : 0, err,
       static_cast<long long>(nonfinite), static_cast<long long>(touched_empty),
       deterministic ? 1 : 0);
   return ok;
@@ -179,17 +184,43 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
-  for (int block_n : {256, 128}) {
+  // The four kernels behind the launchers: block_n 256 and 128, each without and with
+  // warp_specialized (256: the slot-order operand by TMA; 128: two CTAs an SM).
+  for (int config_i = 0; config_i < 4; ++config_i) {
     Sm90GemmConfig cfg;
-    cfg.block_n = block_n;
+    cfg.block_n = config_i % 2 == 0 ? 256 : 128;
+    cfg.warp_specialized = config_i >= 2;
+    char what[64];
+    std::snprintf(what, sizeof(what), "block_n=%d ws=%d", cfg.block_n,
+                  cfg.warp_specialized ? 1 : 0);
     for (bool accumulate : {false, true}) {
-      ok &= CheckOne(c, cfg, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
+      ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW2(prob, cfg, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr, out,
                                       acc, nullptr);
       });
-      ok &= CheckOne(c, cfg, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
+      ok &= CheckOne(c, what, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW13(prob, cfg, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr, out, acc,
                                        nullptr);
+      });
+    }
+  }
+  // The instantiations the bench times beside the launchers' (sm90_weight_grad_variants.h);
+  // $WGRAD_ONLY / $WGRAD_SKIP keep or drop those whose name contains the string, so a new one
+  // can first run in a process of its own.
+  const char* only = std::getenv("WGRAD_ONLY");
+  const char* skip = std::getenv("WGRAD_SKIP");
+  for (int v = 0; v < testing::WeightGradVariantCount(); ++v) {
+    const char* what = testing::WeightGradVariantName(v);
+    if (only != nullptr && *only != '\0' && std::strstr(what, only) == nullptr) continue;
+    if (skip != nullptr && *skip != '\0' && std::strstr(what, skip) != nullptr) continue;
+    for (bool accumulate : {false, true}) {
+      ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
+        return testing::LaunchWeightGradVariant(v, true, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr,
+                                                out, E, d, h, K, N, acc, nullptr);
+      });
+      ok &= CheckOne(c, what, w13, offsets, ref_w13, accumulate, rng, [&](float* out, bool acc) {
+        return testing::LaunchWeightGradVariant(v, false, d_dh.ptr, d_x.ptr, d_off.ptr, d_ent.ptr,
+                                                out, E, 2 * h, d, K, N, acc, nullptr);
       });
     }
   }
@@ -237,6 +268,9 @@ int Main() {
       {"shard", 513, 6, 16, 4, 8, 136, 328, 9, 5},  // top_k 6: a divisor that is no power of 2
       // > 132 tiles, so every CTA's load cursor crosses tile (and expert) boundaries.
       {"many", 600, 4, 20, 2, 16, 1032, 264, 7, 11},
+      // 4-8 tiles a CTA over 39 experts of ragged counts: the ping-pong's consumers skip each
+      // other's tiles many times (the ordering barrier keeps their ring waits in phase).
+      {"deep", 1200, 4, 40, 0, 40, 520, 264, 3, 7},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261121;
