@@ -59,12 +59,16 @@ enum class Sm90Projection {
 // row blocks form one rasterisation band (weights stream from memory once per band).
 // tma_weights = false loads weights by cp.async instead of TMA. warp_specialized = true (TMA
 // only) runs a producer warpgroup that loads while two consumer warpgroups multiply, with no
-// CTA-wide barrier per k-step.
+// CTA-wide barrier per k-step. ping_pong = true (TMA only; takes precedence over
+// warp_specialized) runs the same producer, but each consumer warpgroup takes whole tiles in
+// turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
+// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
   int group_m = 16;
   bool warp_specialized = false;
+  bool ping_pong = false;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that

@@ -137,11 +137,47 @@ cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
   return cudaGetLastError();
 }
 
+// kBlockM rows x kN columns per consumer tile; group_m stays in 128-row blocks for the caller,
+// so 64-row tiles band twice as many of theirs.
+template <int kBlockM, int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB,
+          bool kSlotOut, bool kDSwiGLU>
+cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
+                         const GemmParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_grouped_gemm_pp_kernel<kBlockM, kN, kStages, kSwiGLU, kGatherA, kTransB,
+                                             kSlotOut, kDSwiGLU>;
+  constexpr int kSmem = PpSmemBytes<kBlockM, kN, kStages, kSwiGLU>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  GemmParams pp = params;
+  pp.group_m = params.group_m * (kMinBlockM / kBlockM);
+  kernel<<<sms, 384, kSmem, stream>>>(pp);
+  return cudaGetLastError();
+}
+
 // The one place runtime config becomes template constants. The ring fills ~192 KB of shared
-// memory: 4 stages of 128x256 tiles or 6 of 128x128.
+// memory: 4 stages of 128x256 tiles or 6 of 128x128; ping-pong: 6 stages of 128x128 (block_n
+// 128) or 4 of 64x256 (block_n 256), 160-192 KB.
 template <bool kTmaB, typename Variant>
 cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const GemmParams& params,
                        cudaStream_t stream) {
+  if (config.ping_pong) {
+    if constexpr (!kTmaB) {
+      return cudaErrorInvalidValue;  // the producer's weights come by TMA
+    } else {
+      switch (config.block_n) {
+        case 256:
+          return LaunchGemmPp<64, 256, 4>(variant, params, stream);
+        case 128:
+          return LaunchGemmPp<128, 128, 6>(variant, params, stream);
+        default:
+          return cudaErrorInvalidValue;  // unsupported block_n
+      }
+    }
+  }
   if (config.warp_specialized) {
     if constexpr (!kTmaB) {
       return cudaErrorInvalidValue;  // the producer's weights come by TMA
