@@ -1,6 +1,7 @@
 // Checks the fused Hopper forward (kernels/cuda/sm90_expert_forward.h) against a CPU fp64
 // reference: up-projection (gather + grouped GEMM + SwiGLU), down-projection (rows scattered to
-// (token, k) order) and the combine, for every tile config, on odd sizes.
+// (token, k) order) and the combine, for every tile config, on odd sizes. The "many" case gives
+// each CTA several tiles, so that the ping-pong kernel's consumers alternate more than once.
 //
 // A plain main with no GoogleTest or Abseil, so the same binary runs on the bare GPU machine;
 // exit 0 = pass, 1 = a check failed, 77 = skipped (no sm_90 GPU; ctest's SKIP_RETURN_CODE).
@@ -45,11 +46,12 @@ using Case = testing::ShardCase;
 bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
   std::printf(
-      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d group_m=%d "
+      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d pp=%d group_m=%d "
       "stacked=%d %-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
-      cfg.warp_specialized ? 1 : 0, cfg.group_m, stacked ? 1 : 0, what, err);
+      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.group_m, stacked ? 1 : 0, what,
+      err);
   return ok;
 }
 
@@ -239,23 +241,42 @@ bool GuardChecks() {
   return ok && refused;
 }
 
-int Main() {
+// only: run just the case of that name (all when null), e.g. a broken build's quick check.
+int Main(const char* only) {
   if (!HaveSm90Gpu()) return 77;
   const Case cases[] = {
       // name       T    K  Eg first cnt  d    h  empty hot
       {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
       {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0},   {"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2},
-      {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5},
+      {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5}, {"one", 203, 1, 1, 0, 1, 192, 120, -1, -1},
+      {"many", 2048, 4, 10, 1, 8, 520, 392, 6, 3},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261121;
   for (const Case& c : cases) {
+    if (only != nullptr && std::strcmp(only, c.name) != 0) continue;
     const Sm90ExpertProblem prob = MakeProblem(c.tokens, c.top_k, c.expert_count, c.d, c.h);
-    // {block_n, tma_weights, group_m, warp_specialized}: every tile variant of both kernels,
-    // and bands that do and do not divide the experts' row-block counts.
-    const std::vector<Sm90GemmConfig> configs = {
-        {256, true, 3}, {128, true, 16},      {256, false, 1},      {128, false, 2},
-        {256, true, 5}, {256, true, 2, true}, {128, true, 16, true}};
+    // {block_n, tma_weights, group_m, warp_specialized, ping_pong}: every tile variant of the
+    // three kernels, and bands that do and do not divide the experts' row-block counts. The
+    // large "many" case runs the ping-pong tiles and one of each other kernel only.
+    const bool many = std::strcmp(c.name, "many") == 0;
+    const std::vector<Sm90GemmConfig> configs =
+        many ? std::vector<Sm90GemmConfig>{{256, true, 3},
+                                           {256, true, 2, true},
+                                           {128, true, 16, false, true},
+                                           {256, true, 3, false, true},
+                                           {128, true, 1, false, true}}
+             : std::vector<Sm90GemmConfig>{{256, true, 3},
+                                           {128, true, 16},
+                                           {256, false, 1},
+                                           {128, false, 2},
+                                           {256, true, 5},
+                                           {256, true, 2, true},
+                                           {128, true, 16, true},
+                                           {128, true, 16, false, true},
+                                           {256, true, 3, false, true},
+                                           {128, true, 1, false, true},
+                                           {256, true, 16, false, true}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
@@ -264,10 +285,13 @@ int Main() {
     }
     for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false);
     ok &= RunCase(c, up, ++seed, false);  // the heuristic's own choice
+    if (many) continue;  // its CPU reference is slow: the stacked layout is checked below
     // Stacked [W1; W3] weights, through TMA and through cp.async.
     ok &= RunCase(c, up, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{128, false, 4}, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{256, true, 16, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{128, true, 16, false, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{256, true, 5, false, true}, ++seed, true);
   }
   std::printf(ok ? "ALL PASSED\n" : "SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
@@ -276,4 +300,5 @@ int Main() {
 }  // namespace
 }  // namespace moe::kernels
 
-int main() { return moe::kernels::Main(); }
+// Usage: sm90_expert_forward_test [CASE]
+int main(int argc, char** argv) { return moe::kernels::Main(argc > 1 ? argv[1] : nullptr); }
