@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call for the ping-pong grouped GEMM, over the binaries that
+# bench/sm90_pp_build_carry.sh put in DIR (run from the repository root that carries DIR):
+#   tests  SASS check; the forward and backward tests; the broken builds on chosen cases
+#   fwd    the forward tile sweep (sm90_bench) on PRESETS, then torch_moe_reference.py on them
+#   bwd    sm90_backward_bench (dA/dX on its presets, then --dh), then torch on PRESETS
+# Every step is time-boxed; logs go to $OUT (at most 8 files come back).
+# Usage: sm90_pp_device_run.sh DIR STEP... -- PRESET...
+set -uo pipefail
+C=$1; shift
+steps=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+P="$*"
+export LD_LIBRARY_PATH=$PWD/$C/lib:${LD_LIBRARY_PATH:-}
+S=$(date +%s)
+stamp() { echo "## +$(( $(date +%s) - S ))s $(date -u +%FT%TZ) $*"; }
+{ stamp start; echo "commit $(cat $C/COMMIT)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader; } | tee "$OUT/run.log"
+torch() {
+  PYTHONUNBUFFERED=1 timeout "$1" python3 $C/torch_moe_reference.py --preset $P \
+    --json "$OUT/torch.jsonl" > "$OUT/torch.log" 2>&1; echo "torch rc=$?" | tee -a "$OUT/run.log"
+  stamp torch done | tee -a "$OUT/run.log"
+}
+for step in "${steps[@]}"; do
+  case $step in
+    tests)
+      { echo "== SASS of the ping-pong kernels: wgmma and local memory"
+        cuobjdump -sass $C/sm90_expert_forward_test | awk '/Function :/{f=($0 ~ /pp_kernel/)} f' |
+          grep -oE "HGMMA\.[0-9A-Za-z.]+|\b(LDL|STL)\b" | sort | uniq -c; } >> "$OUT/run.log" 2>&1
+      for t in forward backward; do
+        timeout 100 $C/sm90_expert_${t}_test > "$OUT/${t}_test.log" 2>&1
+        echo "$t test rc=$? pass=$(grep -c '^PASS' "$OUT/${t}_test.log") fail=$(grep -c '^FAIL' "$OUT/${t}_test.log")" | tee -a "$OUT/run.log"
+        grep -E "^FAIL|ALL PASSED|SOME CHECKS" "$OUT/${t}_test.log" | head -5
+        stamp $t test done | tee -a "$OUT/run.log"
+      done
+      # adesc breaks every 128x128 ping-pong tile (a small case shows it); noorder needs several
+      # tiles per CTA to have a chance to race ("many").
+      for vc in adesc:odd noorder:many; do
+        v=${vc%%:*}; case=${vc#*:}
+        for t in forward backward; do
+          log=$(mktemp)
+          timeout 60 $C/sm90_expert_${t}_test_$v $case > "$log" 2>&1; rc=$?
+          { echo "=== $t $v $case rc=$rc"; cat "$log"; } >> "$OUT/broken.log"
+          echo "broken $v $t $case rc=$rc pass=$(grep -c '^PASS' "$log") fail=$(grep -c '^FAIL' "$log")" | tee -a "$OUT/run.log"
+        done
+      done
+      stamp broken done | tee -a "$OUT/run.log" ;;
+    fwd)
+      timeout 120 $C/sm90_bench --json "$OUT/fwd.jsonl" $P > "$OUT/fwd.log" 2>&1
+      echo "fwd bench rc=$?" | tee -a "$OUT/run.log"; stamp fwd done | tee -a "$OUT/run.log"
+      torch 60 ;;
+    bwd)
+      timeout 110 $C/sm90_backward_bench > "$OUT/bwd.jsonl" 2> "$OUT/bwd.err"
+      echo "bwd bench rc=$?" | tee -a "$OUT/run.log"; stamp bwd done | tee -a "$OUT/run.log"
+      timeout 80 $C/sm90_backward_bench --dh >> "$OUT/bwd.jsonl" 2>> "$OUT/bwd.err"
+      echo "bwd --dh rc=$?" | tee -a "$OUT/run.log"; stamp dh done | tee -a "$OUT/run.log"
+      torch 60 ;;
+  esac
+done
+stamp all done | tee -a "$OUT/run.log"
