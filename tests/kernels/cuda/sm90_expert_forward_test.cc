@@ -56,8 +56,11 @@ bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* 
 }
 
 // stacked: W1 and W3 live in one [E, 2h, d] tensor ([W1_e; W3_e], the CUDA engine's layout),
-// passed through w13_expert_stride.
-bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stacked) {
+// passed through w13_expert_stride. row_step > 1 compares only every row_step-th slot's H, A and
+// Y with the fp64 reference (a large case's CPU time), but still requires every element of
+// them to be finite (written) and Y's out-of-shard rows to keep their poison.
+bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stacked,
+             int row_step = 1) {
   std::mt19937_64 rng(seed);
   const int64_t T = c.tokens, TK = c.tokens * c.top_k;
   const int32_t K = c.top_k, d = c.d, h = c.h, E = c.expert_count;
@@ -138,8 +141,17 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   // Reference, fp64 over the same bf16 inputs. A's reference uses the GPU's H and Y's the
   // GPU's A, so each stage is judged on its own error, not the previous stage's rounding.
   std::vector<double> got_h, ref_h, got_a, ref_a, got_y, ref_y, got_o, ref_o;
+  int64_t unwritten = 0;  // non-finite H, A or Y elements of slots not compared
   for (int32_t e = 0; e < E; ++e) {
     for (int64_t s = offsets[e]; s < offsets[e + 1]; ++s) {
+      if (s % row_step != 0) {
+        for (int32_t j = 0; j < 2 * h; ++j) unwritten += !std::isfinite(FromBf16(gh[s * 2 * h + j]));
+        for (int32_t j = 0; j < h; ++j) unwritten += !std::isfinite(FromBf16(ga[s * h + j]));
+        for (int32_t n = 0; n < d; ++n) {
+          unwritten += !std::isfinite(FromBf16(gy[static_cast<size_t>(entries[s]) * d + n]));
+        }
+        continue;
+      }
       const int64_t t = entries[s] / K;
       for (int32_t j = 0; j < h; ++j) {
         double g = 0, u = 0;
@@ -186,6 +198,11 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   ok &= Report(c, cfg, stacked, "A", NormalisedError(got_a, ref_a));
   ok &= Report(c, cfg, stacked, "Y", NormalisedError(got_y, ref_y));
   ok &= Report(c, cfg, stacked, "out", NormalisedError(got_o, ref_o));
+  if (unwritten != 0) {
+    std::printf("FAIL %s: %lld non-finite elements in the rows not compared\n", c.name,
+                static_cast<long long>(unwritten));
+    ok = false;
+  }
   if (stray != 0) {
     std::printf("FAIL %s: %lld elements of Y written for entries outside the shard\n", c.name,
                 static_cast<long long>(stray));
@@ -283,9 +300,10 @@ int Main(const char* only) {
       std::printf("FAIL heuristics chose block_n=%d\n", up.block_n);
       ok = false;
     }
-    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false);
-    ok &= RunCase(c, up, ++seed, false);  // the heuristic's own choice
-    if (many) continue;  // its CPU reference is slow: the stacked layout is checked below
+    const int row_step = many ? 5 : 1;  // "many": every 5th slot against the fp64 reference
+    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false, row_step);
+    ok &= RunCase(c, up, ++seed, false, row_step);  // the heuristic's own choice
+    if (many) continue;  // the stacked layout is checked on the smaller cases
     // Stacked [W1; W3] weights, through TMA and through cp.async.
     ok &= RunCase(c, up, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{128, false, 4}, ++seed, true);
