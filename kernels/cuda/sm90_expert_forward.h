@@ -62,13 +62,16 @@ enum class Sm90Projection {
 // CTA-wide barrier per k-step. ping_pong = true (TMA only; takes precedence over
 // warp_specialized) runs the same producer, but each consumer warpgroup takes whole tiles in
 // turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
-// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows.
+// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
+// (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
+// load and multicast it to both, halving the weight traffic per tile.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
   int group_m = 16;
   bool warp_specialized = false;
   bool ping_pong = false;
+  bool multicast_b = false;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that

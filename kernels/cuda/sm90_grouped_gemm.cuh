@@ -147,6 +147,39 @@ __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, 
       : "memory");
 }
 
+// TMA multicast: the box lands at the same shared-memory offset in every CTA of `cta_mask` (this
+// cluster), and completes the transaction count of the mbarrier at `bar`'s offset in each.
+__device__ __forceinline__ void TmaLoad3dMulticast(uint32_t dst, const CUtensorMap* map,
+                                                   uint32_t bar, int c0, int c1, int c2,
+                                                   uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// The shared::cluster address of this CTA's shared address `addr` in CTA `rank`.
+__device__ __forceinline__ uint32_t MapaShared(uint32_t addr, uint32_t rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ void MbarArriveCluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
+                   cluster_addr)
+               : "memory");
+}
+// All threads of the cluster (every CTA's, all of them) meet here.
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -352,6 +385,31 @@ __device__ __forceinline__ void TmaLoadWeights(const GemmParams& p, uint32_t s_b
   } else {
     TmaLoad3d(s_b, &p.tmap_b0, bar, k0, n0, expert);
     if constexpr (kSwiGLU) TmaLoad3d(s_b + kN * kBlockK, &p.tmap_b1, bar, k0, n0, expert);
+  }
+}
+
+// TmaLoadWeights for a cluster of 2 CTAs that share the weight tile: this CTA (rank 0 or 1) arms
+// its own `bar` with the WHOLE tile's bytes, then loads half of the tile's boxes, multicast to
+// both CTAs; the other CTA's half lands here and completes the same barrier. K-major: rank 0 the
+// first kN/2 rows (kSwiGLU: the W1 box), rank 1 the rest (the W3 box); kPlain's map boxes are
+// then kN/2 rows. MN-major: the 64-column boxes of the rank's parity.
+template <int kN, bool kSwiGLU, bool kTransB>
+__device__ __forceinline__ void TmaLoadWeightsMulticast(const GemmParams& p, uint32_t s_b,
+                                                        uint32_t bar, int k0, int n0, int expert,
+                                                        int rank) {
+  MbarArriveExpectTx(bar, kN * kBlockK * 2);
+  if constexpr (kTransB) {
+    static_assert(kN % 128 == 0, "an even number of 64-column boxes");
+#pragma unroll
+    for (int q = rank; q < kN / 64; q += 2) {
+      TmaLoad3dMulticast(s_b + q * kMnBlockBytes, &p.tmap_b0, bar, n0 + 64 * q, k0, expert, 3);
+    }
+  } else if constexpr (kSwiGLU) {
+    TmaLoad3dMulticast(s_b + rank * kN * kBlockK, rank ? &p.tmap_b1 : &p.tmap_b0, bar, k0, n0,
+                       expert, 3);
+  } else {
+    TmaLoad3dMulticast(s_b + rank * kN * kBlockK, &p.tmap_b0, bar, k0, n0 + rank * kN / 2, expert,
+                       3);
   }
 }
 
@@ -1025,7 +1083,15 @@ __global__ void __launch_bounds__(384, 1)
 // to back. A consumer signals only when the other one has a next tile, so no barrier is left
 // unmatched. Each `empty` then gets one warpgroup's arrivals per use (4: lane 0 of each warp).
 // The epilogue is StoreTile once per 64-row half, on the consumer's own staging rows and its
-// named barrier (1 + c). group_m counts kBlockM-row blocks.
+// named barrier (1 + c). group_m counts kBlockM-row blocks (kMulticastB: 2 * kBlockM).
+// kMulticastB: CTAs run in clusters of 2. A cluster decodes tiles of 2 * kBlockM rows, CTA rank r
+// takes rows r * kBlockM on (a CTA whose half is empty still loads and multiplies zeros), and
+// the two CTAs split each weight tile's load and multicast it to both (TmaLoadWeightsMulticast),
+// so a 64 x 256 consumer tile costs the weight traffic of a 128 x 256 one. A slot is then free
+// only when both CTAs' consumers have released it: each consumer arrives on its own `empty` and
+// on the other CTA's (8 arrivals a use), and the producers wait on their own. Cluster barriers
+// after the mbarrier init and before exit keep remote arrivals and multicast writes inside both
+// CTAs' lifetimes.
 // setmaxnreg budgets: the ws kernel's. A 40-register producer (consumers 232) made ptxas spill
 // 4-8 bytes in the 128-row variants; 224 holds the consumers' 128 accumulators without spills.
 constexpr int kPpProducerRegs = 56;
@@ -1040,9 +1106,12 @@ __host__ __device__ constexpr int PpSmemBytes() {
 }
 
 template <int kBlockM, int kN, int kStages, bool kSwiGLU, bool kGatherA = kSwiGLU,
-          bool kTransB = false, bool kSlotOut = false, bool kDSwiGLU = false>
+          bool kTransB = false, bool kSlotOut = false, bool kDSwiGLU = false,
+          bool kMulticastB = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_grouped_gemm_pp_kernel(const __grid_constant__ GemmParams p) {
+  constexpr int kCluster = kMulticastB ? 2 : 1;
+  constexpr int kTileM = kBlockM * kCluster;  // rows of a decoded tile (all CTAs of a cluster)
   constexpr int kThreads = 384;
   constexpr int kHalves = kBlockM / 64;  // wgmmas per k16, 64 rows each
   constexpr int kTileABytes = kBlockM * kBlockK * 2;
@@ -1069,19 +1138,32 @@ __global__ void __launch_bounds__(384, 1)
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
-  BuildTilePrefix<kBlockM, kThreads>(p.offsets, num_experts, prefix, offs);
+  BuildTilePrefix<kTileM, kThreads>(p.offsets, num_experts, prefix, offs);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(SmemAddr(&full[s]), 128 + 1);
-      MbarInit(SmemAddr(&empty[s]), 4);
+      MbarInit(SmemAddr(&empty[s]), 4 * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if constexpr (kMulticastB) ClusterSync();  // the other CTA's barriers are initialised
   const int n_tiles = (p.n_dim + kBlockN - 1) / kBlockN;
   const int total = prefix[num_experts] * n_tiles;
   const int num_k = (p.k_dim + kBlockK - 1) / kBlockK;
-  if (static_cast<int>(blockIdx.x) >= total) return;
+  // Tiles go to clusters (of one CTA without kMulticastB) round-robin.
+  const int rank = kMulticastB ? static_cast<int>(ClusterCtaRank()) : 0;
+  const int cluster = static_cast<int>(blockIdx.x) / kCluster;
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  if (cluster >= total) return;  // the whole cluster returns: no barrier or copy is pending
+  // This CTA's rows of a decoded tile (kMulticastB: kBlockM of its 2 * kBlockM, maybe none).
+  auto own_rows = [&](TileInfo ti) {
+    if constexpr (kMulticastB) {
+      ti.slot0 += rank * kBlockM;
+      ti.rows = max(0, min(kBlockM, ti.rows - rank * kBlockM));
+    }
+    return ti;
+  };
 
   const int wg = tid >> 7;
   const int t_wg = tid & 127;
@@ -1092,9 +1174,9 @@ __global__ void __launch_bounds__(384, 1)
     const int chunk = t_wg & 7;
     int stage = 0;
     uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-      const TileInfo ti =
-          DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+    for (int tile = cluster; tile < total; tile += clusters) {
+      const TileInfo ti = own_rows(
+          DecodeTile<kTileM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts));
       int a_src[kRowsPerThread];  // source row of a, or -1 past the tile's rows
 #pragma unroll
       for (int j = 0; j < kRowsPerThread; ++j) {
@@ -1108,8 +1190,13 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t s_b = s_a + kTileABytes;
         const int k0 = kt * kBlockK;
         if (t_wg == 0) {
-          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
-                                               ti.expert);
+          if constexpr (kMulticastB) {
+            TmaLoadWeightsMulticast<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0,
+                                                          ti.n0, ti.expert, rank);
+          } else {
+            TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
+                                                 ti.expert);
+          }
         }
         const int kk = k0 + chunk * 8;
         const bool k_ok = kk < p.k_dim;
@@ -1134,14 +1221,22 @@ __global__ void __launch_bounds__(384, 1)
     // ---- Consumers.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPpConsumerRegs) : "memory");
     const int cw = wg - 1;
-    const int my_tiles = (total - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
-                         static_cast<int>(gridDim.x);
+    const int my_tiles = (total - cluster + clusters - 1) / clusters;
+    // Frees a ring slot (lane 0 of each warp): in this CTA and, with kMulticastB, in the other,
+    // whose producer multicasts into this CTA's copy of the slot too.
+    auto release_slot = [&](int slot) {
+      if (lane == 0) {
+        const uint32_t bar = SmemAddr(&empty[slot]);
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+        if constexpr (kMulticastB) MbarArriveCluster(MapaShared(bar, rank ^ 1));
+      }
+    };
     uint8_t* stage_rows = epi + cw * 64 * EpiRowBytes<kSwiGLU>();
     float acc[kHalves][kAcc];
     for (int j = cw; j < my_tiles; j += 2) {
-      const int tile = static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x);
-      const TileInfo ti =
-          DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
+      const int tile = cluster + j * clusters;
+      const TileInfo ti = own_rows(
+          DecodeTile<kTileM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts));
       EpiRows rows[kHalves];
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
@@ -1185,19 +1280,13 @@ __global__ void __launch_bounds__(384, 1)
         WgmmaWait<1>();  // the previous step's wgmmas have retired: its slot is free
 #pragma unroll
         for (int hf = 0; hf < kHalves; ++hf) FenceOperands(acc[hf]);
-        if (release >= 0 && lane == 0) {
-          asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
-                       : "memory");
-        }
+        if (release >= 0) release_slot(release);
         release = stage;
       }
       WgmmaWait<0>();
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) FenceOperands(acc[hf]);
-      if (lane == 0) {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
-                     : "memory");
-      }
+      release_slot(release);
       // ---- Epilogue, one 64-row half at a time (a half with no rows is skipped).
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
@@ -1207,6 +1296,9 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   }
+  // No CTA of a cluster leaves while the other may still multicast into it or arrive on its
+  // `empty` barriers.
+  if constexpr (kMulticastB) ClusterSync();
 }
 
 }  // namespace moe::kernels::sm90

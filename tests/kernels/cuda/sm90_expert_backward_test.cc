@@ -153,11 +153,11 @@ bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double e
   const bool ok = err < tolerance && stray == 0;
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d w13_pad=%lld block_n=%d tma=%d group_m=%d "
-      "ws=%d pp=%d %-3s err=%.3g stray=%lld\n",
+      "ws=%d pp=%d mc=%d %-3s err=%.3g stray=%lld\n",
       ok ? "PASS" : "FAIL", c.shard.name, static_cast<long long>(c.shard.tokens), c.shard.top_k,
       c.shard.expert_count, c.shard.experts_global, c.shard.expert_first, c.shard.d, c.shard.h,
       static_cast<long long>(c.w13_pad), cfg.block_n, cfg.tma_weights ? 1 : 0, cfg.group_m,
-      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, what, err,
+      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, what, err,
       static_cast<long long>(stray));
   return ok;
 }
@@ -257,9 +257,10 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
       if (rep == 1) {
         const bool same = bits == first_bits;
         std::printf(
-            "%s %-8s block_n=%d ws=%d pp=%d tiles=%lld dp bits identical over two launches\n",
+            "%s %-8s block_n=%d ws=%d pp=%d mc=%d tiles=%lld dp bits identical over two "
+            "launches\n",
             same ? "PASS" : "FAIL", c.shard.name, cfg.block_n, cfg.warp_specialized ? 1 : 0,
-            cfg.ping_pong ? 1 : 0, static_cast<long long>(tiles));
+            cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, static_cast<long long>(tiles));
         ok &= same;
         break;
       }
@@ -426,9 +427,10 @@ int Main(const char* only) {
     const Inputs in = MakeInputs(c, ++seed);
     const Sm90ExpertProblem prob = testing::MakeProblem(
         c.shard.tokens, c.shard.top_k, c.shard.expert_count, c.shard.d, c.shard.h, in.n);
-    // {block_n, tma_weights, group_m, warp_specialized, ping_pong}: both tile widths, TMA and
-    // cp.async weights, bands that do and do not divide the row-block counts, the three
-    // kernels (ping-pong: 128x128 and 64x256 consumer tiles), and the heuristic's own choice.
+    // {block_n, tma_weights, group_m, warp_specialized, ping_pong, multicast_b}: both tile
+    // widths, TMA and cp.async weights, bands that do and do not divide the row-block counts,
+    // the three kernels (ping-pong: 128x128 and 64x256 consumer tiles, with and without the
+    // weight multicast over CTA pairs), and the heuristic's own choice.
     std::vector<Sm90GemmConfig> da = {{256, true, 3},
                                       {128, true, 16},
                                       {256, false, 1},
@@ -439,7 +441,10 @@ int Main(const char* only) {
                                       {128, true, 16, false, true},
                                       {256, true, 3, false, true},
                                       {128, true, 1, false, true},
-                                      {256, true, 16, false, true}};
+                                      {256, true, 16, false, true},
+                                      {256, true, 3, false, true, true},
+                                      {128, true, 16, false, true, true},
+                                      {256, true, 1, false, true, true}};
     std::vector<Sm90GemmConfig> dx = da;
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));

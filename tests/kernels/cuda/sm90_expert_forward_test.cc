@@ -46,12 +46,12 @@ using Case = testing::ShardCase;
 bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
   std::printf(
-      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d pp=%d group_m=%d "
+      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d pp=%d mc=%d group_m=%d "
       "stacked=%d %-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
-      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.group_m, stacked ? 1 : 0, what,
-      err);
+      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, cfg.group_m,
+      stacked ? 1 : 0, what, err);
   return ok;
 }
 
@@ -273,16 +273,19 @@ int Main(const char* only) {
   for (const Case& c : cases) {
     if (only != nullptr && std::strcmp(only, c.name) != 0) continue;
     const Sm90ExpertProblem prob = MakeProblem(c.tokens, c.top_k, c.expert_count, c.d, c.h);
-    // {block_n, tma_weights, group_m, warp_specialized, ping_pong}: every tile variant of the
-    // three kernels, and bands that do and do not divide the experts' row-block counts. The
-    // large "many" case runs the ping-pong tiles and one of each other kernel only.
+    // {block_n, tma_weights, group_m, warp_specialized, ping_pong, multicast_b}: every tile
+    // variant of the three kernels (ping-pong with and without the weight multicast), and bands
+    // that do and do not divide the experts' row-block counts. The large "many" case runs the
+    // ping-pong tiles and one of each other kernel only.
     const bool many = std::strcmp(c.name, "many") == 0;
     const std::vector<Sm90GemmConfig> configs =
         many ? std::vector<Sm90GemmConfig>{{256, true, 3},
                                            {256, true, 2, true},
                                            {128, true, 16, false, true},
                                            {256, true, 3, false, true},
-                                           {128, true, 1, false, true}}
+                                           {128, true, 1, false, true},
+                                           {256, true, 3, false, true, true},
+                                           {128, true, 16, false, true, true}}
              : std::vector<Sm90GemmConfig>{{256, true, 3},
                                            {128, true, 16},
                                            {256, false, 1},
@@ -293,7 +296,10 @@ int Main(const char* only) {
                                            {128, true, 16, false, true},
                                            {256, true, 3, false, true},
                                            {128, true, 1, false, true},
-                                           {256, true, 16, false, true}};
+                                           {256, true, 16, false, true},
+                                           {256, true, 3, false, true, true},
+                                           {128, true, 16, false, true, true},
+                                           {128, true, 1, false, true, true}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
@@ -310,6 +316,7 @@ int Main(const char* only) {
     ok &= RunCase(c, Sm90GemmConfig{256, true, 16, true}, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{128, true, 16, false, true}, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{256, true, 5, false, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{256, true, 5, false, true, true}, ++seed, true);
   }
   std::printf(ok ? "ALL PASSED\n" : "SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
