@@ -123,6 +123,7 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
       k = d;
       break;
     case Sm90Projection::kBackwardDA:  // dA_u [N, h] = dout [N, d] W2_e
+    case Sm90Projection::kBackwardDH:  // the same GEMM, SwiGLU backward epilogue
       n = h;
       k = d;
       break;
@@ -157,6 +158,22 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // scale-8k, so the rule stops at 256. The backward keeps the plain kernel (docs/FUSED.md).
   config.warp_specialized =
       (projection == Sm90Projection::kUpSwiGLU || projection == Sm90Projection::kDown) && h <= 256;
+  // The ping-pong kernel with 64 x 256 consumer tiles (bench/results/
+  // 2026-11-21-h100-36b98f9-ping-pong, three H100 runs agreeing within 4%):
+  //  - up-projection, where 128-row tiles would pad more than ~10% of the routed rows (half a
+  //    block per expert: E * 64 > N / 10), which 64-row tiles halve: deepseek-v3 (25%) 8.88 vs
+  //    9.49 ms, scale-8k (12.5%) 0.683 vs 0.722. At 3-6% (sonic-7b, qwen3-a3b, olmoe, mixtral)
+  //    it lost by 7-32%, as it did for the down-projection (a tie on deepseek-v3), dA and dX;
+  //  - the dA GEMM with the SwiGLU backward epilogue where h <= 768: sonic-7b 0.511 vs 0.567 ms
+  //    (plain), qwen3-a3b 1.187 vs 1.244; olmoe and scale-8k (h = 1024) lost or split.
+  // Only where the wide tile was chosen anyway (block_n 256: n large enough to fill it).
+  const bool pp_up = projection == Sm90Projection::kUpSwiGLU &&
+                     problem.num_experts * int64_t{64} * 10 > routed;
+  const bool pp_dh = projection == Sm90Projection::kBackwardDH && h <= 768;
+  if ((pp_up || pp_dh) && config.block_n == 256) {
+    config.ping_pong = true;
+    config.warp_specialized = false;
+  }
   return config;
 }
 

@@ -43,7 +43,8 @@ struct Sm90ExpertProblem {
 // The GEMMs whose tiles Sm90ChooseConfig picks: the forward's two projections, the backward's
 // data gradients (sm90_expert_backward.h: dA_u = dout W2_e, dXg = dH W13_e) and its weight
 // gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n is chosen: 256 when the
-// gradient has more than 128 columns, else 128).
+// gradient has more than 128 columns, else 128). kBackwardDH is the dA GEMM with the SwiGLU
+// backward as its epilogue (LaunchSm90BackwardDH), whose heavier epilogue favours other tiles.
 enum class Sm90Projection {
   kUpSwiGLU = 0,
   kDown = 1,
@@ -51,6 +52,7 @@ enum class Sm90Projection {
   kBackwardDX = 3,
   kWeightGradW2 = 4,
   kWeightGradW13 = 5,
+  kBackwardDH = 6,
 };
 
 // Tile choice. Tiles are 128 rows (two consumer warpgroups of 64); block_n is the wgmma N

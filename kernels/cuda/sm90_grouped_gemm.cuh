@@ -169,10 +169,13 @@ __device__ __forceinline__ uint32_t MapaShared(uint32_t addr, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
   return out;
 }
+// Arrival on another CTA's mbarrier, with the default (.release.cta) semantics as CUTLASS's
+// ClusterBarrier::arrive uses: what it orders is this thread's wgmma reads of a ring slot, already
+// retired, before the other CTA's TMA overwrites it. The first version asked for .release.cluster
+// and measured 1.4-2x slower than ping-pong without multicast (a cluster-scope fence per warp per
+// k-step; bench/results/2026-11-21-h100-36b98f9-ping-pong).
 __device__ __forceinline__ void MbarArriveCluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
-                   cluster_addr)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
 // All threads of the cluster (every CTA's, all of them) meet here.
 __device__ __forceinline__ void ClusterSync() {

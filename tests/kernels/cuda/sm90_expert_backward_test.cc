@@ -447,6 +447,7 @@ int Main(const char* only) {
                                       {256, true, 1, false, true, true}};
     std::vector<Sm90GemmConfig> dx = da;
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
+    da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDH, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));
     ok &= RunCase(c, in, da, dx);
   }
