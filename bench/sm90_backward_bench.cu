@@ -20,6 +20,10 @@
 // and checks the two paths' dH, pA and dp against each other at full size (they differ only in
 // that the unfused pass reads dA_u rounded to bf16).
 //
+// Both modes also time the ping-pong kernel (64x256 and 128x128 consumer tiles, with and without
+// the weight multicast over CTA pairs), each cross-checked as above. --dh's base config is
+// Sm90ChooseConfig's kBackwardDH choice, with the plain kernel at block_n 256 beside it.
+//
 // The presets, routing, problem, device buffers, gather, CUDA/cuBLAS checks and timing are
 // the other benches' (bench/sm90_bench_util.h); what stays here is the benchmark's own input
 // hash, the device-side error it checks by, and the engine's four cuBLAS lanes.

@@ -19,6 +19,10 @@
 // producer warpgroup feeding two consumers through full/empty mbarriers), whose producer still
 // blocks on cp.async completion (docs/FUSED.md).
 //
+// A third variant, sm90_grouped_gemm_pp_kernel, is the ping-pong schedule: the same producer,
+// but each consumer warpgroup takes whole tiles in turn, so that one's epilogue overlaps the
+// other's MMAs (optionally with the weight tile multicast over a 2-CTA cluster).
+//
 // The same kernel serves the backward's data gradients, through three compile-time choices
 // independent of the epilogue: A gathered through the index or read in slot order; B K-major
 // (rows of the weight run along the reduction) or MN-major (the weight read in its stored
@@ -172,8 +176,10 @@ __device__ __forceinline__ uint32_t MapaShared(uint32_t addr, uint32_t rank) {
 // Arrival on another CTA's mbarrier, with the default (.release.cta) semantics as CUTLASS's
 // ClusterBarrier::arrive uses: what it orders is this thread's wgmma reads of a ring slot, already
 // retired, before the other CTA's TMA overwrites it. The first version asked for .release.cluster
-// and measured 1.4-2x slower than ping-pong without multicast (a cluster-scope fence per warp per
-// k-step; bench/results/2026-11-21-h100-36b98f9-ping-pong).
+// (presumably the cluster-scope fence it implies, per warp per k-step, was the cost) and took
+// 1.21-2.28x the time of ping-pong without multicast over the 54 timings of the sweeps; with
+// .release.cta it took 0.79-1.24x
+// (bench/results/2026-11-21-h100-36b98f9-ping-pong, runs 3 and 4).
 __device__ __forceinline__ void MbarArriveCluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
@@ -1095,6 +1101,11 @@ __global__ void __launch_bounds__(384, 1)
 // on the other CTA's (8 arrivals a use), and the producers wait on their own. Cluster barriers
 // after the mbarrier init and before exit keep remote arrivals and multicast writes inside both
 // CTAs' lifetimes.
+// Measured on an H100 (bench/results/2026-11-21-h100-36b98f9-ping-pong): 64 x 256 beats the
+// other kernels where 128-row tiles pad many rows (deepseek-v3 and scale-8k up-projections) and
+// for the SwiGLU-backward epilogue (kBackwardDH) at h <= 768; elsewhere the smaller consumer
+// tile's extra weight traffic (a 64 x 256 tile loads the weights of a 128 x 256 one) outweighs
+// the overlap, and 128 x 128 (two m64n128 per k16) was slower still. Sm90ChooseConfig says where.
 // setmaxnreg budgets: the ws kernel's. A 40-register producer (consumers 232) made ptxas spill
 // 4-8 bytes in the 128-row variants; 224 holds the consumers' 128 accumulators without spills.
 constexpr int kPpProducerRegs = 56;
