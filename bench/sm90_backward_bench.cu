@@ -20,6 +20,10 @@
 // and checks the two paths' dH, pA and dp against each other at full size (they differ only in
 // that the unfused pass reads dA_u rounded to bf16).
 //
+// Both modes also time the ping-pong kernel (64x256 and 128x128 consumer tiles, with and without
+// the weight multicast over CTA pairs), each cross-checked as above. --dh's base config is
+// Sm90ChooseConfig's kBackwardDH choice, with the plain kernel at block_n 256 beside it.
+//
 // The presets, routing, problem, device buffers, gather, CUDA/cuBLAS checks and timing are
 // the other benches' (bench/sm90_bench_util.h); what stays here is the benchmark's own input
 // hash, the device-side error it checks by, and the engine's four cuBLAS lanes.
@@ -251,6 +255,24 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
                RelError(dx.ptr, dx_ref.ptr, N * d, scratch));
   const bool ws_close = err_ws < 1e-2;
   *all_close &= ws_close;
+  // The ping-pong kernel, both consumer tiles (128x128: block_n 128; 64x256: block_n 256),
+  // without and with the weight multicast over CTA pairs, each checked against cuBLAS after its
+  // timed runs.
+  float pp_ms[2][4];  // [dA, dX][block_n 128, 256, multicast 128, multicast 256]
+  double err_pp = 0;
+  for (int w = 0; w < 4; ++w) {
+    Sm90GemmConfig da_pp = da_cfg, dx_pp = dx_cfg;
+    da_pp.block_n = dx_pp.block_n = w % 2 == 0 ? 128 : 256;
+    da_pp.ping_pong = dx_pp.ping_pong = true;
+    da_pp.multicast_b = dx_pp.multicast_b = w >= 2;
+    pp_ms[0][w] = MedianBackToBackMs([&] { fused_da(da_pp); });
+    pp_ms[1][w] = MedianBackToBackMs([&] { fused_dx(dx_pp); });
+    SM90_BENCH_CUDA(cudaDeviceSynchronize());
+    err_pp = std::max({err_pp, RelError(da.ptr, da_ref.ptr, N * h, scratch),
+                       RelError(dx.ptr, dx_ref.ptr, N * d, scratch)});
+  }
+  const bool pp_close = err_pp < 1e-2;
+  *all_close &= pp_close;
   const double flop = 2.0 * N * d * h;  // dA; dX's reduction is 2h, twice the work
   const double flop_dx = 2.0 * flop;
   std::printf(
@@ -260,7 +282,9 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       "\"da_block_n\":%d,\"da_group_m\":%d,\"da_ms\":%.4f,\"da_tflops\":%.1f,"
       "\"da_alt_block_n\":%d,\"da_alt_ms\":%.4f,\"cublas_da_ms\":%.4f,"
       "\"cublas4_da_ms\":%.4f,\"gather_ms\":%.4f,\"ws_check\":\"%s\",\"da_ws_ms\":%.4f,"
-      "\"dx_ws_ms\":%.4f,"
+      "\"dx_ws_ms\":%.4f,\"pp_check\":\"%s\",\"da_pp128_ms\":%.4f,\"da_pp256_ms\":%.4f,"
+      "\"dx_pp128_ms\":%.4f,\"dx_pp256_ms\":%.4f,\"da_ppmc128_ms\":%.4f,"
+      "\"da_ppmc256_ms\":%.4f,\"dx_ppmc128_ms\":%.4f,\"dx_ppmc256_ms\":%.4f,"
       "\"dx_block_n\":%d,\"dx_group_m\":%d,\"dx_ms\":%.4f,\"dx_tflops\":%.1f,"
       "\"dx_alt_block_n\":%d,\"dx_alt_ms\":%.4f,\"cublas_dx_ms\":%.4f,\"cublas4_dx_ms\":%.4f,"
       "\"speedup_da\":%.2f,\"speedup_da_incl_gather\":%.2f,\"speedup_dx\":%.2f,"
@@ -268,7 +292,9 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
       close ? "PASS" : "FAIL", err_da, err_dx, err_shifted, da_cfg.block_n, da_cfg.group_m, da_ms,
       flop / da_ms / 1e9, da_alt.block_n, da_alt_ms, blas_da_ms, lanes_da_ms, gather_ms,
-      ws_close ? "PASS" : "FAIL", da_ws_ms, dx_ws_ms, dx_cfg.block_n, dx_cfg.group_m, dx_ms,
+      ws_close ? "PASS" : "FAIL", da_ws_ms, dx_ws_ms, pp_close ? "PASS" : "FAIL", pp_ms[0][0],
+      pp_ms[0][1], pp_ms[1][0], pp_ms[1][1], pp_ms[0][2], pp_ms[0][3], pp_ms[1][2], pp_ms[1][3],
+      dx_cfg.block_n, dx_cfg.group_m, dx_ms,
       flop_dx / dx_ms / 1e9, dx_alt.block_n, dx_alt_ms, blas_dx_ms, lanes_dx_ms, blas_da_ms / da_ms,
       (blas_da_ms + gather_ms) / da_ms, blas_dx_ms / dx_ms,
       std::min(blas_da_ms, lanes_da_ms) / da_ms, std::min(blas_dx_ms, lanes_dx_ms) / dx_ms);
@@ -287,7 +313,7 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
   const Sm90ExpertProblem prob = moe::kernels::testing::MakeProblem(T, K, E, d, h, N);
   int sms = 0;
   SM90_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Sm90GemmConfig cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, sms);
+  const Sm90GemmConfig cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDH, sms);
   Sm90GemmConfig alt = cfg;
   alt.block_n = cfg.block_n == 256 ? 128 : 256;
   const size_t ws_bytes = std::max(moe::kernels::Sm90BackwardDHWorkspaceBytes(prob, cfg),
@@ -350,24 +376,50 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
   const float dh_alt_ms = MedianBackToBackMs([&] { fused(alt); });
   Sm90GemmConfig ws_cfg = cfg;
   ws_cfg.warp_specialized = true;
+  ws_cfg.ping_pong = ws_cfg.multicast_b = false;
   const float dh_ws_ms = MedianBackToBackMs([&] { fused(ws_cfg); });
+  // The plain kernel at block_n 256 (what the dA tile choice gave before kBackwardDH).
+  Sm90GemmConfig plain_cfg = cfg;
+  plain_cfg.block_n = 256;
+  plain_cfg.warp_specialized = plain_cfg.ping_pong = plain_cfg.multicast_b = false;
+  const float dh_plain_ms = MedianBackToBackMs([&] { fused(plain_cfg); });
   SM90_BENCH_CUDA(cudaDeviceSynchronize());
   const double err_ws = std::max(RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch),  // ws wrote last
                                  RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch));
   const bool ws_close = err_ws < 1e-2;
   *all_close &= ws_close;
+  // The ping-pong kernel with block_n 128 (128x128 consumer tiles) and 256 (64x256), without and
+  // with the weight multicast over CTA pairs.
+  float dh_pp_ms[4];
+  double err_pp = 0;
+  for (int w = 0; w < 4; ++w) {
+    Sm90GemmConfig pp_cfg = cfg;
+    pp_cfg.block_n = w % 2 == 0 ? 128 : 256;
+    pp_cfg.ping_pong = true;
+    pp_cfg.multicast_b = w >= 2;
+    dh_pp_ms[w] = MedianBackToBackMs([&] { fused(pp_cfg); });
+    SM90_BENCH_CUDA(cudaDeviceSynchronize());
+    err_pp = std::max({err_pp, RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch),
+                       RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch)});
+  }
+  const bool pp_close = err_pp < 1e-2;
+  *all_close &= pp_close;
   std::printf(
       "{\"preset\":\"%s\",\"mode\":\"dh\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,\"K\":%d,"
       "\"N\":%lld,\"check\":\"%s\",\"err_dh_vs_unfused\":%.2e,\"err_pa_vs_unfused\":%.2e,"
       "\"err_dp_vs_unfused\":%.2e,\"err_alt_vs_unfused\":%.2e,\"err_dh_vs_shifted_rows\":%.2f,"
       "\"block_n\":%d,\"group_m\":%d,\"column_tiles\":%lld,\"dh_ms\":%.4f,"
       "\"alt_block_n\":%d,\"dh_alt_ms\":%.4f,\"ws_check\":\"%s\",\"dh_ws_ms\":%.4f,"
+      "\"dh_plain256_ms\":%.4f,\"pp_check\":\"%s\",\"dh_pp128_ms\":%.4f,\"dh_pp256_ms\":%.4f,"
+      "\"dh_ppmc128_ms\":%.4f,\"dh_ppmc256_ms\":%.4f,"
       "\"da_ms\":%.4f,\"act_bwd_ms\":%.4f,"
       "\"da_plus_act_ms\":%.4f,\"speedup\":%.2f,\"dh_tflops\":%.1f}\n",
       ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
       close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
       cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms, alt.block_n,
-      dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, da_ms, act_ms, unfused_ms,
+      dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, dh_plain_ms, pp_close ? "PASS" : "FAIL",
+      dh_pp_ms[0],
+      dh_pp_ms[1], dh_pp_ms[2], dh_pp_ms[3], da_ms, act_ms, unfused_ms,
       unfused_ms / dh_ms, 2.0 * N * d * h / dh_ms / 1e9);
   std::fflush(stdout);
 }

@@ -151,16 +151,24 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
       {{128, true, g_up}, {128, true, g_down}},
       {{256, false, g_up}, {256, false, g_down}},
       {{256, true, g_up, true}, {256, true, g_down, true}},
-      {{128, true, g_up, true}, {128, true, g_down, true}}};
+      {{128, true, g_up, true}, {128, true, g_down, true}},
+      // Ping-pong: 128x128 and 64x256 tiles per consumer warpgroup.
+      {{128, true, g_up, false, true}, {128, true, g_down, false, true}},
+      {{256, true, g_up, false, true}, {256, true, g_down, false, true}},
+      // ... with the weight tile multicast over CTA pairs.
+      {{128, true, g_up, false, true, true}, {128, true, g_down, false, true, true}},
+      {{256, true, g_up, false, true, true}, {256, true, g_down, false, true, true}}};
   for (const auto& pair : sweep) {
     const Sm90GemmConfig c = pair.first, cd = pair.second;
     const float up_ms = MedianMs([&] { up(c); });
     const float down_ms = MedianMs([&] { down(cd); });
     std::snprintf(line, sizeof(line),
                   "{\"kind\":\"tile\",\"preset\":\"%s\",\"block_n\":%d,\"tma\":%d,\"ws\":%d,"
+                  "\"pp\":%d,\"mc\":%d,"
                   "\"group_m\":[%d,%d],\"up_ms\":%.4f,\"up_tflops\":%.1f,"
                   "\"down_ms\":%.4f,\"down_tflops\":%.1f}",
-                  ps.name, c.block_n, c.tma_weights ? 1 : 0, c.warp_specialized ? 1 : 0, c.group_m,
+                  ps.name, c.block_n, c.tma_weights ? 1 : 0, c.warp_specialized ? 1 : 0,
+                  c.ping_pong ? 1 : 0, c.multicast_b ? 1 : 0, c.group_m,
                   cd.group_m, up_ms, up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
     Emit(line);
   }

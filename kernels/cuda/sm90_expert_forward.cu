@@ -123,6 +123,7 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
       k = d;
       break;
     case Sm90Projection::kBackwardDA:  // dA_u [N, h] = dout [N, d] W2_e
+    case Sm90Projection::kBackwardDH:  // the same GEMM, SwiGLU backward epilogue
       n = h;
       k = d;
       break;
@@ -157,6 +158,28 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // scale-8k, so the rule stops at 256. The backward keeps the plain kernel (docs/FUSED.md).
   config.warp_specialized =
       (projection == Sm90Projection::kUpSwiGLU || projection == Sm90Projection::kDown) && h <= 256;
+  // The ping-pong kernel with 64 x 256 consumer tiles (bench/results/
+  // 2026-11-21-h100-36b98f9-ping-pong, H100 runs 1, 3 and 4 resp. 3 and 4, in ms):
+  //  - up-projection, where 128-row tiles would pad more than ~10% of the routed rows (half a
+  //    block per expert: E * 64 > N / 10), which 64-row tiles halve: deepseek-v3 (25%)
+  //    9.24/8.88/9.18 vs 9.92/9.49/9.82 plain, scale-8k (12.5%) 0.691/0.683/0.688 vs
+  //    0.724/0.722/0.732. At 3-6% padding (sonic-7b, qwen3-a3b, olmoe, mixtral) it measured
+  //    slower (run 4: 11-37%), as it did for the down-projection (a tie on deepseek-v3), dA and
+  //    dX; those keep the other kernels;
+  //  - the dA GEMM with the SwiGLU backward epilogue where h <= 768: sonic-7b 0.511/0.518 vs
+  //    0.567/0.570 plain, qwen3-a3b 1.187/1.208 vs 1.244/1.259; at h = 1024 (olmoe, scale-8k)
+  //    and 2048 it lost or split.
+  // The sweeps time the old kernels first on each preset and the ping-pong ones later, and a
+  // config timed again at the end of a preset measured up to 20% slower than its first timing
+  // (drift within one process, cause not established), so these wins are if anything understated.
+  // Only where the wide tile was chosen anyway (block_n 256: n large enough to fill it).
+  const bool pp_up = projection == Sm90Projection::kUpSwiGLU &&
+                     problem.num_experts * int64_t{64} * 10 > routed;
+  const bool pp_dh = projection == Sm90Projection::kBackwardDH && h <= 768;
+  if ((pp_up || pp_dh) && config.block_n == 256) {
+    config.ping_pong = true;
+    config.warp_specialized = false;
+  }
   return config;
 }
 

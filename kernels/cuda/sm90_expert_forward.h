@@ -43,7 +43,8 @@ struct Sm90ExpertProblem {
 // The GEMMs whose tiles Sm90ChooseConfig picks: the forward's two projections, the backward's
 // data gradients (sm90_expert_backward.h: dA_u = dout W2_e, dXg = dH W13_e) and its weight
 // gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n is chosen: 256 when the
-// gradient has more than 128 columns, else 128).
+// gradient has more than 128 columns, else 128). kBackwardDH is the dA GEMM with the SwiGLU
+// backward as its epilogue (LaunchSm90BackwardDH), whose heavier epilogue favours other tiles.
 enum class Sm90Projection {
   kUpSwiGLU = 0,
   kDown = 1,
@@ -51,6 +52,7 @@ enum class Sm90Projection {
   kBackwardDX = 3,
   kWeightGradW2 = 4,
   kWeightGradW13 = 5,
+  kBackwardDH = 6,
 };
 
 // Tile choice. Tiles are 128 rows (two consumer warpgroups of 64); block_n is the wgmma N
@@ -59,12 +61,19 @@ enum class Sm90Projection {
 // row blocks form one rasterisation band (weights stream from memory once per band).
 // tma_weights = false loads weights by cp.async instead of TMA. warp_specialized = true (TMA
 // only) runs a producer warpgroup that loads while two consumer warpgroups multiply, with no
-// CTA-wide barrier per k-step.
+// CTA-wide barrier per k-step. ping_pong = true (TMA only; takes precedence over
+// warp_specialized) runs the same producer, but each consumer warpgroup takes whole tiles in
+// turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
+// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
+// (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
+// load and multicast it to both, halving the weight traffic per tile.
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
   int group_m = 16;
   bool warp_specialized = false;
+  bool ping_pong = false;
+  bool multicast_b = false;
 };
 
 // nullptr when the fused kernels take the problem, else a message naming the field that

@@ -13,6 +13,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/sm90_expert_forward.h"
@@ -137,11 +138,75 @@ cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
   return cudaGetLastError();
 }
 
+// kBlockM rows x kN columns per consumer tile; group_m stays in 128-row blocks for the caller,
+// so smaller decoded tiles band proportionally more of theirs. kMulticastB launches clusters of
+// 2 CTAs, as many as can be resident at once (cudaOccupancyMaxActiveClusters), which can be
+// fewer than half the SMs.
+template <int kBlockM, int kN, int kStages, bool kMulticastB, bool kSwiGLU, bool kGatherA,
+          bool kTransB, bool kSlotOut, bool kDSwiGLU>
+cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
+                         const GemmParams& params, cudaStream_t stream) {
+  auto* kernel = sm90_grouped_gemm_pp_kernel<kBlockM, kN, kStages, kSwiGLU, kGatherA, kTransB,
+                                             kSlotOut, kDSwiGLU, kMulticastB>;
+  constexpr int kSmem = PpSmemBytes<kBlockM, kN, kStages, kSwiGLU>();
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  constexpr int kCluster = kMulticastB ? 2 : 1;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  GemmParams pp = params;
+  pp.group_m = std::max(1, params.group_m * kMinBlockM / (kBlockM * kCluster));
+  if constexpr (!kMulticastB) {
+    kernel<<<sms, 384, kSmem, stream>>>(pp);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t launch = {};
+    launch.gridDim = dim3(sms / kCluster * kCluster);
+    launch.blockDim = dim3(384);
+    launch.dynamicSmemBytes = kSmem;
+    launch.stream = stream;
+    launch.attrs = &attr;
+    launch.numAttrs = 1;
+    int clusters = 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch);
+    if (err != cudaSuccess) return err;
+    if (clusters <= 0) return cudaErrorInvalidConfiguration;
+    launch.gridDim = dim3(std::min(clusters, sms / kCluster) * kCluster);
+    return cudaLaunchKernelEx(&launch, kernel, pp);
+  }
+}
+
 // The one place runtime config becomes template constants. The ring fills ~192 KB of shared
-// memory: 4 stages of 128x256 tiles or 6 of 128x128.
+// memory: 4 stages of 128x256 tiles or 6 of 128x128; ping-pong: 6 stages of 128x128 (block_n
+// 128) or 4 of 64x256 (block_n 256), 160-192 KB.
 template <bool kTmaB, typename Variant>
 cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const GemmParams& params,
                        cudaStream_t stream) {
+  if (config.ping_pong) {
+    if constexpr (!kTmaB) {
+      return cudaErrorInvalidValue;  // the producer's weights come by TMA
+    } else {
+      switch (config.block_n * (config.multicast_b ? -1 : 1)) {
+        case 256:
+          return LaunchGemmPp<64, 256, 4, false>(variant, params, stream);
+        case 128:
+          return LaunchGemmPp<128, 128, 6, false>(variant, params, stream);
+        case -256:
+          return LaunchGemmPp<64, 256, 4, true>(variant, params, stream);
+        case -128:
+          return LaunchGemmPp<128, 128, 6, true>(variant, params, stream);
+        default:
+          return cudaErrorInvalidValue;  // unsupported block_n
+      }
+    }
+  }
   if (config.warp_specialized) {
     if constexpr (!kTmaB) {
       return cudaErrorInvalidValue;  // the producer's weights come by TMA
@@ -181,7 +246,9 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
     err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.k_dim, params.n_dim,
                           params.b_expert_stride, 64);
   } else {
-    const int box_rows = kSwiGLU ? config.block_n / 2 : config.block_n;
+    // kSwiGLU: W1's and W3's halves of the tile; multicast: each CTA of a pair loads half.
+    const bool halves = kSwiGLU || (config.ping_pong && config.multicast_b);
+    const int box_rows = halves ? config.block_n / 2 : config.block_n;
     err = EncodeWeightMap(&params.tmap_b0, b0, params.num_experts, params.n_dim, params.k_dim,
                           params.b_expert_stride, box_rows);
     if (err == cudaSuccess && kSwiGLU) {

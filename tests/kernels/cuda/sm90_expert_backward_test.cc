@@ -153,11 +153,12 @@ bool Report(const Case& c, const Sm90GemmConfig& cfg, const char* what, double e
   const bool ok = err < tolerance && stray == 0;
   std::printf(
       "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d w13_pad=%lld block_n=%d tma=%d group_m=%d "
-      "ws=%d %-3s err=%.3g stray=%lld\n",
+      "ws=%d pp=%d mc=%d %-3s err=%.3g stray=%lld\n",
       ok ? "PASS" : "FAIL", c.shard.name, static_cast<long long>(c.shard.tokens), c.shard.top_k,
       c.shard.expert_count, c.shard.experts_global, c.shard.expert_first, c.shard.d, c.shard.h,
       static_cast<long long>(c.w13_pad), cfg.block_n, cfg.tma_weights ? 1 : 0, cfg.group_m,
-      cfg.warp_specialized ? 1 : 0, what, err, static_cast<long long>(stray));
+      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, what, err,
+      static_cast<long long>(stray));
   return ok;
 }
 
@@ -255,9 +256,11 @@ bool RunDHCase(const Case& c, const Inputs& in, const Sm90ExpertProblem& prob,
       if (!JudgeDp(ddp, in, &bits, &err, &stray)) return false;
       if (rep == 1) {
         const bool same = bits == first_bits;
-        std::printf("%s %-8s block_n=%d ws=%d tiles=%lld dp bits identical over two launches\n",
-                    same ? "PASS" : "FAIL", c.shard.name, cfg.block_n, cfg.warp_specialized ? 1 : 0,
-                    static_cast<long long>(tiles));
+        std::printf(
+            "%s %-8s block_n=%d ws=%d pp=%d mc=%d tiles=%lld dp bits identical over two "
+            "launches\n",
+            same ? "PASS" : "FAIL", c.shard.name, cfg.block_n, cfg.warp_specialized ? 1 : 0,
+            cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, static_cast<long long>(tiles));
         ok &= same;
         break;
       }
@@ -326,7 +329,8 @@ bool RunCase(const Case& c, const Inputs& in, const std::vector<Sm90GemmConfig>&
 }
 
 // What the launchers must refuse before any launch: a misaligned pointer, a [W1; W3] stride
-// shorter than one block, the warp-specialised kernel with cp.async weights, a bad block_n.
+// shorter than one block, the warp-specialised and ping-pong kernels with cp.async weights, a
+// bad block_n.
 bool GuardChecks() {
   Sm90ExpertProblem good;
   good.num_tokens = 64;
@@ -356,6 +360,10 @@ bool GuardChecks() {
   ws.tma_weights = false;
   expect("DA warp_specialized without TMA",
          LaunchSm90BackwardDA(good, ws, buf, buf, idx, idx, buf, nullptr));
+  Sm90GemmConfig pp = cfg;
+  pp.ping_pong = true;
+  pp.tma_weights = false;
+  expect("DX ping_pong without TMA", LaunchSm90BackwardDX(good, pp, buf, buf, idx, buf, nullptr));
   Sm90GemmConfig wide = cfg;
   wide.block_n = 192;
   expect("DX block_n=192", LaunchSm90BackwardDX(good, wide, buf, buf, idx, buf, nullptr));
@@ -391,7 +399,8 @@ bool GuardChecks() {
   return ok && heur;
 }
 
-int Main() {
+// only: run just the case of that name (all when null), e.g. a broken build's quick check.
+int Main(const char* only) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || !Sm90DeviceSupported(0)) {
     std::printf("SKIP: no sm_90 GPU\n");
@@ -407,21 +416,38 @@ int Main() {
       {{"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2}, 0},
       {{"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5}, 8},
       {{"wide", 400, 2, 4, 0, 4, 1000, 200, -1, 1}, 0},
+      {{"one", 203, 1, 1, 0, 1, 192, 120, -1, -1}, 0},
+      // Several tiles per CTA, so that the ping-pong consumers alternate more than once.
+      {{"many", 2048, 4, 10, 1, 8, 520, 648, 6, 3}, 24},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261122;
   for (const Case& c : cases) {
+    if (only != nullptr && std::strcmp(only, c.shard.name) != 0) continue;
     const Inputs in = MakeInputs(c, ++seed);
     const Sm90ExpertProblem prob = testing::MakeProblem(
         c.shard.tokens, c.shard.top_k, c.shard.expert_count, c.shard.d, c.shard.h, in.n);
-    // {block_n, tma_weights, group_m, warp_specialized}: both tile widths, TMA and cp.async
-    // weights, bands that do and do not divide the row-block counts, both kernels, and the
-    // heuristic's own choice.
-    std::vector<Sm90GemmConfig> da = {{256, true, 3},       {128, true, 16}, {256, false, 1},
-                                      {128, false, 2},      {256, true, 1},  {256, true, 5, true},
-                                      {128, true, 16, true}};
+    // {block_n, tma_weights, group_m, warp_specialized, ping_pong, multicast_b}: both tile
+    // widths, TMA and cp.async weights, bands that do and do not divide the row-block counts,
+    // the three kernels (ping-pong: 128x128 and 64x256 consumer tiles, with and without the
+    // weight multicast over CTA pairs), and the heuristic's own choice.
+    std::vector<Sm90GemmConfig> da = {{256, true, 3},
+                                      {128, true, 16},
+                                      {256, false, 1},
+                                      {128, false, 2},
+                                      {256, true, 1},
+                                      {256, true, 5, true},
+                                      {128, true, 16, true},
+                                      {128, true, 16, false, true},
+                                      {256, true, 3, false, true},
+                                      {128, true, 1, false, true},
+                                      {256, true, 16, false, true},
+                                      {256, true, 3, false, true, true},
+                                      {128, true, 16, false, true, true},
+                                      {256, true, 1, false, true, true}};
     std::vector<Sm90GemmConfig> dx = da;
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
+    da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDH, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));
     ok &= RunCase(c, in, da, dx);
   }
@@ -432,4 +458,5 @@ int Main() {
 }  // namespace
 }  // namespace moe::kernels
 
-int main() { return moe::kernels::Main(); }
+// Usage: sm90_expert_backward_test [CASE]
+int main(int argc, char** argv) { return moe::kernels::Main(argc > 1 ? argv[1] : nullptr); }

@@ -1,6 +1,7 @@
 // Checks the fused Hopper forward (kernels/cuda/sm90_expert_forward.h) against a CPU fp64
 // reference: up-projection (gather + grouped GEMM + SwiGLU), down-projection (rows scattered to
-// (token, k) order) and the combine, for every tile config, on odd sizes.
+// (token, k) order) and the combine, for every tile config, on odd sizes. The "many" case gives
+// each CTA several tiles, so that the ping-pong kernel's consumers alternate more than once.
 //
 // A plain main with no GoogleTest or Abseil, so the same binary runs on the bare GPU machine;
 // exit 0 = pass, 1 = a check failed, 77 = skipped (no sm_90 GPU; ctest's SKIP_RETURN_CODE).
@@ -45,17 +46,21 @@ using Case = testing::ShardCase;
 bool Report(const Case& c, const Sm90GemmConfig& cfg, bool stacked, const char* what, double err) {
   const bool ok = err < kTolerance;
   std::printf(
-      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d group_m=%d "
+      "%s %-8s T=%lld K=%d E=%d/%d[%d..] d=%d h=%d block_n=%d tma=%d ws=%d pp=%d mc=%d group_m=%d "
       "stacked=%d %-4s err=%.3g\n",
       ok ? "PASS" : "FAIL", c.name, static_cast<long long>(c.tokens), c.top_k, c.expert_count,
       c.experts_global, c.expert_first, c.d, c.h, cfg.block_n, cfg.tma_weights ? 1 : 0,
-      cfg.warp_specialized ? 1 : 0, cfg.group_m, stacked ? 1 : 0, what, err);
+      cfg.warp_specialized ? 1 : 0, cfg.ping_pong ? 1 : 0, cfg.multicast_b ? 1 : 0, cfg.group_m,
+      stacked ? 1 : 0, what, err);
   return ok;
 }
 
 // stacked: W1 and W3 live in one [E, 2h, d] tensor ([W1_e; W3_e], the CUDA engine's layout),
-// passed through w13_expert_stride.
-bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stacked) {
+// passed through w13_expert_stride. row_step > 1 compares only every row_step-th slot's H, A and
+// Y with the fp64 reference (a large case's CPU time), but still requires every element of
+// them to be finite (written) and Y's out-of-shard rows to keep their poison.
+bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stacked,
+             int row_step = 1) {
   std::mt19937_64 rng(seed);
   const int64_t T = c.tokens, TK = c.tokens * c.top_k;
   const int32_t K = c.top_k, d = c.d, h = c.h, E = c.expert_count;
@@ -136,8 +141,17 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   // Reference, fp64 over the same bf16 inputs. A's reference uses the GPU's H and Y's the
   // GPU's A, so each stage is judged on its own error, not the previous stage's rounding.
   std::vector<double> got_h, ref_h, got_a, ref_a, got_y, ref_y, got_o, ref_o;
+  int64_t unwritten = 0;  // non-finite H, A or Y elements of slots not compared
   for (int32_t e = 0; e < E; ++e) {
     for (int64_t s = offsets[e]; s < offsets[e + 1]; ++s) {
+      if (s % row_step != 0) {
+        for (int32_t j = 0; j < 2 * h; ++j) unwritten += !std::isfinite(FromBf16(gh[s * 2 * h + j]));
+        for (int32_t j = 0; j < h; ++j) unwritten += !std::isfinite(FromBf16(ga[s * h + j]));
+        for (int32_t n = 0; n < d; ++n) {
+          unwritten += !std::isfinite(FromBf16(gy[static_cast<size_t>(entries[s]) * d + n]));
+        }
+        continue;
+      }
       const int64_t t = entries[s] / K;
       for (int32_t j = 0; j < h; ++j) {
         double g = 0, u = 0;
@@ -184,6 +198,11 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   ok &= Report(c, cfg, stacked, "A", NormalisedError(got_a, ref_a));
   ok &= Report(c, cfg, stacked, "Y", NormalisedError(got_y, ref_y));
   ok &= Report(c, cfg, stacked, "out", NormalisedError(got_o, ref_o));
+  if (unwritten != 0) {
+    std::printf("FAIL %s: %lld non-finite elements in the rows not compared\n", c.name,
+                static_cast<long long>(unwritten));
+    ok = false;
+  }
   if (stray != 0) {
     std::printf("FAIL %s: %lld elements of Y written for entries outside the shard\n", c.name,
                 static_cast<long long>(stray));
@@ -239,35 +258,65 @@ bool GuardChecks() {
   return ok && refused;
 }
 
-int Main() {
+// only: run just the case of that name (all when null), e.g. a broken build's quick check.
+int Main(const char* only) {
   if (!HaveSm90Gpu()) return 77;
   const Case cases[] = {
       // name       T    K  Eg first cnt  d    h  empty hot
       {"odd", 37, 3, 9, 2, 5, 200, 136, 4, 3},      {"ragged", 700, 2, 6, 0, 6, 264, 72, -1, 5},
       {"narrow", 300, 1, 3, 0, 3, 128, 64, 1, 0},   {"medium", 1024, 2, 8, 0, 8, 512, 256, 6, 2},
-      {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5},
+      {"tail-k", 513, 4, 16, 4, 8, 136, 328, 9, 5}, {"one", 203, 1, 1, 0, 1, 192, 120, -1, -1},
+      {"many", 2048, 4, 10, 1, 8, 520, 392, 6, 3},
   };
   bool ok = GuardChecks();
   uint64_t seed = 20261121;
   for (const Case& c : cases) {
+    if (only != nullptr && std::strcmp(only, c.name) != 0) continue;
     const Sm90ExpertProblem prob = MakeProblem(c.tokens, c.top_k, c.expert_count, c.d, c.h);
-    // {block_n, tma_weights, group_m, warp_specialized}: every tile variant of both kernels,
-    // and bands that do and do not divide the experts' row-block counts.
-    const std::vector<Sm90GemmConfig> configs = {
-        {256, true, 3}, {128, true, 16},      {256, false, 1},      {128, false, 2},
-        {256, true, 5}, {256, true, 2, true}, {128, true, 16, true}};
+    // {block_n, tma_weights, group_m, warp_specialized, ping_pong, multicast_b}: every tile
+    // variant of the three kernels (ping-pong with and without the weight multicast), and bands
+    // that do and do not divide the experts' row-block counts. The large "many" case runs the
+    // ping-pong tiles and one of each other kernel only.
+    const bool many = std::strcmp(c.name, "many") == 0;
+    const std::vector<Sm90GemmConfig> configs =
+        many ? std::vector<Sm90GemmConfig>{{256, true, 3},
+                                           {256, true, 2, true},
+                                           {128, true, 16, false, true},
+                                           {256, true, 3, false, true},
+                                           {128, true, 1, false, true},
+                                           {256, true, 3, false, true, true},
+                                           {128, true, 16, false, true, true}}
+             : std::vector<Sm90GemmConfig>{{256, true, 3},
+                                           {128, true, 16},
+                                           {256, false, 1},
+                                           {128, false, 2},
+                                           {256, true, 5},
+                                           {256, true, 2, true},
+                                           {128, true, 16, true},
+                                           {128, true, 16, false, true},
+                                           {256, true, 3, false, true},
+                                           {128, true, 1, false, true},
+                                           {256, true, 16, false, true},
+                                           {256, true, 3, false, true, true},
+                                           {128, true, 16, false, true, true},
+                                           {128, true, 1, false, true, true}};
     // The heuristic choice must be one of the implemented tiles.
     Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
       std::printf("FAIL heuristics chose block_n=%d\n", up.block_n);
       ok = false;
     }
-    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false);
-    ok &= RunCase(c, up, ++seed, false);  // the heuristic's own choice
+    const int row_step = many ? 5 : 1;  // "many": every 5th slot against the fp64 reference
+    for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false, row_step);
+    ok &= RunCase(c, up, ++seed, false, row_step);  // the heuristic's own choice
+    if (many) continue;  // the stacked layout is checked on the smaller cases
     // Stacked [W1; W3] weights, through TMA and through cp.async.
     ok &= RunCase(c, up, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{128, false, 4}, ++seed, true);
     ok &= RunCase(c, Sm90GemmConfig{256, true, 16, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{128, true, 16, false, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{256, true, 5, false, true}, ++seed, true);
+    ok &= RunCase(c, Sm90GemmConfig{256, true, 5, false, true, true}, ++seed, true);
   }
   std::printf(ok ? "ALL PASSED\n" : "SOME CHECKS FAILED\n");
   return ok ? 0 : 1;
@@ -276,4 +325,5 @@ int Main() {
 }  // namespace
 }  // namespace moe::kernels
 
-int main() { return moe::kernels::Main(); }
+// Usage: sm90_expert_forward_test [CASE]
+int main(int argc, char** argv) { return moe::kernels::Main(argc > 1 ? argv[1] : nullptr); }
