@@ -8,9 +8,9 @@
 // is the median of 10 CUDA-event timed launches after 2 warm-ups. Before timing, the fused
 // result of three experts (first, middle, last) is compared with cuBLAS's (normalised error),
 // so a fast wrong kernel cannot pass unnoticed. One JSON line per (preset, gradient, variant):
-// the launchers' four kernels (block_n 256 / 128, warp_specialized off / on: see
+// the launchers' three kernels (block_n 256 with tma_weights off and on, block_n 128: see
 // kernels/cuda/sm90_weight_grad.cu), then other instantiations launched directly (two CTAs an
-// SM with other slabs or TMA, the ping-pong kernel).
+// SM, with 64- or 48-row slabs or TMA).
 // Usage: [WGRAD_ONLY=s] [WGRAD_SKIP=s] sm90_weight_grad_bench [preset ...] (default: the five
 // of kBackwardPresets); the two variables filter the directly launched variants by name.
 // Presets, routing, buffers, the gather and timing come from bench/sm90_bench_util.h.
@@ -176,14 +176,14 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
         "\"N\":%lld,\"M\":%d,\"Ncols\":%d,\"ms\":%.4f,\"tflops\":%.1f,\"gather_ms\":%.4f}\n",
         ps.name, g.name, static_cast<long long>(N), g.m, g.n, cublas_ms, flop / cublas_ms * 1e-9,
         gather_ms);
-    // The launchers: block_n 256 and 128 (one CTA an SM), and each with warp_specialized
-    // (256: the slot-order operand by TMA; 128: two CTAs an SM).
-    for (int config_i = 0; config_i < 4; ++config_i) {
-      const int block_n = config_i % 2 == 0 ? 256 : 128;
-      const bool ws = config_i >= 2;
+    // The launchers: block_n 256 with and without the slot-order operand by TMA
+    // (tma_weights), block_n 128.
+    for (int config_i = 0; config_i < 3; ++config_i) {
+      const int block_n = config_i < 2 ? 256 : 128;
+      const bool tma = config_i == 1;
       Sm90GemmConfig cfg;
       cfg.block_n = block_n;
-      cfg.warp_specialized = ws;
+      cfg.tma_weights = tma;
       CUDA_OK(cudaMemset(g.c, 0xFF, block * E * 4));  // NaN: unwritten elements show
       CUDA_OK(g.fused(cfg, false));
       CUDA_OK(cudaDeviceSynchronize());
@@ -192,10 +192,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       const double acc_ms = MedianMs([&] { CUDA_OK(g.fused(cfg, true)); });
       std::printf(
           "{\"kind\":\"wgrad\",\"preset\":\"%s\",\"grad\":\"%s\",\"impl\":\"fused\","
-          "\"block_n\":%d,\"warp_specialized\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,"
+          "\"block_n\":%d,\"tma\":%d,\"N\":%lld,\"ms\":%.4f,\"tflops\":%.1f,"
           "\"accumulate_ms\":%.4f,"
           "\"vs_cublas\":%.2f,\"diff_vs_cublas\":%.3g,\"check\":\"%s\"}\n",
-          ps.name, g.name, block_n, ws ? 1 : 0, static_cast<long long>(N), ms, flop / ms * 1e-9,
+          ps.name, g.name, block_n, tma ? 1 : 0, static_cast<long long>(N), ms, flop / ms * 1e-9,
           acc_ms, cublas_ms / ms, diff, diff < 1e-3 ? "ok" : "MISMATCH");
       std::fflush(stdout);
     }
@@ -216,32 +216,22 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);
     };
     using moe::kernels::sm90::LaunchWeightGradKernel;
-    using moe::kernels::sm90::LaunchWeightGradPingpong;
     // 32-row slabs of the one-CTA kernel (n256, n128, with and without drain) measured 15-30%
     // slower than 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2), and
     // drain-each-step no better (-b94c092-weight-grad). Two CTAs an SM without drain, or with
     // 32-row slabs, measured 3-25% slower than with drain and 64-row slabs, and the ping-pong
     // with the index fetched 1 or 4 steps early or 32-row slabs no faster or 3-30% slower than
-    // 2 steps and 64 rows (-402c3e4-weight-grad-overlap/run1-d4750ec, run2-af6a1a6). Here: the
-    // epilogue-overlapping kernels' other shapes: 2cta = two CTAs an SM (96 KB ring each),
-    // _tma = the slot-order operand by TMA, pp<P>_s<rows>_f<ahead> = ping-pong with P producer
-    // warpgroups, slabs of <rows>, the gathered index fetched <ahead> steps early. The same
-    // list is in tests/kernels/cuda/sm90_weight_grad_variants.cu.
+    // 2 steps and 64 rows (-402c3e4-weight-grad-overlap/run1-d4750ec, run2-af6a1a6; the
+    // ping-pong kernel is no longer in the tree, its patch is there). Here: 2cta = two CTAs an
+    // SM (96 KB ring each), _tma = the slot-order operand by TMA. The same list is in
+    // tests/kernels/cuda/sm90_weight_grad_variants.cu.
     const Variant variants[] = {
+        {"2cta_n128_s64_drain", g.gather_a ? LaunchWeightGradKernel<128, 64, true, true, 2>
+                                           : LaunchWeightGradKernel<128, 64, false, true, 2>},
         {"2cta_n128_s48_drain", g.gather_a ? LaunchWeightGradKernel<128, 48, true, true, 2>
                                            : LaunchWeightGradKernel<128, 48, false, true, 2>},
         {"2cta_n128_tma", g.gather_a ? LaunchWeightGradKernel<128, 64, true, true, 2, true>
                                      : LaunchWeightGradKernel<128, 64, false, true, 2, true>},
-        {"pp1_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 1, 2>
-                                  : LaunchWeightGradPingpong<64, false, 1, 2>},
-        {"pp2_s64_f2", g.gather_a ? LaunchWeightGradPingpong<64, true, 2, 2>
-                                  : LaunchWeightGradPingpong<64, false, 2, 2>},
-        {"pp1_s96_f2", g.gather_a ? LaunchWeightGradPingpong<96, true, 1, 2>
-                                  : LaunchWeightGradPingpong<96, false, 1, 2>},
-        {"pp2_s96_f2", g.gather_a ? LaunchWeightGradPingpong<96, true, 2, 2>
-                                  : LaunchWeightGradPingpong<96, false, 2, 2>},
-        {"pp2_s128_f2", g.gather_a ? LaunchWeightGradPingpong<128, true, 2, 2>
-                                   : LaunchWeightGradPingpong<128, false, 2, 2>},
     };
     for (const Variant& v : variants) {
       if (!WantVariant(v.name)) continue;

@@ -108,6 +108,10 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   if (projection == Sm90Projection::kWeightGradW2 || projection == Sm90Projection::kWeightGradW13) {
     const int64_t cols = projection == Sm90Projection::kWeightGradW2 ? h : d;
     config.block_n = cols > 128 ? 256 : 128;
+    // The slot-order operand (pA or dH) by TMA: 1.4-12.5% faster on 14 of 16 preset cases at
+    // d <= 2048, within noise on the other two (bench/results/2026-11-21-h100-402c3e4-weight-
+    // grad-overlap); never run at deepseek-v3's d = 7168, so only up to the measured width.
+    config.tma_weights = config.block_n == 256 && d <= 2048;
     return config;
   }
   const int64_t routed =
@@ -173,8 +177,8 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // config timed again at the end of a preset measured up to 20% slower than its first timing
   // (drift within one process, cause not established), so these wins are if anything understated.
   // Only where the wide tile was chosen anyway (block_n 256: n large enough to fill it).
-  const bool pp_up = projection == Sm90Projection::kUpSwiGLU &&
-                     problem.num_experts * int64_t{64} * 10 > routed;
+  const bool pp_up =
+      projection == Sm90Projection::kUpSwiGLU && problem.num_experts * int64_t{64} * 10 > routed;
   const bool pp_dh = projection == Sm90Projection::kBackwardDH && h <= 768;
   if ((pp_up || pp_dh) && config.block_n == 256) {
     config.ping_pong = true;

@@ -42,9 +42,10 @@ struct Sm90ExpertProblem {
 
 // The GEMMs whose tiles Sm90ChooseConfig picks: the forward's two projections, the backward's
 // data gradients (sm90_expert_backward.h: dA_u = dout W2_e, dXg = dH W13_e) and its weight
-// gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n is chosen: 256 when the
-// gradient has more than 128 columns, else 128). kBackwardDH is the dA GEMM with the SwiGLU
-// backward as its epilogue (LaunchSm90BackwardDH), whose heavier epilogue favours other tiles.
+// gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n, 256 when the gradient has
+// more than 128 columns, else 128, and tma_weights are chosen). kBackwardDH is the dA GEMM with the
+// SwiGLU backward as its epilogue (LaunchSm90BackwardDH), whose heavier epilogue favours other
+// tiles.
 enum class Sm90Projection {
   kUpSwiGLU = 0,
   kDown = 1,
@@ -67,6 +68,8 @@ enum class Sm90Projection {
 // (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
 // (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
 // load and multicast it to both, halving the weight traffic per tile.
+// The weight gradients read only block_n and tma_weights, which there means that the operand
+// read in slot order (pA for dW2, dH for dW13) comes by TMA (block_n 256 only).
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;

@@ -4,23 +4,21 @@
 //
 // Both gradients are one kernel family seen from two sides: dW2 = dout^T pA gathers its A
 // operand (dout rows by token) and reads B (pA) in slot order; dW13 = dH^T x reads A (dH) in
-// slot order and gathers B (x). block_n and warp_specialized of the config pick the kernel
-// (sm90_weight_grad_kernel in all four cases):
+// slot order and gathers B (x). block_n and tma_weights of the config pick the kernel
+// (sm90_weight_grad_kernel in all three cases):
 //   block_n 256: 128 x 256 tiles, one CTA an SM, both operands by cp.async;
-//   block_n 256, warp_specialized: the same with the slot-order operand's full slabs by TMA
-//     (kTmaSlots): 1.4-12.5% less time on sonic-7b, olmoe, qwen3-a3b and scale-8k, both
-//     gradients, accumulating or not, except qwen3-a3b dW13 (1.4% and 0.3% more); not
-//     measured on deepseek-v3;
-//   block_n 128: 128 x 128 tiles, one CTA an SM;
-//   block_n 128, warp_specialized: 128 x 128 tiles, TWO CTAs an SM (96 KB ring each), so one
-//     CTA's epilogue overlaps the other's main loop: 1.05-1.37x faster than one CTA on those
-//     four presets, but 6-23% slower on deepseek-v3 without accumulation.
-// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap). The ping-pong kernel in the
-// header measured slower than block_n 256 everywhere and is reached only by the bench and the
-// test. The "warp_specialized" name is the config field's, kept for these opt-in variants.
-// Operands are loaded by cp.async (a gathered row set has no tensor-map box) and the tile order
-// is fixed expert-major, so tma_weights and group_m are ignored. The number of tiles is known
-// only on the device (experts with rows), so CTAs past it exit at once.
+//   block_n 256, tma_weights: the same with the slot-order operand's full slabs by TMA
+//     (kTmaSlots; "weights" is the field's name from the other GEMMs, here it is pA or dH):
+//     1.4-12.5% less time on sonic-7b, olmoe, qwen3-a3b and scale-8k, both gradients,
+//     accumulating or not, except qwen3-a3b dW13 (1.4% and 0.3% more, within run-to-run
+//     spread); not measured on deepseek-v3, so Sm90ChooseConfig keeps it off there;
+//   block_n 128: 128 x 128 tiles, one CTA an SM (tma_weights does not apply).
+// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap). Two CTAs an SM at block_n 128
+// (kCtasPerSm = 2) is timed by the bench but not chosen: 6-23% slower on deepseek-v3. The
+// gathered operand always comes by cp.async (a gathered row set has no tensor-map box) and the
+// tile order is fixed expert-major, so group_m, warp_specialized and ping_pong are ignored.
+// The number of tiles is known only on the device (experts with rows), so CTAs past it exit
+// at once.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -44,16 +42,12 @@ cudaError_t DispatchWeightGrad(const Sm90GemmConfig& config, const WeightGradPar
                                cudaStream_t stream) {
   switch (config.block_n) {
     case 256:
-      if (config.warp_specialized) {  // the slot-order operand's full slabs by TMA
+      if (config.tma_weights) {  // the slot-order operand's full slabs by TMA
         return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA, /*kDrain=*/false,
                                             /*kCtasPerSm=*/1, /*kTmaSlots=*/true>(params, stream);
       }
       return sm90::LaunchWeightGradKernel<256, kSlabRows, kGatherA>(params, stream);
     case 128:
-      if (config.warp_specialized) {  // two CTAs an SM
-        return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA, /*kDrain=*/true,
-                                            /*kCtasPerSm=*/2>(params, stream);
-      }
       return sm90::LaunchWeightGradKernel<128, kSlabRows, kGatherA>(params, stream);
     default:
       return cudaErrorInvalidValue;  // unsupported block_n

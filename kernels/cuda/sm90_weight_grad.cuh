@@ -22,15 +22,14 @@
 // belongs to exactly one tile and is summed in a fixed order, so results are deterministic
 // without atomics; the epilogue stores (or adds) fp32 pairs straight from the accumulator
 // fragments, where each quad of lanes covers one full 32-byte sector.
-// The epilogue runs with the tensor cores idle in a CTA; two ways to overlap it are here:
-// two CTAs an SM with 128 x 128 tiles (kCtasPerSm = 2: registers capped at 128, half the ring
-// each), and a warp-specialised ping-pong kernel (sm90_weight_grad_pingpong_kernel below). The
-// first beats one CTA of 128 x 128 tiles on four of five presets (not deepseek-v3) and one CTA
-// of 128 x 256 on some shapes; the ping-pong, with one warpgroup issuing MMAs at a time,
-// measured slower than both. Neither pays much because the epilogue is a small share of the
-// time: the main loop (operand copies and wgmma) is what bounds the kernel, and reading the
-// slot-order operand by TMA (kTmaSlots) helped more than either
-// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap).
+// The epilogue runs with the tensor cores idle in a CTA. Two CTAs an SM with 128 x 128 tiles
+// (kCtasPerSm = 2: registers capped at 128, half the ring each) overlap it with the other CTA's
+// main loop, but gained only 2-4% where it gained (and lost 27-30% on deepseek-v3), and a
+// warp-specialised ping-pong (each of two consumer warpgroups on its own tile, taking turns)
+// measured 7-35% slower; the main loop (operand copies and wgmma) is what bounds the kernel
+// (ncu on scale-8k dW13: 37% of peak compute, 66% of L2 throughput). Reading the slot-order
+// operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
+// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap, where the ping-pong's patch is).
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
 #define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
@@ -119,9 +118,8 @@ struct WgmmaMnMajor<256> {
   }
 };
 
-// How kThreads threads (all 256, or the ping-pong kernel's 128-thread producer) share one
-// kSlabRows x kCols slab: each thread copies one 16-byte chunk of kRows rows, kRowStep rows
-// apart (so all of a thread's rows have the same r % 8).
+// How kThreads threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk of
+// kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
 template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
 struct SlabShape {
   static constexpr int kChunksPerRow = kCols / 8;
@@ -286,7 +284,6 @@ __device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const 
 // load cursor issues the tile's last slab), each thread asks L2 for its share of the lines
 // (2 threads a row, kN/2 columns each), so those reads find L2 instead of stalling the SM on
 // device memory between two tiles (accumulating launches 1.1-1.3x faster on the presets).
-// kThreads 256: 2 threads a row; 128 (the ping-pong producer): one thread a row.
 template <int kN, int kThreads = kWgradThreads>
 __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
                                                   int tid) {
@@ -550,328 +547,6 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
   }
   if (err != cudaSuccess) return err;
   kernel<<<sms * kCtasPerSm, kWgradThreads, kSmem, stream>>>(params);
-  return cudaGetLastError();
-}
-
-// ---------------------------------------------------------------------------------------------
-// The ping-pong variant: kProducerWgs producer warpgroups and two consumer warpgroups, each
-// consumer taking its OWN 128 x 128 output tile (two m64n128 wgmmas per k16 step, 128
-// accumulators a thread), the CTA's tiles alternating between them, so one consumer's fp32
-// stores run while the other issues MMAs.
-//   Producers (setmaxnreg down): walk the CTA's tiles in order, and per ring step wait for the
-//     slot's `empty`, issue their slabs by cp.async (one producer warpgroup: both operands;
-//     two: warpgroup 0 A, warpgroup 1 B), then cp.async.mbarrier.arrive.noinc on `full` (128
-//     arrivals a producer warpgroup, each firing once that thread's copies have landed). The
-//     gathered operand's index comes through the per-warp fetch and shuffle of the 256-thread
-//     kernel, fetched kFetchAhead steps early (a fetch cursor runs ahead of the load cursor),
-//     so no step waits on it. Rows past the expert's count are zero-filled on BOTH operands
-//     (cp.async with no source bytes), so nothing read from a neighbouring expert can leak in
-//     as NaN or Inf. The warpgroup that loads the slot-order operand also asks L2 for a tile's
-//     old C (accumulate) when it issues the tile's last slab.
-//   Consumers (setmaxnreg up): consumer c takes the CTA's local tiles j with j % 2 == c and
-//     counts the other's steps to keep its place in the ring. Ordering barrier: consumer c
-//     starts tile j's MMAs only after the other consumer has issued all of tile j-1's (named
-//     barrier 1 + c, 256 threads: the other's bar.arrive, this one's bar.sync). That makes the
-//     two main loops take turns (the ping-pong) and keeps every `full` wait at most one phase
-//     ahead: try_wait.parity only tells the current phase from the previous one, and without
-//     the order a consumer skipping the other's tile could wait on a slot two fills ahead and
-//     pass on the stale parity. Each ring slot is released (`empty`, one arrival a warp, 4
-//     a use) once the wgmmas that read it have retired.
-// Results stay deterministic: each tile is one consumer's, summed in slab order.
-template <int kSlabRows>
-__host__ __device__ constexpr int WgradPingpongStages() {
-  return kWgradRingBytes / WgradStageBytes<kWgradBlockM, kSlabRows>();
-}
-template <int kSlabRows>
-__host__ __device__ constexpr int WgradPingpongSmemBytes() {
-  return WgradPingpongStages<kSlabRows>() * WgradStageBytes<kWgradBlockM, kSlabRows>() +
-         1024 /* alignment */ + 2 * WgradPingpongStages<kSlabRows>() * 8 /* full, empty */ +
-         (2 * kMaxExperts + 2) * 4 /* offsets, active list, its length */;
-}
-
-__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-// A walk over the CTA's tiles one ring step at a time.
-template <int kN, int kSlabRows>
-struct WgradCursor {
-  int tile;
-  int kt;
-  WgradTile ti;
-  __device__ __forceinline__ void Start(int first, int m_tiles, int n_tiles, const int* active,
-                                        const int* offs) {
-    tile = first;
-    kt = 0;
-    ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
-  }
-  __device__ __forceinline__ void Advance(int total, int m_tiles, int n_tiles, const int* active,
-                                          const int* offs) {
-    if (++kt == ti.num_k) {
-      kt = 0;
-      tile += gridDim.x;
-      if (tile < total) ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
-    }
-  }
-};
-
-// One producer warpgroup's loop (t: its thread 0..127): loads A's slab when kLoadA, B's when
-// kLoadB, into every ring step.
-template <int kSlabRows, bool kGatherA, bool kLoadA, bool kLoadB, int kFetchAhead>
-__device__ __forceinline__ void WgradPingpongProducer(const WeightGradParams& p, uint32_t base,
-                                                      uint64_t* full, uint64_t* empty,
-                                                      const int* active, const int* offs, int total,
-                                                      int m_tiles, int n_tiles, int t) {
-  constexpr int kN = 128;
-  constexpr int kThreads = 128;
-  using Shape = SlabShape<kN, kSlabRows, kThreads>;  // both operands are 128 wide
-  constexpr int kStages = WgradPingpongStages<kSlabRows>();
-  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
-  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
-  constexpr bool kGathers = kGatherA ? kLoadA : kLoadB;    // this warpgroup loads gathered rows
-  constexpr bool kSlots = kGatherA ? kLoadB : kLoadA;      // ... and/or slot-order rows
-  constexpr int kRowSetLanes = 32 / Shape::kChunksPerRow;  // lanes per j
-  static_assert(32 % Shape::kChunksPerRow == 0 && Shape::kRows * kRowSetLanes <= 32,
-                "a warp's gathered rows must fit its lanes");
-  const int lane = t & 31;
-  const bool fetcher = lane < Shape::kRows * kRowSetLanes;
-  const int fetch_row = (t - lane) / Shape::kChunksPerRow + lane % kRowSetLanes +
-                        (lane / kRowSetLanes) * Shape::kRowStep;
-  const int col = (t % Shape::kChunksPerRow) * 8;  // this thread's column in both slabs
-  WgradCursor<kN, kSlabRows> ld;
-  ld.Start(blockIdx.x, m_tiles, n_tiles, active, offs);
-  // The gathered index, kFetchAhead steps early: raw[0] is the load cursor's step.
-  WgradCursor<kN, kSlabRows> fc = ld;
-  int raw[kFetchAhead];
-  auto fetch = [&]() {
-    const int r = fc.kt * kSlabRows + fetch_row;
-    const int v = (fc.tile < total && fetcher && r < fc.ti.count) ? p.entries[fc.ti.slot0 + r] : 0;
-    if (fc.tile < total) fc.Advance(total, m_tiles, n_tiles, active, offs);
-    return v;
-  };
-  if constexpr (kGathers) {
-#pragma unroll
-    for (int i = 0; i < kFetchAhead; ++i) raw[i] = fetch();
-  }
-  int stage = 0;
-  uint32_t phase = 0;
-  while (ld.tile < total) {
-    int tok = 0;
-    if constexpr (kGathers) {
-      tok = FastDivide(raw[0], p.top_k);
-#pragma unroll
-      for (int i = 0; i + 1 < kFetchAhead; ++i) raw[i] = raw[i + 1];
-      raw[kFetchAhead - 1] = fetch();
-    }
-    MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
-    const uint32_t s_a = base + stage * kStageBytes;
-    const uint32_t s_b = s_a + kTileABytes;
-    const int rows_valid = ld.ti.count - ld.kt * kSlabRows;
-    const int slot_base = ld.ti.slot0 + ld.kt * kSlabRows;
-    const __nv_bfloat16* g_col = kGatherA ? p.a + ld.ti.m0 + col : p.b + ld.ti.n0 + col;
-    const __nv_bfloat16* s_col = kGatherA ? p.b + ld.ti.n0 + col : p.a + ld.ti.m0 + col;
-    const int g_ld = kGatherA ? p.m_dim : p.n_dim;
-    const int s_ld = kGatherA ? p.n_dim : p.m_dim;
-    const bool a_col_ok = ld.ti.m0 + col < p.m_dim;
-    const bool b_col_ok = ld.ti.n0 + col < p.n_dim;
-    if constexpr (kGathers) {
-      const __nv_bfloat16* g_ptr[Shape::kRows];
-#pragma unroll
-      for (int j = 0; j < Shape::kRows; ++j) {
-        const int tk =
-            __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / Shape::kChunksPerRow);
-        g_ptr[j] = g_col + static_cast<int64_t>(tk) * g_ld;
-      }
-      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_a : s_b, g_ptr, kGatherA ? a_col_ok : b_col_ok,
-                                        rows_valid, kGatherA ? p.a : p.b, t);
-    }
-    if constexpr (kSlots) {
-      const __nv_bfloat16* s_ptr[Shape::kRows];
-      const __nv_bfloat16* s0 = s_col + static_cast<int64_t>(slot_base + Shape::Row(t, 0)) * s_ld;
-#pragma unroll
-      for (int j = 0; j < Shape::kRows; ++j) {
-        s_ptr[j] = s0 + static_cast<int64_t>(j * Shape::kRowStep) * s_ld;
-      }
-      LoadSlab<kN, kSlabRows, kThreads>(kGatherA ? s_b : s_a, s_ptr, kGatherA ? b_col_ok : a_col_ok,
-                                        rows_valid, kGatherA ? p.b : p.a, t);
-    }
-    asm volatile(
-        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
-        : "memory");
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-    // The last slab of a tile: its consumer's epilogue follows soon after.
-    if (kSlots && p.accumulate && ld.kt == ld.ti.num_k - 1) {
-      PrefetchWgradTile<kN, kThreads>(p, ld.ti, t);
-    }
-    ld.Advance(total, m_tiles, n_tiles, active, offs);
-  }
-  CpAsyncWait<0>();  // no copy may outlive its issuing thread
-}
-
-template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
-__global__ void __launch_bounds__(128 * (kProducerWgs + 2), 1)
-    sm90_weight_grad_pingpong_kernel(const __grid_constant__ WeightGradParams p) {
-  constexpr int kN = 128;  // each consumer's tile: 128 x 128
-  constexpr int kThreads = 128 * (kProducerWgs + 2);
-  using Slab = MnMajorSlab<kSlabRows>;
-  constexpr int kStages = WgradPingpongStages<kSlabRows>();
-  constexpr int kTileABytes = kWgradBlockM * kSlabRows * 2;
-  constexpr int kStageBytes = WgradStageBytes<kN, kSlabRows>();
-  // Registers a thread after setmaxnreg: producers, consumers (128 * (P p + 2 c) <= 64K).
-  constexpr int kProducerRegs = kProducerWgs == 1 ? 56 : 72;
-  constexpr int kConsumerRegs = kProducerWgs == 1 ? 224 : 184;
-  static_assert(kProducerWgs == 1 || kProducerWgs == 2, "one or two producer warpgroups");
-  static_assert(kSlabRows % 16 == 0, "a ring stage holds whole k16 steps");
-  static_assert(kStages >= 2, "need at least 2 stages");
-  static_assert(Slab::kBlockBytes % 1024 == 0, "swizzled blocks must stay 1024-byte aligned");
-
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_addr = SmemAddr(smem_raw);
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(smem_raw + (base - raw_addr) + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-  int* offs = reinterpret_cast<int*>(empty + kStages);
-  int* active = offs + (kMaxExperts + 1);
-  int* num_active = active + kMaxExperts;
-
-  const int tid = threadIdx.x;
-  const int num_experts = p.num_experts;
-
-  // ---- Phase 0 (all threads): offsets, the list of experts with rows, the barriers.
-  for (int e = tid; e <= num_experts; e += kThreads) offs[e] = p.offsets[e];
-  if (tid == 32) {
-    for (int s = 0; s < kStages; ++s) {
-      MbarInit(SmemAddr(&full[s]), 128 * kProducerWgs);
-      MbarInit(SmemAddr(&empty[s]), 4);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (tid < 32) {
-    int n = 0;
-    for (int e0 = 0; e0 < num_experts; e0 += 32) {
-      const int e = e0 + tid;
-      const bool has_rows = e < num_experts && offs[e + 1] > offs[e];
-      const uint32_t mask = __ballot_sync(0xffffffffu, has_rows);
-      if (has_rows) active[n + __popc(mask & ((1u << tid) - 1u))] = e;
-      n += __popc(mask);
-    }
-    if (tid == 0) *num_active = n;
-  }
-  __syncthreads();
-
-  const int m_tiles = (p.m_dim + kWgradBlockM - 1) / kWgradBlockM;
-  const int n_tiles = (p.n_dim + kN - 1) / kN;
-  const int total = *num_active * m_tiles * n_tiles;
-  if (static_cast<int>(blockIdx.x) >= total) return;  // no barrier follows for this CTA
-
-  const int wg = tid >> 7;
-  const int t = tid & 127;
-  const int lane = tid & 31;
-  if (wg < kProducerWgs) {
-    // ---- Producers.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
-    if constexpr (kProducerWgs == 1) {
-      WgradPingpongProducer<kSlabRows, kGatherA, true, true, kFetchAhead>(
-          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
-    } else if (wg == 0) {
-      WgradPingpongProducer<kSlabRows, kGatherA, true, false, kFetchAhead>(
-          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
-    } else {
-      WgradPingpongProducer<kSlabRows, kGatherA, false, true, kFetchAhead>(
-          p, base, full, empty, active, offs, total, m_tiles, n_tiles, t);
-    }
-  } else {
-    // ---- Consumers.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
-    const int cw = wg - kProducerWgs;
-    int stage = 0;
-    uint32_t phase = 0;
-    float acc0[kN / 2], acc1[kN / 2];  // rows 0..63 and 64..127 of the tile
-    int j = 0;                         // the CTA's local tile index
-    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++j) {
-      const WgradTile ti = DecodeWgradTile<kN, kSlabRows>(tile, m_tiles, n_tiles, active, offs);
-      if ((j & 1) != cw) {  // the other consumer's tile: skip its steps in the ring
-        stage += ti.num_k;
-        while (stage >= kStages) {
-          stage -= kStages;
-          phase ^= 1;
-        }
-        continue;
-      }
-      if (j > 0) NamedBarrierSync(1 + cw, 256);  // the other has issued tile j-1's MMAs
-#pragma unroll
-      for (int i = 0; i < kN / 2; ++i) {
-        acc0[i] = 0.0f;
-        acc1[i] = 0.0f;
-      }
-      int release = -1;  // slot whose wgmmas may still run
-      for (int kt = 0; kt < ti.num_k; ++kt) {
-        MbarWait(SmemAddr(&full[stage]), phase);
-        FenceProxyAsync();  // the slabs were written by cp.async (generic proxy)
-        const uint32_t s_a = base + stage * kStageBytes;
-        const uint32_t s_b = s_a + kTileABytes;
-        const uint64_t desc_a0 = MakeSmemDescSw128(s_a, Slab::kLbo, Slab::kSbo);
-        const uint64_t desc_a1 = MakeSmemDescSw128(s_a + Slab::kBlockBytes, Slab::kLbo, Slab::kSbo);
-        const uint64_t desc_b = MakeSmemDescSw128(s_b, Slab::kLbo, Slab::kSbo);
-        FenceOperands(acc0);
-        FenceOperands(acc1);
-        WgmmaFence();
-#pragma unroll
-        for (int k = 0; k < kSlabRows / 16; ++k) {
-          WgmmaMnMajor<kN>::Run(acc0, desc_a0 + k * Slab::kK16DescStep,
-                                desc_b + k * Slab::kK16DescStep);
-          WgmmaMnMajor<kN>::Run(acc1, desc_a1 + k * Slab::kK16DescStep,
-                                desc_b + k * Slab::kK16DescStep);
-        }
-        WgmmaCommit();
-        FenceOperands(acc0);
-        FenceOperands(acc1);
-        WgmmaWait<1>();  // the previous step's wgmmas have retired: its slot is free
-        FenceOperands(acc0);
-        FenceOperands(acc1);
-        if (release >= 0 && lane == 0) MbarArrive(SmemAddr(&empty[release]));
-        release = stage;
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      // Every MMA of tile j is issued: the other consumer may start tile j+1 (if it exists).
-      if (tile + static_cast<int>(gridDim.x) < total) NamedBarrierArrive(2 - cw, 256);
-      WgmmaWait<0>();
-      FenceOperands(acc0);
-      FenceOperands(acc1);
-      if (lane == 0) MbarArrive(SmemAddr(&empty[release]));
-
-      // ---- Epilogue, overlapping the other consumer's main loop.
-      StoreWgradRows<kN>(p, ti.expert, ti.m0, ti.n0, acc0, t);
-      StoreWgradRows<kN>(p, ti.expert, ti.m0 + 64, ti.n0, acc1, t);
-    }
-  }
-}
-
-template <int kSlabRows, bool kGatherA, int kProducerWgs = 1, int kFetchAhead = 2>
-cudaError_t LaunchWeightGradPingpong(const WeightGradParams& params, cudaStream_t stream) {
-  auto* kernel = sm90_weight_grad_pingpong_kernel<kSlabRows, kGatherA, kProducerWgs, kFetchAhead>;
-  constexpr int kSmem = WgradPingpongSmemBytes<kSlabRows>();
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  int device = 0, sms = 0;
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  if (err != cudaSuccess) return err;
-  kernel<<<sms, 128 * (kProducerWgs + 2), kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 

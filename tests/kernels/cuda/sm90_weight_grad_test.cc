@@ -1,6 +1,6 @@
 // Checks the fused Hopper weight gradients (LaunchSm90WeightGradW2/W13 of
 // kernels/cuda/sm90_expert_backward.h) against a CPU fp64 reference, for the three kernels
-// behind the launchers (block_n 256 and 128, each with warp_specialized off and on) and the
+// behind the launchers (block_n 256 with tma_weights off and on, block_n 128) and the
 // other instantiations the bench times (sm90_weight_grad_variants.h), on sizes
 // that are multiples of 8 but not of 64, ragged per-expert row counts, experts with no rows,
 // and shards that own only part of the global experts.
@@ -184,15 +184,14 @@ bool RunCase(const Case& c, uint64_t seed) {
 
   const Sm90ExpertProblem prob = MakeProblem(T, K, E, d, h, N);
   bool ok = true;
-  // The four kernels behind the launchers: block_n 256 and 128, each without and with
-  // warp_specialized (256: the slot-order operand by TMA; 128: two CTAs an SM).
+  // The three kernels behind the launchers: block_n 256 without and with the slot-order
+  // operand by TMA (tma_weights), block_n 128 (where tma_weights does not apply).
   for (int config_i = 0; config_i < 4; ++config_i) {
     Sm90GemmConfig cfg;
     cfg.block_n = config_i % 2 == 0 ? 256 : 128;
-    cfg.warp_specialized = config_i >= 2;
+    cfg.tma_weights = config_i >= 2;
     char what[64];
-    std::snprintf(what, sizeof(what), "block_n=%d ws=%d", cfg.block_n,
-                  cfg.warp_specialized ? 1 : 0);
+    std::snprintf(what, sizeof(what), "block_n=%d tma=%d", cfg.block_n, cfg.tma_weights ? 1 : 0);
     for (bool accumulate : {false, true}) {
       ok &= CheckOne(c, what, w2, offsets, ref_w2, accumulate, rng, [&](float* out, bool acc) {
         return LaunchSm90WeightGradW2(prob, cfg, d_dout.ptr, d_pa.ptr, d_off.ptr, d_ent.ptr, out,

@@ -9,7 +9,6 @@ namespace moe::kernels::testing {
 namespace {
 
 using sm90::LaunchWeightGradKernel;
-using sm90::LaunchWeightGradPingpong;
 using sm90::WeightGradParams;
 using LaunchFn = cudaError_t (*)(const WeightGradParams&, cudaStream_t);
 
@@ -20,20 +19,12 @@ struct Variant {
 };
 
 constexpr Variant kVariants[] = {
+    {"2cta_n128_s64_drain", LaunchWeightGradKernel<128, 64, true, true, 2>,
+     LaunchWeightGradKernel<128, 64, false, true, 2>},
     {"2cta_n128_s48_drain", LaunchWeightGradKernel<128, 48, true, true, 2>,
      LaunchWeightGradKernel<128, 48, false, true, 2>},
     {"2cta_n128_tma", LaunchWeightGradKernel<128, 64, true, true, 2, true>,
      LaunchWeightGradKernel<128, 64, false, true, 2, true>},
-    {"pp1_s64_f2", LaunchWeightGradPingpong<64, true, 1, 2>,
-     LaunchWeightGradPingpong<64, false, 1, 2>},
-    {"pp2_s64_f2", LaunchWeightGradPingpong<64, true, 2, 2>,
-     LaunchWeightGradPingpong<64, false, 2, 2>},
-    {"pp1_s96_f2", LaunchWeightGradPingpong<96, true, 1, 2>,
-     LaunchWeightGradPingpong<96, false, 1, 2>},
-    {"pp2_s96_f2", LaunchWeightGradPingpong<96, true, 2, 2>,
-     LaunchWeightGradPingpong<96, false, 2, 2>},
-    {"pp2_s128_f2", LaunchWeightGradPingpong<128, true, 2, 2>,
-     LaunchWeightGradPingpong<128, false, 2, 2>},
 };
 
 }  // namespace
