@@ -916,6 +916,42 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   CpAsyncWait<0>();
 }
 
+// Shared memory of the two producer/consumer kernels (ws and pp), in order: the load ring
+// (1024-byte aligned for the swizzle), the two consumers' epilogue staging, the `full` and
+// `empty` mbarrier of every ring slot, the tile prefix and the cached offsets.
+template <int kStages, int kStageBytes, bool kSwiGLU>
+struct WsSmem {
+  uint32_t base;  // the ring, as a shared-memory address
+  uint8_t* epi;
+  uint64_t* full;
+  uint64_t* empty;
+  int* prefix;
+  int* offs;
+
+  __device__ __forceinline__ explicit WsSmem(uint8_t* raw) {
+    const uint32_t raw_addr = SmemAddr(raw);
+    base = (raw_addr + 1023u) & ~1023u;
+    epi = raw + (base - raw_addr) + kStages * kStageBytes;
+    full = reinterpret_cast<uint64_t*>(epi + 2 * 64 * EpiRowBytes<kSwiGLU>());
+    empty = full + kStages;
+    prefix = reinterpret_cast<int*>(empty + kStages);
+    offs = prefix + (kMaxExperts + 1);
+  }
+
+  // Thread 0: `full` expects the producer's 128 cp.async arrivals plus the TMA's expect-tx
+  // arrival; `empty` one arrival per consuming warp (8 when both consumers read every slot, 4
+  // when one does, times the CTAs that share a multicast slot). The caller's __syncthreads
+  // publishes them.
+  __device__ __forceinline__ void InitBarriers(int empty_arrivals) const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(SmemAddr(&full[s]), 128 + 1);
+      MbarInit(SmemAddr(&empty[s]), empty_arrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+};
+
 // The warp-specialised variant: warpgroup 0 produces, warpgroups 1 and 2 consume, and no
 // CTA-wide barrier runs once tiles start.
 //   Producer (register budget cut to 56 by setmaxnreg): per k-step it waits for the ring slot
@@ -947,25 +983,18 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_addr = SmemAddr(smem_raw);
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (base - raw_addr);
-  uint8_t* epi = smem + kStages * kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + 2 * 64 * EpiRowBytes<kSwiGLU>());
-  uint64_t* empty = full + kStages;
-  int* prefix = reinterpret_cast<int*>(empty + kStages);
-  int* offs = prefix + (kMaxExperts + 1);
+  const WsSmem<kStages, kStageBytes, kSwiGLU> sm(smem_raw);
+  const uint32_t base = sm.base;
+  uint8_t* epi = sm.epi;
+  uint64_t* full = sm.full;
+  uint64_t* empty = sm.empty;
+  int* prefix = sm.prefix;
+  int* offs = sm.offs;
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
   BuildTilePrefix<kBlockM, kThreads>(p.offsets, num_experts, prefix, offs);
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      MbarInit(SmemAddr(&full[s]), 128 + 1);
-      MbarInit(SmemAddr(&empty[s]), 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  sm.InitBarriers(/*empty_arrivals=*/8);
   __syncthreads();
   const int n_tiles = (p.n_dim + kBlockN - 1) / kBlockN;
   const int total = prefix[num_experts] * n_tiles;
@@ -1141,25 +1170,18 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_addr = SmemAddr(smem_raw);
-  const uint32_t base = (raw_addr + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (base - raw_addr);
-  uint8_t* epi = smem + kStages * kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + 2 * 64 * EpiRowBytes<kSwiGLU>());
-  uint64_t* empty = full + kStages;
-  int* prefix = reinterpret_cast<int*>(empty + kStages);
-  int* offs = prefix + (kMaxExperts + 1);
+  const WsSmem<kStages, kStageBytes, kSwiGLU> sm(smem_raw);
+  const uint32_t base = sm.base;
+  uint8_t* epi = sm.epi;
+  uint64_t* full = sm.full;
+  uint64_t* empty = sm.empty;
+  int* prefix = sm.prefix;
+  int* offs = sm.offs;
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
   BuildTilePrefix<kTileM, kThreads>(p.offsets, num_experts, prefix, offs);
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      MbarInit(SmemAddr(&full[s]), 128 + 1);
-      MbarInit(SmemAddr(&empty[s]), 4 * kCluster);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  sm.InitBarriers(/*empty_arrivals=*/4 * kCluster);
   __syncthreads();
   if constexpr (kMulticastB) ClusterSync();  // the other CTA's barriers are initialised
   const int n_tiles = (p.n_dim + kBlockN - 1) / kBlockN;

@@ -42,6 +42,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/sm90_grouped_gemm.cuh"
+#include "kernels/cuda/sm90_launch.cuh"
 
 namespace moe::kernels::sm90 {
 
@@ -203,22 +204,6 @@ __host__ __device__ constexpr int WgradSmemBytes() {
 
 __device__ __forceinline__ void MbarArrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (as sm90_launch.cuh does),
-// so nothing links libcuda directly.
-inline void* WgradTensorMapEncoder() {
-  static void* encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return fn;
-  }();
-  return encode;
 }
 
 // TMA: one box of a 2-D tensor map into shared memory, completing `bar`'s transaction count.
@@ -516,7 +501,7 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
   auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm, kTmaSlots>;
   WeightGradParams params = params_in;
   if constexpr (kTmaSlots) {
-    auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(WgradTensorMapEncoder());
+    PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
     if (encode == nullptr) return cudaErrorNotSupported;
     const int cols = kGatherA ? params.n_dim : params.m_dim;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols),
@@ -540,12 +525,9 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
   }
-  int device = 0, sms = 0;
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
   if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
   kernel<<<sms * kCtasPerSm, kWgradThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
