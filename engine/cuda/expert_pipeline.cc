@@ -497,10 +497,11 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::ChunkBackward(
   if (!dh.ok()) return dh.status();
   absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
   if (!ap.ok()) return ap.status();
-  // The dA GEMM's tiles; with the SwiGLU backward in its epilogue it has its own choice.
+  // The sm90 dA GEMM's tiles; with the SwiGLU backward in its epilogue it has its own choice.
   const kernels::Sm90GemmConfig da_config =
-      config(fused.dh_epilogue ? kernels::Sm90Projection::kBackwardDH
-                               : kernels::Sm90Projection::kBackwardDA);
+      !fused.da ? kernels::Sm90GemmConfig{}
+                : config(fused.dh_epilogue ? kernels::Sm90Projection::kBackwardDH
+                                           : kernels::Sm90Projection::kBackwardDA);
   if (fused.dh_epilogue) {
     // dA_u stays in registers: the dA kernel's epilogue writes dH, pA and dp (via per-column-
     // tile partial sums in `ws` when h spans several tiles).

@@ -65,9 +65,9 @@ const char* ForwardKernelsName(ForwardKernels k);
 //             reduction lengths, x and dout rows gathered on load) + sm90 dXg + combine:
 //             five launches per chunk whatever the number of experts, nothing gathered stored;
 //   kFusedEpilogue: kFused with the SwiGLU backward in the dA kernel's epilogue
-//             (LaunchSm90BackwardDH: dA_u never reaches memory). Correct, but measured 0.80-0.98x
-//             the speed of the two launches it replaces (docs/FUSED.md), so only a forced option:
-//             kAuto never picks it.
+//             (LaunchSm90BackwardDH: dA_u never reaches memory). Correct, but within 1-4% of the
+//             two launches it replaces, either way (docs/PERFORMANCE.md), so only a forced
+//             option: kAuto never picks it.
 //   kHybrid:  sm90 dA and dW2 (dout rows gathered on load, never stored) + the SwiGLU backward
 //             pass, then gather x + cuBLAS dW13 + cuBLAS dXg + combine: for large per-expert
 //             GEMMs, where cuBLAS's dW13 and dXg kernels ran as fast as or faster than the sm90
@@ -153,9 +153,9 @@ inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply
 // `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1; else by the average per-expert
 // GEMM work: kFused up to kFusedBackwardMaxWorkPerExpert, kHybrid up to
 // kHybridBackwardMaxWorkPerExpert, kUnfused above. A result that runs any sm90 kernel (kFused,
-// kHybrid, a forced kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take the
-// problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The backward path does not depend on the forward's: both read
-// and write the same buffers.
+// kHybrid, a forced kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take
+// the problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The backward path does not depend on the
+// forward's: both read and write the same buffers.
 BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90);
 
@@ -171,7 +171,10 @@ inline constexpr double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 
 // bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs 6.65 unfused and 7.16 fused,
 // scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and 37.31) and slower than the
 // unfused path at mixtral's 120 G (19.93 vs 18.43: cuBLAS's dA is then as fast and the sm90
-// dW2 slower). Between, it was not measured; the bound stays at 2^33.
+// dW2 slower). The main run repeats it (-8feb5c1-final: olmoe 6.34 vs 6.77 unfused and 6.66
+// fused, scale-32k 6.69 vs 6.93 and 6.75, deepseek-v3 34.91 vs 35.15 and 38.11, mixtral 20.88
+// vs 18.91) and has the hybrid ahead of unfused by 0.3-1.4% at 17-270 G (scale-128k to 2m),
+// within run-to-run spread, so the bound stays at 2^33.
 inline constexpr double kHybridBackwardMaxWorkPerExpert = 8589934592.0;  // 2^33 multiply-adds
 
 // Test hooks: pipelines created afterwards take these as their shape's `forward` / `backward`

@@ -69,7 +69,8 @@ enum class Sm90Projection {
 // (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
 // load and multicast it to both, halving the weight traffic per tile.
 // The weight gradients read only block_n and tma_weights, which there means that the operand
-// read in slot order (pA for dW2, dH for dW13) comes by TMA (block_n 256 only).
+// read in slot order (pA for dW2, dH for dW13) comes by TMA (block_n 256 only; like the other
+// fields' defaults, tma_weights = true is what a default-constructed config asks for).
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;

@@ -14,7 +14,8 @@
 //     spread); not measured on deepseek-v3, so Sm90ChooseConfig keeps it off there;
 //   block_n 128: 128 x 128 tiles, one CTA an SM (tma_weights does not apply).
 // (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap). Two CTAs an SM at block_n 128
-// (kCtasPerSm = 2) is timed by the bench but not chosen: 6-23% slower on deepseek-v3. The
+// (kCtasPerSm = 2) is timed by the bench but not chosen: 6-23% slower than one CTA at block_n
+// 128 on deepseek-v3 without accumulation. The
 // gathered operand always comes by cp.async (a gathered row set has no tensor-map box) and the
 // tile order is fixed expert-major, so group_m, warp_specialized and ping_pong are ignored.
 // The number of tiles is known only on the device (experts with rows), so CTAs past it exit
@@ -78,7 +79,8 @@ cudaError_t LaunchWeightGrad(const Sm90ExpertProblem& problem, const Sm90GemmCon
   params.n_dim = kGatherA ? problem.d_hidden : problem.d_model;
   params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
   // The TMA map's row extent (kTmaSlots): T*K bounds the routed rows, and TMA reads only full
-  // slabs inside an expert's rows, so nothing past the caller's buffer is read.
+  // slabs inside an expert's rows, so nothing past the caller's buffer is read. Not
+  // num_routed: it is only a hint, and a map shorter than the real rows would read zeros.
   params.slot_rows = static_cast<int32_t>(problem.num_tokens * problem.top_k);
   params.accumulate = accumulate ? 1 : 0;
   return DispatchWeightGrad<kGatherA>(config, params, stream);

@@ -24,9 +24,9 @@
 // fragments, where each quad of lanes covers one full 32-byte sector.
 // The epilogue runs with the tensor cores idle in a CTA. Two CTAs an SM with 128 x 128 tiles
 // (kCtasPerSm = 2: registers capped at 128, half the ring each) overlap it with the other CTA's
-// main loop, but gained only 2-4% where it gained (and lost 27-30% on deepseek-v3), and a
-// warp-specialised ping-pong (each of two consumer warpgroups on its own tile, taking turns)
-// measured 7-35% slower; the main loop (operand copies and wgmma) is what bounds the kernel
+// main loop, but gained only 2-4% over 128 x 256 tiles where it gained (and lost 27-30% to them
+// on deepseek-v3), and a warp-specialised ping-pong (each of two consumer warpgroups on its own
+// tile, taking turns) measured 7-35% slower; the main loop (operand copies and wgmma) is what bounds the kernel
 // (ncu on scale-8k dW13: 37% of peak compute, 66% of L2 throughput). Reading the slot-order
 // operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
 // (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap, where the ping-pong's patch is).
@@ -119,14 +119,14 @@ struct WgmmaMnMajor<256> {
   }
 };
 
-// How kThreads threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk of
-// kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
-template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
+// How the 256 threads share one kSlabRows x kCols slab: each thread copies one 16-byte chunk
+// of kRows rows, kRowStep rows apart (so all of a thread's rows have the same r % 8).
+template <int kCols, int kSlabRows>
 struct SlabShape {
   static constexpr int kChunksPerRow = kCols / 8;
-  static constexpr int kRowStep = kThreads / kChunksPerRow;
+  static constexpr int kRowStep = kWgradThreads / kChunksPerRow;
   static constexpr int kRows = kSlabRows / kRowStep;
-  static_assert(kThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
+  static_assert(kWgradThreads % kChunksPerRow == 0 && kSlabRows % kRowStep == 0 && kRows >= 1,
                 "slab split");
   __device__ __forceinline__ static int Row(int tid, int j) {
     return tid / kChunksPerRow + j * kRowStep;
@@ -136,12 +136,11 @@ struct SlabShape {
 // Copies this thread's share of one slab into the swizzled MN-major layout at `dst`: row j
 // from row_ptr[j] (already offset to this thread's column). Rows at or past `rows_valid`, and
 // every row when !col_ok, are zero-filled without reading.
-template <int kCols, int kSlabRows, int kThreads = kWgradThreads>
+template <int kCols, int kSlabRows>
 __device__ __forceinline__ void LoadSlab(
-    uint32_t dst,
-    const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows, kThreads>::kRows],
+    uint32_t dst, const __nv_bfloat16* const (&row_ptr)[SlabShape<kCols, kSlabRows>::kRows],
     bool col_ok, int rows_valid, const __nv_bfloat16* any_valid, int tid) {
-  using S = SlabShape<kCols, kSlabRows, kThreads>;
+  using S = SlabShape<kCols, kSlabRows>;
   const int q = tid % S::kChunksPerRow;  // chunk within the slab's row
   const uint32_t block = dst + (q >> 3) * MnMajorSlab<kSlabRows>::kBlockBytes;
 #pragma unroll
@@ -219,15 +218,13 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, 
 // Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
 // lane/4 and lane/4 + 8 of its warp's 16 (the wgmma fragment), stored as float2. With
 // accumulate, all old values are read first so the loads overlap.
-// StoreWgradRows: one warpgroup's 64 rows (from row_base) x kN columns (from n0); `t` is the
-// thread's index within its warpgroup.
 template <int kN>
-__device__ __forceinline__ void StoreWgradRows(const WeightGradParams& p, int expert, int row_base,
-                                               int n0, float (&acc)[kN / 2], int t) {
-  const int lane = t & 31;
-  const int row0 = row_base + (t >> 5) * 16 + (lane >> 2);
-  const int col0 = n0 + 2 * (lane & 3);
-  float* c = p.c + static_cast<int64_t>(expert) * p.m_dim * p.n_dim;
+__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
+                                               float (&acc)[kN / 2], int tid) {
+  const int lane = tid & 31;
+  const int row0 = ti.m0 + (tid >> 7) * 64 + ((tid & 127) >> 5) * 16 + (lane >> 2);
+  const int col0 = ti.n0 + 2 * (lane & 3);
+  float* c = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim;
   if (p.accumulate) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -259,27 +256,21 @@ __device__ __forceinline__ void StoreWgradRows(const WeightGradParams& p, int ex
     }
   }
 }
-template <int kN>
-__device__ __forceinline__ void StoreWgradTile(const WeightGradParams& p, const WgradTile& ti,
-                                               float (&acc)[kN / 2], int tid) {
-  StoreWgradRows<kN>(p, ti.expert, ti.m0 + (tid >> 7) * 64, ti.n0, acc, tid & 127);
-}
 
 // With accumulate, the epilogue reads the tile's old values; kAhead steps before it (when the
 // load cursor issues the tile's last slab), each thread asks L2 for its share of the lines
 // (2 threads a row, kN/2 columns each), so those reads find L2 instead of stalling the SM on
 // device memory between two tiles (accumulating launches 1.1-1.3x faster on the presets).
-template <int kN, int kThreads = kWgradThreads>
+template <int kN>
 __device__ __forceinline__ void PrefetchWgradTile(const WeightGradParams& p, const WgradTile& ti,
                                                   int tid) {
-  constexpr int kPerRow = kThreads / kWgradBlockM;
-  const int row = ti.m0 + tid / kPerRow;
+  const int row = ti.m0 + (tid >> 1);
   if (row >= p.m_dim) return;
   const float* line = p.c + static_cast<int64_t>(ti.expert) * p.m_dim * p.n_dim +
                       static_cast<int64_t>(row) * p.n_dim;
 #pragma unroll
-  for (int i = 0; i < kN / kPerRow / 32; ++i) {  // 32 floats = one 128-byte line
-    const int col = ti.n0 + (tid % kPerRow) * (kN / kPerRow) + 32 * i;
+  for (int i = 0; i < kN / 2 / 32; ++i) {  // 32 floats = one 128-byte line
+    const int col = ti.n0 + (tid & 1) * (kN / 2) + 32 * i;
     if (col < p.n_dim) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line + col));
   }
 }

@@ -95,7 +95,8 @@ TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
 //   it measured faster than both (bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs
 //   6.65 unfused and 7.16 fused, scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and
 //   37.31); the unfused one where cuBLAS was faster than both (mixtral 18.43 vs 19.93 hybrid and
-//   24.40 fused) or the hybrid was not measured (scale-128k: 26.1 unfused vs 28.6 fused).
+//   24.40 fused) or the hybrid's lead was within run-to-run spread (scale-128k: 25.92 hybrid vs
+//   26.29 unfused, bench/results/2026-11-21-h100-8feb5c1-final).
 struct MeasuredPreset {
   const char* name;
   int64_t T, d, h, E, K;
@@ -193,13 +194,43 @@ TEST(UseFusedBackwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
   }
 }
 
+// d = h = 1024, K = 2, E = 8: T tokens give T / 4 * 2^20 multiply-adds per expert, so T = 8192
+// sits exactly on kFusedBackwardMaxWorkPerExpert and T = 32768 on the hybrid's bound.
+TEST(UseFusedBackwardTest, WorkThresholdsAreInclusiveUpperBounds) {
+  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
+  const ExpertShape s = SwiGluBf16Backward(1024, 1024, BackwardKernels::kAuto);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 8192), true), BackwardKernels::kFused);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 8196), true), BackwardKernels::kHybrid);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 32768), true), BackwardKernels::kHybrid);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 32772), true), BackwardKernels::kUnfused);
+  // The hybrid runs sm90 kernels too: off sm_90 it falls back like kFused.
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16384), false), BackwardKernels::kUnfused);
+}
+
 TEST(UseFusedBackwardTest, EnvironmentSwitch) {
   const ExpertShape s = SwiGluBf16Backward(64, 64, BackwardKernels::kAuto);
   const BackwardKernels want = EnvDisables() ? BackwardKernels::kUnfused : BackwardKernels::kFused;
   EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), want)
       << "MOE_DISABLE_FUSED=" << (std::getenv("MOE_DISABLE_FUSED") ? "set" : "unset");
+  const ExpertShape large = SwiGluBf16Backward(1024, 1024, BackwardKernels::kAuto);
+  EXPECT_EQ(UseFusedBackward(large, Problem(large, 16384), true),
+            EnvDisables() ? BackwardKernels::kUnfused : BackwardKernels::kHybrid);
   const ExpertShape forced = SwiGluBf16Backward(64, 64, BackwardKernels::kFused);
   EXPECT_EQ(UseFusedBackward(forced, Problem(forced, 16), true), BackwardKernels::kFused);
+}
+
+// The FusedKernelsTest shape T=1024, E=64, K=2, d=256, h=760 (cuda_engine_test.cc) is there to
+// run the ping-pong kernels through the engine; this keeps it reaching them on a 132-SM GPU.
+TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
+  Sm90ExpertProblem p;
+  p.num_tokens = 1024;
+  p.top_k = 2;
+  p.num_experts = 64;
+  p.d_model = 256;
+  p.d_hidden = 760;
+  p.num_routed = 2048;
+  EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kUpSwiGLU, 132).ping_pong);
+  EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kBackwardDH, 132).ping_pong);
 }
 
 }  // namespace

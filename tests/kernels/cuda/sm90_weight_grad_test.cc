@@ -267,8 +267,8 @@ int Main() {
       {"shard", 513, 6, 16, 4, 8, 136, 328, 9, 5},  // top_k 6: a divisor that is no power of 2
       // > 132 tiles, so every CTA's load cursor crosses tile (and expert) boundaries.
       {"many", 600, 4, 20, 2, 16, 1032, 264, 7, 11},
-      // 4-8 tiles a CTA over 39 experts of ragged counts: the ping-pong's consumers skip each
-      // other's tiles many times (the ordering barrier keeps their ring waits in phase).
+      // 4-8 tiles a CTA over 39 experts of ragged counts: every CTA crosses many tile and expert
+      // boundaries, with full and partial slabs (the TMA variants switch between the two).
       {"deep", 1200, 4, 40, 0, 40, 520, 264, 3, 7},
   };
   bool ok = GuardChecks();
