@@ -219,16 +219,16 @@ TEST(UseFusedBackwardTest, EnvironmentSwitch) {
   EXPECT_EQ(UseFusedBackward(forced, Problem(forced, 16), true), BackwardKernels::kFused);
 }
 
-// The FusedKernelsTest shape T=1024, E=64, K=2, d=256, h=760 (cuda_engine_test.cc) is there to
+// The FusedKernelsTest shape T=256, E=128, K=2, d=64, h=264 (cuda_engine_test.cc) is there to
 // run the ping-pong kernels through the engine; this keeps it reaching them on a 132-SM GPU.
 TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
   Sm90ExpertProblem p;
-  p.num_tokens = 1024;
+  p.num_tokens = 256;
   p.top_k = 2;
-  p.num_experts = 64;
-  p.d_model = 256;
-  p.d_hidden = 760;
-  p.num_routed = 2048;
+  p.num_experts = 128;
+  p.d_model = 64;
+  p.d_hidden = 264;
+  p.num_routed = 512;
   EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kUpSwiGLU, 132).ping_pong);
   EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kBackwardDH, 132).ping_pong);
 }
