@@ -294,10 +294,10 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
       flop / da_ms / 1e9, da_alt.block_n, da_alt_ms, blas_da_ms, lanes_da_ms, gather_ms,
       ws_close ? "PASS" : "FAIL", da_ws_ms, dx_ws_ms, pp_close ? "PASS" : "FAIL", pp_ms[0][0],
       pp_ms[0][1], pp_ms[1][0], pp_ms[1][1], pp_ms[0][2], pp_ms[0][3], pp_ms[1][2], pp_ms[1][3],
-      dx_cfg.block_n, dx_cfg.group_m, dx_ms,
-      flop_dx / dx_ms / 1e9, dx_alt.block_n, dx_alt_ms, blas_dx_ms, lanes_dx_ms, blas_da_ms / da_ms,
-      (blas_da_ms + gather_ms) / da_ms, blas_dx_ms / dx_ms,
-      std::min(blas_da_ms, lanes_da_ms) / da_ms, std::min(blas_dx_ms, lanes_dx_ms) / dx_ms);
+      dx_cfg.block_n, dx_cfg.group_m, dx_ms, flop_dx / dx_ms / 1e9, dx_alt.block_n, dx_alt_ms,
+      blas_dx_ms, lanes_dx_ms, blas_da_ms / da_ms, (blas_da_ms + gather_ms) / da_ms,
+      blas_dx_ms / dx_ms, std::min(blas_da_ms, lanes_da_ms) / da_ms,
+      std::min(blas_dx_ms, lanes_dx_ms) / dx_ms);
   std::fflush(stdout);
 }
 
@@ -418,8 +418,7 @@ void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
       close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
       cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms, alt.block_n,
       dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, dh_plain_ms, pp_close ? "PASS" : "FAIL",
-      dh_pp_ms[0],
-      dh_pp_ms[1], dh_pp_ms[2], dh_pp_ms[3], da_ms, act_ms, unfused_ms,
+      dh_pp_ms[0], dh_pp_ms[1], dh_pp_ms[2], dh_pp_ms[3], da_ms, act_ms, unfused_ms,
       unfused_ms / dh_ms, 2.0 * N * d * h / dh_ms / 1e9);
   std::fflush(stdout);
 }

@@ -168,8 +168,8 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
                   "\"group_m\":[%d,%d],\"up_ms\":%.4f,\"up_tflops\":%.1f,"
                   "\"down_ms\":%.4f,\"down_tflops\":%.1f}",
                   ps.name, c.block_n, c.tma_weights ? 1 : 0, c.warp_specialized ? 1 : 0,
-                  c.ping_pong ? 1 : 0, c.multicast_b ? 1 : 0, c.group_m,
-                  cd.group_m, up_ms, up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
+                  c.ping_pong ? 1 : 0, c.multicast_b ? 1 : 0, c.group_m, cd.group_m, up_ms,
+                  up_flop / up_ms / 1e9, down_ms, down_flop / down_ms / 1e9);
     Emit(line);
   }
   const float up_ms = MedianMs([&] { up(up_cfg); });

@@ -57,8 +57,8 @@
 
 namespace moe::kernels::sm90 {
 
-constexpr int kMinBlockM = 128;  // tile height of the plain and ws kernels (2 x 64 rows); the
-                                 // ping-pong kernel's 64-row tiles still fit CanImplement's bound
+constexpr int kMinBlockM = 128;   // tile height of the plain and ws kernels (2 x 64 rows); the
+                                  // ping-pong kernel's 64-row tiles still fit CanImplement's bound
 constexpr int kBlockK = 64;       // 64 bf16 = 128 bytes = one swizzle atom row
 constexpr int kMaxExperts = 512;  // the tile prefix and offsets live in shared memory
 
@@ -1040,9 +1040,9 @@ __global__ void __launch_bounds__(384, 1)
           const bool ok = a_ok[j] && k_ok;
           CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
         }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                         SmemAddr(&full[stage]))
-                     : "memory");
+        asm volatile(
+            "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
+            : "memory");
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -1103,7 +1103,6 @@ __global__ void __launch_bounds__(384, 1)
     }
   }
 }
-
 
 // The ping-pong variant: warpgroup 0 produces exactly as in the warp-specialised kernel, and
 // warpgroups 1 and 2 each take WHOLE tiles of this CTA in turn (consumer c: the CTA's tiles
@@ -1227,8 +1226,8 @@ __global__ void __launch_bounds__(384, 1)
         const int k0 = kt * kBlockK;
         if (t_wg == 0) {
           if constexpr (kMulticastB) {
-            TmaLoadWeightsMulticast<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0,
-                                                          ti.n0, ti.expert, rank);
+            TmaLoadWeightsMulticast<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
+                                                          ti.expert, rank);
           } else {
             TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
                                                  ti.expert);
@@ -1243,9 +1242,9 @@ __global__ void __launch_bounds__(384, 1)
           const __nv_bfloat16* src = p.a + static_cast<int64_t>(a_src[j]) * p.k_dim + kk;
           CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src : p.a, ok);
         }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                         SmemAddr(&full[stage]))
-                     : "memory");
+        asm volatile(
+            "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
+            : "memory");
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;

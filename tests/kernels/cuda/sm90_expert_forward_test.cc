@@ -145,7 +145,8 @@ bool RunCase(const Case& c, const Sm90GemmConfig& cfg, uint64_t seed, bool stack
   for (int32_t e = 0; e < E; ++e) {
     for (int64_t s = offsets[e]; s < offsets[e + 1]; ++s) {
       if (s % row_step != 0) {
-        for (int32_t j = 0; j < 2 * h; ++j) unwritten += !std::isfinite(FromBf16(gh[s * 2 * h + j]));
+        for (int32_t j = 0; j < 2 * h; ++j)
+          unwritten += !std::isfinite(FromBf16(gh[s * 2 * h + j]));
         for (int32_t j = 0; j < h; ++j) unwritten += !std::isfinite(FromBf16(ga[s * h + j]));
         for (int32_t n = 0; n < d; ++n) {
           unwritten += !std::isfinite(FromBf16(gy[static_cast<size_t>(entries[s]) * d + n]));
