@@ -200,17 +200,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       std::fflush(stdout);
     }
     // Other slab heights, launched directly (same checks as above).
-    moe::kernels::sm90::WeightGradParams params = {};
-    params.a = g.gather_a ? dout : dh;
-    params.b = g.gather_a ? pa : x;
-    params.offsets = d_off;
-    params.entries = d_ent;
-    params.c = g.c;
-    params.num_experts = E;
-    params.m_dim = g.m;
-    params.n_dim = g.n;
-    params.top_k = moe::kernels::sm90::MakeFastDivisor(K);
-    params.slot_rows = static_cast<int32_t>(N);
+    moe::kernels::sm90::WeightGradParams params = moe::kernels::sm90::MakeWeightGradParams(
+        reinterpret_cast<const uint16_t*>(g.gather_a ? dout : dh),
+        reinterpret_cast<const uint16_t*>(g.gather_a ? pa : x), d_off, d_ent, g.c, E, g.m, g.n, K,
+        static_cast<int32_t>(N), /*accumulate=*/false);
     struct Variant {
       const char* name;
       cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);

@@ -68,21 +68,14 @@ cudaError_t LaunchWeightGrad(const Sm90ExpertProblem& problem, const Sm90GemmCon
   if (!Aligned16(a) || !Aligned16(b) || !Aligned16(c) || offsets == nullptr || entries == nullptr) {
     return cudaErrorInvalidValue;
   }
-  WeightGradParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
-  params.b = reinterpret_cast<const __nv_bfloat16*>(b);
-  params.offsets = offsets;
-  params.entries = entries;
-  params.c = c;
-  params.num_experts = problem.num_experts;
-  params.m_dim = kGatherA ? problem.d_model : 2 * problem.d_hidden;
-  params.n_dim = kGatherA ? problem.d_hidden : problem.d_model;
-  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(problem.top_k));
   // The TMA map's row extent (kTmaSlots): T*K bounds the routed rows, and TMA reads only full
   // slabs inside an expert's rows, so nothing past the caller's buffer is read. Not
   // num_routed: it is only a hint, and a map shorter than the real rows would read zeros.
-  params.slot_rows = static_cast<int32_t>(problem.num_tokens * problem.top_k);
-  params.accumulate = accumulate ? 1 : 0;
+  const WeightGradParams params = sm90::MakeWeightGradParams(
+      a, b, offsets, entries, c, problem.num_experts,
+      kGatherA ? problem.d_model : 2 * problem.d_hidden,
+      kGatherA ? problem.d_hidden : problem.d_model, problem.top_k,
+      static_cast<int32_t>(problem.num_tokens * problem.top_k), accumulate);
   return DispatchWeightGrad<kGatherA>(config, params, stream);
 }
 

@@ -26,9 +26,9 @@
 // (kCtasPerSm = 2: registers capped at 128, half the ring each) overlap it with the other CTA's
 // main loop, but gained only 2-4% over 128 x 256 tiles where it gained (and lost 27-30% to them
 // on deepseek-v3), and a warp-specialised ping-pong (each of two consumer warpgroups on its own
-// tile, taking turns) measured 7-35% slower; the main loop (operand copies and wgmma) is what bounds the kernel
-// (ncu on scale-8k dW13: 37% of peak compute, 66% of L2 throughput). Reading the slot-order
-// operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
+// tile, taking turns) measured 7-35% slower; the main loop (operand copies and wgmma) is what
+// bounds the kernel (ncu on scale-8k dW13: 37% of peak compute, 66% of L2 throughput). Reading the
+// slot-order operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
 // (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap, where the ping-pong's patch is).
 // No Abseil, gRPC or protobuf here (house style).
 #ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
@@ -82,6 +82,29 @@ struct WeightGradParams {
   FastDivisor top_k;
   int32_t accumulate;  // 0: C = sum, 1: C += sum
 };
+
+// The parameters of one launch (a, b: the operands' raw bf16 bits; slot_rows: rows of the
+// operand read in slot order, the TMA map's extent). The launchers and the test's direct
+// launches of other instantiations fill it the same way.
+inline WeightGradParams MakeWeightGradParams(const uint16_t* a, const uint16_t* b,
+                                             const int32_t* offsets, const int32_t* entries,
+                                             float* c, int32_t experts, int32_t m_dim,
+                                             int32_t n_dim, int32_t top_k, int32_t slot_rows,
+                                             bool accumulate) {
+  WeightGradParams params = {};
+  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
+  params.b = reinterpret_cast<const __nv_bfloat16*>(b);
+  params.offsets = offsets;
+  params.entries = entries;
+  params.c = c;
+  params.num_experts = experts;
+  params.m_dim = m_dim;
+  params.n_dim = n_dim;
+  params.top_k = MakeFastDivisor(static_cast<uint32_t>(top_k));
+  params.slot_rows = slot_rows;
+  params.accumulate = accumulate ? 1 : 0;
+  return params;
+}
 
 constexpr int kWgradThreads = 256;  // two consumer warpgroups, 64 C rows each
 constexpr int kWgradBlockM = 128;

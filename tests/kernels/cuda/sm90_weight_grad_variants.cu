@@ -37,18 +37,8 @@ cudaError_t LaunchWeightGradVariant(int i, bool gather_a, const uint16_t* a, con
                                     const int32_t* offsets, const int32_t* entries, float* c,
                                     int32_t experts, int32_t m, int32_t n, int32_t top_k,
                                     int32_t slot_rows, bool accumulate, cudaStream_t stream) {
-  WeightGradParams params = {};
-  params.a = reinterpret_cast<const __nv_bfloat16*>(a);
-  params.b = reinterpret_cast<const __nv_bfloat16*>(b);
-  params.offsets = offsets;
-  params.entries = entries;
-  params.c = c;
-  params.num_experts = experts;
-  params.m_dim = m;
-  params.n_dim = n;
-  params.top_k = sm90::MakeFastDivisor(static_cast<uint32_t>(top_k));
-  params.accumulate = accumulate ? 1 : 0;
-  params.slot_rows = slot_rows;
+  const WeightGradParams params = sm90::MakeWeightGradParams(a, b, offsets, entries, c, experts, m,
+                                                             n, top_k, slot_rows, accumulate);
   return (gather_a ? kVariants[i].gather_a : kVariants[i].gather_b)(params, stream);
 }
 
