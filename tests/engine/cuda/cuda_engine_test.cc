@@ -41,9 +41,14 @@
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
+#include "tests/engine/cuda/engine_test_util.h"
 
 namespace moe {
 namespace {
+
+using testing::AsDouble;
+using testing::NormErr;
+using testing::RandomFloat;
 
 struct Case {
   int64_t tokens, experts, top_k, d, h;
@@ -69,48 +74,6 @@ std::string Describe(const Case& c, uint64_t seed) {
     << " renorm=" << c.renormalize << " chunk_rows=" << c.chunk_rows << " skewed=" << c.skewed
     << " seed=" << seed;
   return s.str();
-}
-
-std::vector<double> AsDouble(const Tensor& t) {
-  std::vector<double> v(t.num_elements());
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    if (t.dtype == DType::kInt32) {
-      v[i] = t.as<int32_t>()[i];
-    } else if (t.dtype == DType::kInt64) {
-      v[i] = static_cast<double>(t.as<int64_t>()[i]);
-    } else {
-      v[i] = LoadFloat(t.view(), i);
-    }
-  }
-  return v;
-}
-
-// ||a - b|| / ||b||; infinity for any NaN or a shape mismatch.
-double NormErr(const Tensor& a, const Tensor& b) {
-  if (a.shape != b.shape || a.dtype != b.dtype) return INFINITY;
-  const std::vector<double> x = AsDouble(a), y = AsDouble(b);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (std::isnan(x[i]) || std::isnan(y[i])) return INFINITY;
-    num += (x[i] - y[i]) * (x[i] - y[i]);
-    den += y[i] * y[i];
-  }
-  if (den == 0) return num == 0 ? 0 : INFINITY;
-  return std::sqrt(num / den);
-}
-
-Tensor RandomFloat(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng, float scale) {
-  Tensor t = Tensor::Zeros(dtype, std::move(shape));
-  std::normal_distribution<float> nd(0.f, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    const float v = nd(rng);
-    if (dtype == DType::kBFloat16) {
-      t.as<uint16_t>()[i] = FloatToBFloat16(v);
-    } else {
-      t.as<float>()[i] = v;
-    }
-  }
-  return t;
 }
 
 // Skips without a GPU; poisons every device allocation; restores the test hooks afterwards.
@@ -428,9 +391,9 @@ INSTANTIATE_TEST_SUITE_P(
             // ping-pong kernel for the up-projection (128-row tiles would pad most rows) and for
             // the dA GEMM with the SwiGLU backward in its epilogue (h <= 768). Small d keeps the
             // CPU reference quick (a d = 256, h = 760 version took 19 s a case).
-            FusedCase{{256, 128, 2, 64, 264, Activation::kSwiGLU, DType::kBFloat16,
-                       RoutingMode::kClient},
-                      true},
+            FusedCase{
+                {256, 128, 2, 64, 264, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},
+                true},
             // Fallback: d = 38 is not a multiple of 8, so the fused kernels refuse it.
             FusedCase{
                 {29, 7, 3, 38, 24, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},

@@ -33,9 +33,13 @@
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
+#include "tests/engine/cuda/engine_test_util.h"
 
 namespace moe {
 namespace {
+
+using testing::NormErr;
+using testing::RandomFloat;
 
 struct RCase {
   int64_t tokens, experts, top_k, d, h;
@@ -55,34 +59,6 @@ std::string Describe(const RCase& c, uint64_t seed) {
     << " forward=" << cuda::ForwardKernelsName(c.forward) << " chunk_rows=" << c.chunk_rows
     << " shard=[" << c.first << ",+" << c.count << ") seed=" << seed;
   return s.str();
-}
-
-// ||a - b|| / ||b||; infinity for any NaN or a shape mismatch.
-double NormErr(const Tensor& a, const Tensor& b) {
-  if (a.shape != b.shape || a.dtype != b.dtype) return INFINITY;
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.num_elements(); ++i) {
-    const double x = LoadFloat(a.view(), i), y = LoadFloat(b.view(), i);
-    if (std::isnan(x) || std::isnan(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  if (den == 0) return num == 0 ? 0 : INFINITY;
-  return std::sqrt(num / den);
-}
-
-Tensor RandomFloat(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng, float scale) {
-  Tensor t = Tensor::Zeros(dtype, std::move(shape));
-  std::normal_distribution<float> nd(0.f, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    const float v = nd(rng);
-    if (dtype == DType::kBFloat16) {
-      t.as<uint16_t>()[i] = FloatToBFloat16(v);
-    } else {
-      t.as<float>()[i] = v;
-    }
-  }
-  return t;
 }
 
 struct Round {
