@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <string>
 #include <utility>
@@ -204,6 +205,7 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> names;
+  std::deque<std::string> shape_names;  // storage for the names of "T,d,h,E,K" shapes
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
       g_json = std::fopen(argv[++i], "a");
@@ -214,7 +216,7 @@ int main(int argc, char** argv) {
     }
   }
   if (names.empty()) {
-    std::fprintf(stderr, "usage: %s [--json FILE] (--all | PRESET...)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--json FILE] (--all | PRESET... | T,d,h,E,K...)\n", argv[0]);
     return 2;
   }
   if (!moe::kernels::testing::HaveSm90Gpu(stderr)) return 77;
@@ -226,9 +228,21 @@ int main(int argc, char** argv) {
                 gemm_tflops);
   Emit(line);
   for (const std::string& name : names) {
+    // A shape "T,d,h,E,K" besides the named presets, e.g. "8192,8192,4096,1,1": one expert
+    // and an identity gather, a dense GEMM to hold against cuBLAS's rate above.
+    Preset shape{};
+    long long t = 0;
+    int d = 0, h = 0, e = 0, k = 0;
     const Preset* preset = moe::bench::FindPreset(name);
+    if (preset == nullptr &&
+        std::sscanf(name.c_str(), "%lld,%d,%d,%d,%d", &t, &d, &h, &e, &k) == 5 && t > 0 &&
+        d > 0 && h > 0 && e > 0 && k > 0 && k <= e) {
+      shape_names.push_back(name);
+      shape = {shape_names.back().c_str(), t, d, h, e, k};
+      preset = &shape;
+    }
     if (preset == nullptr) {
-      std::fprintf(stderr, "unknown preset: %s\n", name.c_str());
+      std::fprintf(stderr, "unknown preset (and not T,d,h,E,K): %s\n", name.c_str());
       return 2;
     }
     RunPreset(*preset, copy_tbs, gemm_tflops);

@@ -333,8 +333,6 @@ struct Wgmma<256, kTransB> {
   }
 };
 
-__device__ __forceinline__ float Silu(float g) { return g / (1.0f + __expf(-g)); }
-
 // One output tile: expert, its first row (relative to the expert), how many of its 128 rows
 // exist, the slot (position in `entries`) of its first row, and its first output column.
 struct TileInfo {
@@ -671,7 +669,8 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
           const float2 uf = __bfloat1622float2(u);
           *reinterpret_cast<__nv_bfloat162*>(row + kCols * 2) = u;
           *reinterpret_cast<__nv_bfloat162*>(row + kCols * 4) =
-              __floats2bfloat162_rn(Silu(gf.x) * uf.x, Silu(gf.y) * uf.y);
+              __floats2bfloat162_rn(detail::Act<detail::kActSwiGLU>(gf.x) * uf.x,
+                                    detail::Act<detail::kActSwiGLU>(gf.y) * uf.y);
         }
       }
     }
