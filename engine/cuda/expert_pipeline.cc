@@ -103,9 +103,14 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
                                bool device_sm90) {
   ForwardKernels k = shape.forward;
   if (k == ForwardKernels::kAuto) {
-    k = FusedDisabledByEnv() || WorkPerExpert(shape, problem) > kFusedMaxWorkPerExpert
-            ? ForwardKernels::kUnfused
-            : kDefaultFusedForward;
+    if (FusedDisabledByEnv()) {
+      k = ForwardKernels::kUnfused;
+    } else if (WorkPerExpert(shape, problem) <= kFusedMaxWorkPerExpert) {
+      k = kDefaultFusedForward;
+    } else {
+      k = shape.d_hidden <= kFusedUpMaxHidden ? ForwardKernels::kFusedUp
+                                              : ForwardKernels::kUnfused;
+    }
   }
   if (k == ForwardKernels::kUnfused) return k;
   return FusedKernelsTake(shape, problem, device_sm90) ? k : ForwardKernels::kUnfused;

@@ -129,9 +129,10 @@ struct DispatchPlan {
 };
 
 // The one place that decides the forward's kernels for one chunk. `requested` (the shape's
-// `forward`) is resolved first: kAuto -> kUnfused under MOE_DISABLE_FUSED=1 or when the
-// average per-expert GEMM work (routed rows / experts * d * h) exceeds kFusedMaxWorkPerExpert,
-// else kDefaultFusedForward. A fused result is then reduced to kUnfused unless the activation is
+// `forward`) is resolved first: kAuto -> kUnfused under MOE_DISABLE_FUSED=1; else by the
+// average per-expert GEMM work (routed rows / experts * d * h): kDefaultFusedForward up to
+// kFusedMaxWorkPerExpert, above it kFusedUp where d_hidden <= kFusedUpMaxHidden and kUnfused
+// where it is wider. A fused result is then reduced to kUnfused unless the activation is
 // SwiGLU, the storage bf16, the device sm_90 (`device_sm90`, Sm90DeviceSupported) and
 // Sm90CanImplement(problem) accepts the sizes.
 ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
@@ -148,6 +149,15 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
 // preset where fused won (qwen3-a3b, 1.6 G) and the smallest where it lost (deepseek-v3, 3.8 G).
 inline constexpr ForwardKernels kDefaultFusedForward = ForwardKernels::kFusedUpDown;
 inline constexpr double kFusedMaxWorkPerExpert = 2147483648.0;  // 2^31 multiply-adds
+// Above that work, the sm90 up-projection with cuBLAS's down-projection (kFusedUp) since silu
+// takes the approximate reciprocal (H100, bench/results/2026-11-22-h100-caa32a1-fast-silu, fwd
+// ms fused-up / fused-up-down / unfused): olmoe 2.93 / 2.94 / 3.28, scale-32k 3.02 / 3.03 /
+// 3.35, deepseek-v3 13.23 / 13.39 / 14.01 (fused-up had won there in the run before too, 13.32
+// vs 13.90), scale-128k 12.64 / 13.17 / 13.10, scale-512k 50.28 / 51.53 / 52.12, scale-2m
+// 204.3 / 211.1 / 213.1. cuBLAS keeps mixtral (9.06 / 10.06 / 8.79), whose 2h = 28672-wide
+// per-expert GEMMs run near its dense rate; the bound sits between the widest h where fused-up
+// won (deepseek-v3, 2048) and mixtral's 14336.
+inline constexpr int64_t kFusedUpMaxHidden = 4096;
 
 // The one place that decides the backward's kernels for one chunk, like UseFusedForward:
 // `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1; else by the average per-expert

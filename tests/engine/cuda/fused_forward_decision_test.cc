@@ -87,8 +87,11 @@ TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
 
 // The benchmark presets (bench/moe_bench.cc) and what kAuto picks for each on an sm_90 device,
 // pinned to the H100 measurements:
-//   forward: fused up + down where it measured faster than the unfused path, unfused where cuBLAS
-//   measured faster or tied (docs/PERFORMANCE.md);
+//   forward: fused up + down where it measured faster than the unfused path (up to 2^31
+//   multiply-adds per expert); above, the sm90 up with cuBLAS's down where that measured faster
+//   than both (bench/results/2026-11-22-h100-caa32a1-fast-silu: olmoe 2.93 vs 3.28 unfused,
+//   scale-32k 3.02 vs 3.35, deepseek-v3 13.23 vs 14.01, scale-128k 12.64 vs 13.10), unfused where
+//   cuBLAS was faster (mixtral 8.79 vs 9.06);
 //   backward: the fused backward where it measured faster
 //   (bench/results/2026-11-21-h100-6674063-fused-backward: sonic-7b 2.48 vs 6.23 ms, qwen3-a3b
 //   5.58 vs 6.90, scale-8k 2.19 vs 3.19); the hybrid (sm90 dA and dW2, cuBLAS dW13 and dXg) where
@@ -100,21 +103,24 @@ TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
 struct MeasuredPreset {
   const char* name;
   int64_t T, d, h, E, K;
-  bool fused_forward;
+  ForwardKernels forward;
   BackwardKernels backward;
 };
 constexpr BackwardKernels kF = BackwardKernels::kFused;
 constexpr BackwardKernels kH = BackwardKernels::kHybrid;
 constexpr BackwardKernels kU = BackwardKernels::kUnfused;
+constexpr ForwardKernels kUpDown = ForwardKernels::kFusedUpDown;
+constexpr ForwardKernels kUp = ForwardKernels::kFusedUp;
+constexpr ForwardKernels kFwdU = ForwardKernels::kUnfused;
 constexpr MeasuredPreset kMeasuredPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8, true, kF},
-    {"olmoe", 16384, 2048, 1024, 64, 8, false, kH},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8, true, kF},
-    {"mixtral", 8192, 4096, 14336, 8, 2, false, kU},
-    {"deepseek-v3", 8192, 7168, 2048, 256, 8, false, kH},
-    {"scale-8k", 8192, 2048, 1024, 64, 4, true, kF},
-    {"scale-32k", 32768, 2048, 1024, 64, 4, false, kH},
-    {"scale-128k", 131072, 2048, 1024, 64, 4, false, kU},
+    {"sonic-7b", 24576, 1536, 256, 128, 8, kUpDown, kF},
+    {"olmoe", 16384, 2048, 1024, 64, 8, kUp, kH},
+    {"qwen3-a3b", 16384, 2048, 768, 128, 8, kUpDown, kF},
+    {"mixtral", 8192, 4096, 14336, 8, 2, kFwdU, kU},
+    {"deepseek-v3", 8192, 7168, 2048, 256, 8, kUp, kH},
+    {"scale-8k", 8192, 2048, 1024, 64, 4, kUpDown, kF},
+    {"scale-32k", 32768, 2048, 1024, 64, 4, kUp, kH},
+    {"scale-128k", 131072, 2048, 1024, 64, 4, kUp, kU},
 };
 
 ExpertShape PresetShape(const MeasuredPreset& p) {
@@ -129,13 +135,28 @@ TEST(UseFusedForwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
   for (const MeasuredPreset& p : kMeasuredPresets) {
     ExpertShape s = PresetShape(p);
     const Sm90ExpertProblem prob = Problem(s, p.T);
-    EXPECT_EQ(UseFusedForward(s, prob, true),
-              p.fused_forward ? kDefaultFusedForward : ForwardKernels::kUnfused)
-        << p.name;
+    EXPECT_EQ(UseFusedForward(s, prob, true), p.forward)
+        << p.name << ": " << ForwardKernelsName(UseFusedForward(s, prob, true));
     // Forcing the fused path ignores the work rule.
     s.forward = ForwardKernels::kFusedUpDown;
     EXPECT_EQ(UseFusedForward(s, prob, true), ForwardKernels::kFusedUpDown) << p.name;
   }
+}
+
+// d = h = 1024, K = 2, E = 8 as in the backward's threshold test: T = 8192 sits exactly on
+// kFusedMaxWorkPerExpert. Above it, h decides: kFusedUpMaxHidden is inclusive too.
+TEST(UseFusedForwardTest, WorkAndWidthThresholdsAreInclusiveUpperBounds) {
+  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
+  const ExpertShape s = SwiGluBf16(1024, 1024, ForwardKernels::kAuto);
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 8192), true), ForwardKernels::kFusedUpDown);
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 8196), true), ForwardKernels::kFusedUp);
+  const ExpertShape at_bound = SwiGluBf16(1024, kFusedUpMaxHidden, ForwardKernels::kAuto);
+  EXPECT_EQ(UseFusedForward(at_bound, Problem(at_bound, 8192), true), ForwardKernels::kFusedUp);
+  const ExpertShape wider = SwiGluBf16(1024, kFusedUpMaxHidden + 8, ForwardKernels::kAuto);
+  EXPECT_EQ(UseFusedForward(wider, Problem(wider, 8192), true), ForwardKernels::kUnfused);
+  // Under the work bound the width does not matter, and off sm_90 nothing fused runs.
+  EXPECT_EQ(UseFusedForward(wider, Problem(wider, 16), true), ForwardKernels::kFusedUpDown);
+  EXPECT_EQ(UseFusedForward(s, Problem(s, 16384), false), ForwardKernels::kUnfused);
 }
 
 TEST(UseFusedForwardTest, EnvironmentSwitch) {
