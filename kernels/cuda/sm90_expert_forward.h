@@ -67,7 +67,8 @@ enum class Sm90Projection {
 // turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
 // (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
 // (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
-// load and multicast it to both, halving the weight traffic per tile.
+// load and multicast it to both, halving the weight traffic per tile; the launchers refuse it
+// without ping_pong (cudaErrorInvalidValue).
 // The weight gradients read only block_n and tma_weights, which there means that the operand
 // read in slot order (pA for dW2, dH for dW13) comes by TMA (block_n 256 only; like the other
 // fields' defaults, tma_weights = true is what a default-constructed config asks for).

@@ -239,6 +239,9 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
                          const void* b1, cudaStream_t stream) {
   if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
   if (config.group_m < 1) return cudaErrorInvalidValue;
+  // The weight multicast exists only in the ping-pong kernel: asked for without it, refuse
+  // rather than silently run another kernel than the one requested.
+  if (config.multicast_b && !config.ping_pong) return cudaErrorInvalidValue;
   params.group_m = config.group_m;
   if (!config.tma_weights) return LaunchTile<false>(variant, config, params, stream);
   cudaError_t err;

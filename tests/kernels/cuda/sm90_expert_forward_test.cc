@@ -253,10 +253,20 @@ bool GuardChecks() {
   const int32_t* none = reinterpret_cast<const int32_t*>(buf);
   const cudaError_t err =
       LaunchSm90ExpertUp(good, Sm90GemmConfig{}, buf + 1, buf, buf, none, none, buf, buf, nullptr);
-  cudaFree(buf);
   const bool refused = err == cudaErrorInvalidValue;
   std::printf("%s misaligned x refused (%s)\n", refused ? "PASS" : "FAIL", cudaGetErrorString(err));
-  return ok && refused;
+  // The weight multicast without the ping-pong kernel is refused, not run as another kernel
+  // (zeroed offsets: were it launched anyway, it would find no rows and return).
+  bool mc_refused = cudaMemset(buf, 0, 1 << 20) == cudaSuccess;
+  const Sm90GemmConfig mc_alone{256, true, 16, /*warp_specialized=*/false, /*ping_pong=*/false,
+                                /*multicast_b=*/true};
+  const cudaError_t mc_err =
+      LaunchSm90ExpertUp(good, mc_alone, buf, buf, buf, none, none, buf, buf, nullptr);
+  mc_refused &= mc_err == cudaErrorInvalidValue && cudaDeviceSynchronize() == cudaSuccess;
+  std::printf("%s multicast_b without ping_pong refused (%s)\n", mc_refused ? "PASS" : "FAIL",
+              cudaGetErrorString(mc_err));
+  cudaFree(buf);
+  return ok && refused && mc_refused;
 }
 
 // only: run just the case of that name (all when null), e.g. a broken build's quick check.
