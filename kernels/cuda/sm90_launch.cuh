@@ -104,21 +104,29 @@ inline int SmCount() {
 template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU = false>
 struct GemmVariant {};
 
+// One persistent launch of `kernel`: a CTA of `threads` threads on every SM, kSmem bytes of
+// dynamic shared memory each (the kernels walk their tiles from blockIdx.x in steps of gridDim.x).
+template <int kSmem, typename Kernel>
+cudaError_t LaunchPersistent(Kernel kernel, int threads, const GemmParams& params,
+                             cudaStream_t stream) {
+  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int sms = SmCount();
+  if (sms <= 0) return cudaErrorNoDevice;
+  kernel<<<sms, threads, kSmem, stream>>>(params);
+  return cudaGetLastError();
+}
+
 template <int kWarpgroups, int kN, int kStages, bool kTmaB, bool kSwiGLU, bool kGatherA,
           bool kTransB, bool kSlotOut, bool kDSwiGLU>
 cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
                        const GemmParams& params, cudaStream_t stream) {
   auto* kernel = sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kGatherA,
                                           kTransB, kSlotOut, kDSwiGLU>;
-  constexpr int kSmem = SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>();
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  const int sms = SmCount();
-  if (sms <= 0) return cudaErrorNoDevice;
-  kernel<<<sms, kWarpgroups * 128, kSmem, stream>>>(params);
-  return cudaGetLastError();
+  return LaunchPersistent<SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>()>(kernel, kWarpgroups * 128,
+                                                                          params, stream);
 }
 
 template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut,
@@ -127,15 +135,8 @@ cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
                          const GemmParams& params, cudaStream_t stream) {
   auto* kernel =
       sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>;
-  constexpr int kSmem = SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8;
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  const int sms = SmCount();
-  if (sms <= 0) return cudaErrorNoDevice;
-  kernel<<<sms, 384, kSmem, stream>>>(params);
-  return cudaGetLastError();
+  return LaunchPersistent<SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8>(kernel, 384, params,
+                                                                              stream);
 }
 
 // kBlockM rows x kN columns per consumer tile; group_m stays in 128-row blocks for the caller,
@@ -149,19 +150,18 @@ cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
   auto* kernel = sm90_grouped_gemm_pp_kernel<kBlockM, kN, kStages, kSwiGLU, kGatherA, kTransB,
                                              kSlotOut, kDSwiGLU, kMulticastB>;
   constexpr int kSmem = PpSmemBytes<kBlockM, kN, kStages, kSwiGLU>();
-  static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
   constexpr int kCluster = kMulticastB ? 2 : 1;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  const int sms = SmCount();
-  if (sms <= 0) return cudaErrorNoDevice;
   GemmParams pp = params;
   pp.group_m = std::max(1, params.group_m * kMinBlockM / (kBlockM * kCluster));
   if constexpr (!kMulticastB) {
-    kernel<<<sms, 384, kSmem, stream>>>(pp);
-    return cudaGetLastError();
+    return LaunchPersistent<kSmem>(kernel, 384, pp, stream);
   } else {
+    static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    const int sms = SmCount();
+    if (sms <= 0) return cudaErrorNoDevice;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = kCluster;
