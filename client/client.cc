@@ -301,7 +301,9 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
   auto* call = new StreamCall<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput>(
       std::move(requests),
       [](std::vector<v1::ForwardResponse>& rs) -> absl::StatusOr<ForwardOutput> {
-        wire::TensorAssembler out("out"), ids("expert_ids"), w("weights");
+        // The server answers for shapes this call set: reserve each tensor on its first chunk.
+        wire::TensorAssembler out("out", /*trust_shape=*/true),
+            ids("expert_ids", /*trust_shape=*/true), w("weights", /*trust_shape=*/true);
         for (const auto& r : rs) {
           if (r.has_out()) {
             if (auto s = out.Add(r.out()); !s.ok()) return s;
@@ -342,7 +344,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
   auto* call = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
       std::move(requests),
       [](std::vector<v1::BackwardResponse>& rs) -> absl::StatusOr<BackwardOutput> {
-        wire::TensorAssembler dx("dx"), dw("dweights");
+        wire::TensorAssembler dx("dx", /*trust_shape=*/true), dw("dweights", /*trust_shape=*/true);
         for (const auto& r : rs) {
           if (r.has_dx()) {
             if (auto s = dx.Add(r.dx()); !s.ok()) return s;
@@ -395,7 +397,7 @@ absl::StatusOr<std::map<std::string, Tensor>> Connection::ExportWeights(const st
   v1::WeightChunk chunk;
   while (reader->Read(&chunk)) {
     auto& a = parts[chunk.name()];
-    if (!a) a = std::make_unique<wire::TensorAssembler>(chunk.name());
+    if (!a) a = std::make_unique<wire::TensorAssembler>(chunk.name(), /*trust_shape=*/true);
     if (auto s = a->Add(chunk.tensor()); !s.ok()) {
       ctx.TryCancel();
       reader->Finish();

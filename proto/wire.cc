@@ -177,6 +177,7 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
     seen_ = true;
     dtype_ = chunk.dtype();
     shape_ = std::move(shape);
+    if (trust_shape_) ReserveClaimedBytes();
   } else if (chunk.dtype() != dtype_ || shape != shape_) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
@@ -184,6 +185,21 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
   const auto* data = reinterpret_cast<const std::byte*>(chunk.data().data());
   bytes_.insert(bytes_.end(), data, data + chunk.data().size());
   return absl::OkStatus();
+}
+
+void TensorAssembler::ReserveClaimedBytes() {
+  absl::StatusOr<DType> dtype = DTypeFromProto(dtype_, field_);
+  if (!dtype.ok()) return;  // CheckComplete reports it
+  // A negative extent is left to CheckComplete too; past 4 GiB the buffer grows as bytes come
+  // (a shape that large is more likely a peer's bug than a tensor to send in one call).
+  constexpr int64_t kMaxReserve = int64_t{4} << 30;
+  int64_t bytes = static_cast<int64_t>(DTypeSize(*dtype));
+  for (int64_t s : shape_) {
+    if (s < 0 || (s > 0 && bytes > kMaxReserve / s)) return;
+    bytes *= s;
+  }
+  if (bytes > kMaxReserve) return;
+  bytes_.reserve(static_cast<size_t>(bytes));
 }
 
 absl::Status TensorAssembler::CheckComplete(DType* dtype) {

@@ -78,6 +78,7 @@ struct CopyPathCost {
   double parse_ms = 0;              // wire bytes -> chunk messages
   double assemble_ms = 0;           // wire::TensorAssembler::Add over the chunks, then Finish()
   double assemble_add_only_ms = 0;  // the Add()s alone (the receiving server stops here)
+  double assemble_trusted_ms = 0;   // Add()s + Finish() with trust_shape (the client's receivers)
 };
 CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes);
 

@@ -2,6 +2,10 @@
 // call has a deadline, health checks, create/attach semantics, and the chunk planner.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <string>
+#include <vector>
+
 #include "proto/wire.h"
 #include "tests/client/test_util.h"
 
@@ -126,6 +130,39 @@ TEST(WireTest, AssemblerNamesTheFieldOnAByteMismatch) {
   v1::Tensor other;
   wire::SetTensorHeader(DType::kFloat32, {3, 3}, &other);
   EXPECT_EQ(a.Add(other).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// trust_shape (the client's receivers) reserves the claimed size on the first chunk; the
+// result and every check stay those of the default assembler, and absurd claims (overflowing,
+// past the 4 GiB cap, negative) neither throw nor allocate.
+TEST(WireTest, TrustedAssemblerAssemblesAndChecksLikeTheDefault) {
+  wire::TensorAssembler a("out", /*trust_shape=*/true);
+  v1::Tensor chunk;
+  wire::SetTensorHeader(DType::kFloat32, {2, 3}, &chunk);
+  std::string all;
+  for (char c : {'a', 'b', 'c'}) {
+    chunk.set_data(std::string(8, c));
+    all += chunk.data();
+    ASSERT_TRUE(a.Add(chunk).ok());
+  }
+  absl::StatusOr<Tensor> t = a.Finish();
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ(t->bytes.size(), all.size());
+  EXPECT_EQ(std::memcmp(t->bytes.data(), all.data(), all.size()), 0);
+
+  for (const std::vector<int64_t>& claim :
+       std::vector<std::vector<int64_t>>{{int64_t{1} << 40, int64_t{1} << 30},  // overflows
+                                         {int64_t{1} << 30, 8},                 // 32 GiB
+                                         {-4, 2}}) {
+    wire::TensorAssembler b("dx", /*trust_shape=*/true);
+    v1::Tensor c;
+    wire::SetTensorHeader(DType::kFloat32, claim, &c);
+    c.set_data(std::string(4, 'x'));
+    ASSERT_TRUE(b.Add(c).ok());
+    absl::Status st = b.Finish().status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("dx"), std::string::npos) << st;
+  }
 }
 
 }  // namespace
