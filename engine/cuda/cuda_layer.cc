@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
+#include "engine/cuda/host_staging.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"
@@ -117,11 +118,7 @@ absl::Status CudaLayer::Upload(const void* src, int64_t bytes, DeviceBuffer* dst
   absl::StatusOr<DeviceBuffer> b = Alloc(bytes, what);
   if (!b.ok()) return b.status();
   *dst = std::move(*b);
-  if (bytes > 0) {
-    MOE_CUDA_RETURN(cudaMemcpyAsync(dst->get(), src, static_cast<size_t>(bytes),
-                                    cudaMemcpyHostToDevice, stream_->get()));
-  }
-  return absl::OkStatus();
+  return CopyToDevice(device_, dst->get(), src, static_cast<size_t>(bytes), stream_->get());
 }
 
 absl::Status CudaLayer::EnsurePinned(int64_t bytes) {
@@ -306,9 +303,8 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
   MOE_RETURN_IF_ERROR(
       pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w, ctx->h.get(), out->get()));
   res.out = Tensor::Zeros(cfg_.dtype, {t, d});
-  MOE_CUDA_RETURN(cudaMemcpyAsync(res.out.bytes.data(), out->get(), res.out.bytes.size(),
-                                  cudaMemcpyDeviceToHost, s));
-  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  MOE_RETURN_IF_ERROR(
+      CopyToHost(device_, res.out.bytes.data(), out->get(), res.out.bytes.size(), s));
   (void)count;
   if (request.training) {
     if (!server()) ctx->aux_grad.clear();
@@ -403,9 +399,8 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
     MOE_CUDA_RETURN(cudaMemcpyAsync(res.dweights.bytes.data(), dp->get(), t * k * 4,
                                     cudaMemcpyDeviceToHost, s));
   }
-  MOE_CUDA_RETURN(cudaMemcpyAsync(res.dx.bytes.data(), dx->get(), res.dx.bytes.size(),
-                                  cudaMemcpyDeviceToHost, s));
-  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
+  // After the dweights copy on the same stream, so that one has landed too.
+  MOE_RETURN_IF_ERROR(CopyToHost(device_, res.dx.bytes.data(), dx->get(), res.dx.bytes.size(), s));
   for (size_t l = 0; l < tokens_seen_.size(); ++l)
     tokens_seen_[l] += ctx->plan.tokens_per_expert[l];
   return res;

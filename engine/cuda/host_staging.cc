@@ -1,0 +1,111 @@
+// Pinned staging for large host <-> device copies (see host_staging.h).
+#include "engine/cuda/host_staging.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/cuda/device.h"
+
+namespace moe::cuda {
+namespace {
+
+// One device's pinned buffer, grown on demand up to kMaxStagingBytes and never shrunk.
+struct Staging {
+  std::mutex mu;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+Staging& StagingFor(int device) {
+  static std::mutex map_mu;
+  static auto* stagings = new std::map<int, std::unique_ptr<Staging>>();  // never destroyed
+  std::lock_guard<std::mutex> lock(map_mu);
+  std::unique_ptr<Staging>& s = (*stagings)[device];
+  if (!s) s = std::make_unique<Staging>();
+  return *s;
+}
+
+// Called with s.mu held.
+absl::Status Reserve(Staging& s, size_t bytes) {
+  if (bytes <= s.bytes) return absl::OkStatus();
+  if (s.ptr != nullptr) MOE_CUDA_RETURN(cudaFreeHost(s.ptr));
+  s.ptr = nullptr;
+  s.bytes = 0;
+  MOE_CUDA_RETURN(cudaMallocHost(&s.ptr, bytes));
+  s.bytes = bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = bytes < kMinStagedBytes ? 1 : std::min<size_t>(8, cores);
+  if (threads <= 1) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return;
+  }
+  // Pieces of whole 4 KiB pages, so that no two threads write one page.
+  const size_t piece = (bytes / threads + 4095) / 4096 * 4096;
+  std::vector<std::thread> workers;
+  for (size_t off = piece; off < bytes; off += piece) {
+    const size_t len = std::min(piece, bytes - off);
+    workers.emplace_back([=] {
+      std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, len);
+    });
+  }
+  std::memcpy(dst, src, std::min(piece, bytes));
+  for (std::thread& w : workers) w.join();
+}
+
+absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
+                          cudaStream_t stream) {
+  if (bytes < kMinStagedBytes) {
+    // From pageable memory the call returns once `src` has been copied out (CUDA's documented
+    // behaviour for pageable sources), which is all this function promises the caller.
+    if (bytes > 0)
+      MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+  Staging& s = StagingFor(device);
+  std::lock_guard<std::mutex> lock(s.mu);
+  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
+  for (size_t off = 0; off < bytes; off += s.bytes) {
+    const size_t len = std::min(s.bytes, bytes - off);
+    ParallelMemcpy(s.ptr, static_cast<const char*>(src) + off, len);
+    MOE_CUDA_RETURN(
+        cudaMemcpyAsync(static_cast<char*>(dst) + off, s.ptr, len, cudaMemcpyHostToDevice, stream));
+    // The staging is rewritten (next piece, another layer) only after the DMA has read it.
+    MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes < kMinStagedBytes) {
+    if (bytes > 0)
+      MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  }
+  Staging& s = StagingFor(device);
+  std::lock_guard<std::mutex> lock(s.mu);
+  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
+  for (size_t off = 0; off < bytes; off += s.bytes) {
+    const size_t len = std::min(s.bytes, bytes - off);
+    MOE_CUDA_RETURN(cudaMemcpyAsync(s.ptr, static_cast<const char*>(src) + off, len,
+                                    cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+    ParallelMemcpy(static_cast<char*>(dst) + off, s.ptr, len);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe::cuda

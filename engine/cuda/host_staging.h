@@ -1,0 +1,40 @@
+// Host <-> device copies of large pageable host tensors through pinned staging memory.
+//
+// The CUDA layer's inputs and outputs are the caller's pageable host buffers (a request's x or
+// dout, the result's out or dx). cudaMemcpy from or to pageable memory runs through the
+// driver's own small staging at ~7-9 GB/s on the H100 machine (75 MB: 10.8 ms up, 8.5 ms
+// down), while a copy between pageable and pinned memory split over 8 threads plus a DMA from
+// pinned memory take 3.3-3.5 ms for the same bytes (bench/results/2026-11-22-h100-hostpath).
+// So transfers of at least kMinStagedBytes go through one pinned buffer per device, at most
+// kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
+// that device under a mutex and kept for the life of the process.
+#ifndef MOE_ENGINE_CUDA_HOST_STAGING_H_
+#define MOE_ENGINE_CUDA_HOST_STAGING_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+
+namespace moe::cuda {
+
+inline constexpr size_t kMinStagedBytes = size_t{4} << 20;
+inline constexpr size_t kMaxStagingBytes = size_t{256} << 20;
+
+// Copies `bytes` from host `src` to device `dst`, stream-ordered on `stream`; returns once `src`
+// may be reused (staged copies have also landed by then). `device` is the current device, whose
+// staging buffer is used.
+absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
+                          cudaStream_t stream);
+
+// Copies `bytes` from device `src` to host `dst` after the work already on `stream`; returns
+// once `dst` holds them.
+absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cudaStream_t stream);
+
+// memcpy split over up to 8 threads for large copies (one thread below kMinStagedBytes).
+void ParallelMemcpy(void* dst, const void* src, size_t bytes);
+
+}  // namespace moe::cuda
+
+#endif  // MOE_ENGINE_CUDA_HOST_STAGING_H_
