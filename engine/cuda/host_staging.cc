@@ -52,7 +52,7 @@ void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return;
   }
-  // Pieces of whole 4 KiB pages, so that no two threads write one page.
+  // Equal pieces rounded up to 4 KiB; the caller's thread copies the first.
   const size_t piece = (bytes / threads + 4095) / 4096 * 4096;
   std::vector<std::thread> workers;
   for (size_t off = piece; off < bytes; off += piece) {
@@ -65,47 +65,58 @@ void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
   for (std::thread& w : workers) w.join();
 }
 
+namespace {
+
+// Runs piece(staging, offset, length) over `bytes` in pieces of at most one staging buffer, with
+// the device's staging reserved and held for the whole transfer.
+template <typename Piece>
+absl::Status ForEachStagedPiece(int device, size_t bytes, Piece piece) {
+  Staging& s = StagingFor(device);
+  std::lock_guard<std::mutex> lock(s.mu);
+  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
+  for (size_t off = 0; off < bytes; off += s.bytes) {
+    MOE_RETURN_IF_ERROR(piece(s.ptr, off, std::min(s.bytes, bytes - off)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
                           cudaStream_t stream) {
   if (bytes < kMinStagedBytes) {
     // From pageable memory the call returns once `src` has been copied out (CUDA's documented
     // behaviour for pageable sources), which is all this function promises the caller.
-    if (bytes > 0)
+    if (bytes > 0) {
       MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+    }
     return absl::OkStatus();
   }
-  Staging& s = StagingFor(device);
-  std::lock_guard<std::mutex> lock(s.mu);
-  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
-  for (size_t off = 0; off < bytes; off += s.bytes) {
-    const size_t len = std::min(s.bytes, bytes - off);
-    ParallelMemcpy(s.ptr, static_cast<const char*>(src) + off, len);
-    MOE_CUDA_RETURN(
-        cudaMemcpyAsync(static_cast<char*>(dst) + off, s.ptr, len, cudaMemcpyHostToDevice, stream));
+  return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
+    ParallelMemcpy(staging, static_cast<const char*>(src) + off, len);
+    MOE_CUDA_RETURN(cudaMemcpyAsync(static_cast<char*>(dst) + off, staging, len,
+                                    cudaMemcpyHostToDevice, stream));
     // The staging is rewritten (next piece, another layer) only after the DMA has read it.
     MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   if (bytes < kMinStagedBytes) {
-    if (bytes > 0)
+    if (bytes > 0) {
       MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+    }
     MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
     return absl::OkStatus();
   }
-  Staging& s = StagingFor(device);
-  std::lock_guard<std::mutex> lock(s.mu);
-  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
-  for (size_t off = 0; off < bytes; off += s.bytes) {
-    const size_t len = std::min(s.bytes, bytes - off);
-    MOE_CUDA_RETURN(cudaMemcpyAsync(s.ptr, static_cast<const char*>(src) + off, len,
+  return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
+    MOE_CUDA_RETURN(cudaMemcpyAsync(staging, static_cast<const char*>(src) + off, len,
                                     cudaMemcpyDeviceToHost, stream));
     MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-    ParallelMemcpy(static_cast<char*>(dst) + off, s.ptr, len);
-  }
-  return absl::OkStatus();
+    ParallelMemcpy(static_cast<char*>(dst) + off, staging, len);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace moe::cuda
