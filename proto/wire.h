@@ -49,6 +49,9 @@ class TensorAssembler {
   explicit TensorAssembler(std::string field, bool trust_shape = false)
       : field_(std::move(field)), trust_shape_(trust_shape) {}
   absl::Status Add(const v1::Tensor& chunk);
+  // Room for `bytes` before the first Add, where the receiver knows the size from its own state
+  // (the server knows dout's from the saved context), so the bytes land in one buffer.
+  void Reserve(size_t bytes) { bytes_.reserve(bytes); }
   bool seen() const { return seen_; }
   // The complete tensor. Checks the dtype is known and the byte count matches the shape.
   // Hands the collected bytes over without copying them (received tensors are the largest

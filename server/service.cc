@@ -308,6 +308,14 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
       layer_ = c.layer();
       context_id_ = c.context_id();
       chunk_ = ChunkSize(c.max_response_chunk_bytes());
+      // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
+      // own numbers, not the client's claim (Compute still checks the shape).
+      auto entry = service_->FindLayer(layer_);
+      auto tokens = service_->contexts().NumTokens(layer_, context_id_);
+      if (entry.ok() && tokens.ok()) {
+        dout_.Reserve(static_cast<size_t>(*tokens) * static_cast<size_t>((*entry)->config.d_model) *
+                      DTypeSize((*entry)->config.dtype));
+      }
     } else if (c.layer() != layer_ || c.context_id() != context_id_) {
       return absl::InvalidArgumentError(
           "layer and context_id must be the same in every chunk of a micro-batch");
