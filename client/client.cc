@@ -302,8 +302,9 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
       std::move(requests),
       [](std::vector<v1::ForwardResponse>& rs) -> absl::StatusOr<ForwardOutput> {
         // The server answers for shapes this call set: reserve each tensor on its first chunk.
-        wire::TensorAssembler out("out", /*trust_shape=*/true),
-            ids("expert_ids", /*trust_shape=*/true), w("weights", /*trust_shape=*/true);
+        wire::TensorAssembler out("out", wire::TensorAssembler::Sizing::kClaimedAtOnce),
+            ids("expert_ids", wire::TensorAssembler::Sizing::kClaimedAtOnce),
+            w("weights", wire::TensorAssembler::Sizing::kClaimedAtOnce);
         for (const auto& r : rs) {
           if (r.has_out()) {
             if (auto s = out.Add(r.out()); !s.ok()) return s;
@@ -344,7 +345,8 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
   auto* call = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
       std::move(requests),
       [](std::vector<v1::BackwardResponse>& rs) -> absl::StatusOr<BackwardOutput> {
-        wire::TensorAssembler dx("dx", /*trust_shape=*/true), dw("dweights", /*trust_shape=*/true);
+        wire::TensorAssembler dx("dx", wire::TensorAssembler::Sizing::kClaimedAtOnce),
+            dw("dweights", wire::TensorAssembler::Sizing::kClaimedAtOnce);
         for (const auto& r : rs) {
           if (r.has_dx()) {
             if (auto s = dx.Add(r.dx()); !s.ok()) return s;
@@ -397,7 +399,9 @@ absl::StatusOr<std::map<std::string, Tensor>> Connection::ExportWeights(const st
   v1::WeightChunk chunk;
   while (reader->Read(&chunk)) {
     auto& a = parts[chunk.name()];
-    if (!a) a = std::make_unique<wire::TensorAssembler>(chunk.name(), /*trust_shape=*/true);
+    if (!a)
+      a = std::make_unique<wire::TensorAssembler>(chunk.name(),
+                                                  wire::TensorAssembler::Sizing::kClaimedAtOnce);
     if (auto s = a->Add(chunk.tensor()); !s.ok()) {
       ctx.TryCancel();
       reader->Finish();

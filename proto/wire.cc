@@ -177,29 +177,33 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
     seen_ = true;
     dtype_ = chunk.dtype();
     shape_ = std::move(shape);
-    if (trust_shape_) ReserveClaimedBytes();
+    if (sizing_ != Sizing::kGrow) claimed_ = ClaimedBytes();
   } else if (chunk.dtype() != dtype_ || shape != shape_) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
+  }
+  const size_t arrived = bytes_.size() + chunk.data().size();
+  if (claimed_ > 0 && (sizing_ == Sizing::kClaimedAtOnce || arrived >= claimed_ / 8)) {
+    bytes_.reserve(std::max(claimed_, arrived));
+    claimed_ = 0;
   }
   const auto* data = reinterpret_cast<const std::byte*>(chunk.data().data());
   bytes_.insert(bytes_.end(), data, data + chunk.data().size());
   return absl::OkStatus();
 }
 
-void TensorAssembler::ReserveClaimedBytes() {
+size_t TensorAssembler::ClaimedBytes() const {
   absl::StatusOr<DType> dtype = DTypeFromProto(dtype_, field_);
-  if (!dtype.ok()) return;  // CheckComplete reports it
+  if (!dtype.ok()) return 0;  // CheckComplete reports it
   // A negative extent is left to CheckComplete too; past 4 GiB the buffer grows as bytes come
   // (a shape that large is more likely a peer's bug than a tensor to send in one call).
   constexpr int64_t kMaxReserve = int64_t{4} << 30;
   int64_t bytes = static_cast<int64_t>(DTypeSize(*dtype));
   for (int64_t s : shape_) {
-    if (s < 0 || (s > 0 && bytes > kMaxReserve / s)) return;
+    if (s < 0 || (s > 0 && bytes > kMaxReserve / s)) return 0;
     bytes *= s;
   }
-  if (bytes > kMaxReserve) return;
-  bytes_.reserve(static_cast<size_t>(bytes));
+  return bytes > kMaxReserve ? 0 : static_cast<size_t>(bytes);
 }
 
 absl::Status TensorAssembler::CheckComplete(DType* dtype) {
@@ -247,6 +251,7 @@ absl::StatusOr<TensorView> TensorAssembler::FinishView() {
 
 void TensorAssembler::Reset() {
   seen_ = false;
+  claimed_ = 0;
   dtype_ = 0;
   shape_.clear();
   bytes_.clear();

@@ -39,15 +39,21 @@ void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor*
 // Collects one tensor's chunks. The first chunk fixes dtype and shape; later chunks must repeat
 // them (InvalidArgument naming `field` otherwise).
 //
-// A receiver that trusts its peer (the client, whose server answers for the shapes it asked
-// for) passes `trust_shape`: the first chunk then reserves the whole tensor, so the bytes are
-// copied once into one buffer instead of into a doubling one (a 144 MiB tensor took 230 ms to
-// assemble that way on the H100 machine; docs/SERVICE_PERFORMANCE.md). The server does not: a
-// claimed shape would let one small message allocate any amount of memory.
+// How the buffer is sized (a 144 MiB tensor took 230 ms to assemble into a doubling buffer on
+// the H100 machine, 93-103 ms into one reserved up front; docs/SERVICE_PERFORMANCE.md):
+//   kGrow: as the bytes come (doubling).
+//   kClaimedAtOnce: the first chunk reserves the size its shape claims. For a receiver that
+//     trusts its peer: the client, whose server answers for the shapes it asked for.
+//   kClaimedOnceAnEighthArrived: the claimed size is reserved once an eighth of it has arrived.
+//     For the server, whose peer could otherwise make one small message allocate any amount:
+//     what it reserves is at most 8x what the client has actually sent.
+// Claims above 4 GiB, negative or overflowing are never reserved (CheckComplete reports the
+// bad ones).
 class TensorAssembler {
  public:
-  explicit TensorAssembler(std::string field, bool trust_shape = false)
-      : field_(std::move(field)), trust_shape_(trust_shape) {}
+  enum class Sizing { kGrow, kClaimedAtOnce, kClaimedOnceAnEighthArrived };
+  explicit TensorAssembler(std::string field, Sizing sizing = Sizing::kGrow)
+      : field_(std::move(field)), sizing_(sizing) {}
   absl::Status Add(const v1::Tensor& chunk);
   // Room for `bytes` before the first Add, where the receiver knows the size from its own state
   // (the server knows dout's from the saved context), so the bytes land in one buffer.
@@ -63,10 +69,11 @@ class TensorAssembler {
 
  private:
   absl::Status CheckComplete(DType* dtype);
-  void ReserveClaimedBytes();
+  size_t ClaimedBytes() const;  // 0 when not to be reserved (see above)
   std::string field_;
-  bool trust_shape_ = false;
+  Sizing sizing_ = Sizing::kGrow;
   bool seen_ = false;
+  size_t claimed_ = 0;  // what the shape claims, once to be reserved; 0 after reserving
   int dtype_ = 0;
   std::vector<int64_t> shape_;
   std::vector<std::byte> bytes_;  // Tensor's own byte type, so Finish() can move it out

@@ -289,9 +289,12 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
   uint64_t context_id_ = 0;
   bool training_ = false;
   int64_t chunk_ = kDefaultResponseChunkBytes;
-  wire::TensorAssembler x_{"x"};
-  wire::TensorAssembler ids_{"expert_ids"};
-  wire::TensorAssembler weights_{"weights"};
+  // The client's claimed shapes are reserved only once an eighth of each tensor has arrived.
+  wire::TensorAssembler x_{"x", wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
+  wire::TensorAssembler ids_{"expert_ids",
+                             wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
+  wire::TensorAssembler weights_{"weights",
+                                 wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
   ForwardResult result_;
 };
 
@@ -485,8 +488,10 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
     auto it = parts_.find(chunk_.name());
     if (it == parts_.end()) {
       it = parts_
-               .emplace(chunk_.name(), std::make_unique<wire::TensorAssembler>(
-                                           absl::StrCat("tensor ", chunk_.name())))
+               .emplace(chunk_.name(),
+                        std::make_unique<wire::TensorAssembler>(
+                            absl::StrCat("tensor ", chunk_.name()),
+                            wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived))
                .first;
     }
     if (absl::Status st = it->second->Add(chunk_.tensor()); !st.ok()) {

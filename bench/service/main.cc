@@ -119,8 +119,8 @@ int main(int argc, char** argv) {
   std::printf(
       "\nData path of one [%lld, %lld] fp32 tensor (%.1f MiB, %lld-byte chunks), ms, best of 3:\n"
       "memcpy warm %.2f | memcpy into new buffer %.2f | build chunk messages %.2f | "
-      "serialize %.2f | parse %.2f | TensorAssembler Add %.2f, Add+Finish %.2f, "
-      "Add+Finish trusting the shape %.2f\n",
+      "serialize %.2f | parse %.2f | TensorAssembler: the server's Adds (reserve once an eighth "
+      "arrived) %.2f, growing Add+Finish %.2f, the client's Add+Finish (reserve at once) %.2f\n",
       static_cast<long long>(rows), static_cast<long long>(cols), p.bytes / 1048576.0,
       static_cast<long long>(options.chunk_bytes), p.memcpy_warm_ms, p.memcpy_fresh_ms,
       p.build_chunks_ms, p.serialize_ms, p.parse_ms, p.assemble_add_only_ms, p.assemble_ms,

@@ -376,13 +376,15 @@ CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
       if (!parsed[m].ParseFromString(wire_bytes[m])) std::abort();
     }
   });
+  // The server's Forward receivers: the claimed size reserved once an eighth has arrived.
   best(&c.assemble_add_only_ms, [&] {
-    wire::TensorAssembler x("x");
+    wire::TensorAssembler x("x", wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived);
     for (const auto& m : parsed) {
       if (!x.Add(m.x()).ok()) std::abort();
     }
   });
   absl::StatusOr<Tensor> out;
+  // Growing as the bytes come (kGrow).
   best(&c.assemble_ms, [&] {
     out = absl::StatusOr<Tensor>();  // freed outside the timed region, as the caller would
     wire::TensorAssembler x("x");
@@ -392,10 +394,10 @@ CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
     out = x.Finish();
   });
   if (!out.ok() || out->bytes != src.bytes) std::abort();  // the round trip must be exact
-  // The client's receivers trust the server's shapes and reserve the tensor on its first chunk.
+  // The client's receivers: the claimed size reserved on the first chunk.
   best(&c.assemble_trusted_ms, [&] {
     out = absl::StatusOr<Tensor>();
-    wire::TensorAssembler x("x", /*trust_shape=*/true);
+    wire::TensorAssembler x("x", wire::TensorAssembler::Sizing::kClaimedAtOnce);
     for (const auto& m : parsed) {
       if (!x.Add(m.x()).ok()) std::abort();
     }

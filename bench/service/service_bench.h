@@ -76,9 +76,10 @@ struct CopyPathCost {
   double build_chunks_ms = 0;       // tensor -> chunk messages (what both sides do before sending)
   double serialize_ms = 0;          // chunk messages -> wire bytes (gRPC's SerializeToZeroCopy)
   double parse_ms = 0;              // wire bytes -> chunk messages
-  double assemble_ms = 0;           // wire::TensorAssembler::Add over the chunks, then Finish()
-  double assemble_add_only_ms = 0;  // the Add()s alone (the receiving server stops here)
-  double assemble_trusted_ms = 0;   // Add()s + Finish() with trust_shape (the client's receivers)
+  double assemble_ms = 0;           // wire::TensorAssembler::Add (kGrow) over the chunks, Finish()
+  double assemble_add_only_ms = 0;  // the Add()s alone as the server's Forward takes x
+                                    // (kClaimedOnceAnEighthArrived; the server stops there)
+  double assemble_trusted_ms = 0;   // Add()s + Finish() as the client takes out/dx (kClaimedAtOnce)
 };
 CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes);
 

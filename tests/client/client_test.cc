@@ -2,6 +2,7 @@
 // call has a deadline, health checks, create/attach semantics, and the chunk planner.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -132,36 +133,42 @@ TEST(WireTest, AssemblerNamesTheFieldOnAByteMismatch) {
   EXPECT_EQ(a.Add(other).code(), absl::StatusCode::kInvalidArgument);
 }
 
-// trust_shape (the client's receivers) reserves the claimed size on the first chunk; the
-// result and every check stay those of the default assembler, and absurd claims (overflowing,
-// past the 4 GiB cap, negative) neither throw nor allocate.
-TEST(WireTest, TrustedAssemblerAssemblesAndChecksLikeTheDefault) {
-  wire::TensorAssembler a("out", /*trust_shape=*/true);
-  v1::Tensor chunk;
-  wire::SetTensorHeader(DType::kFloat32, {2, 3}, &chunk);
-  std::string all;
-  for (char c : {'a', 'b', 'c'}) {
-    chunk.set_data(std::string(8, c));
-    all += chunk.data();
-    ASSERT_TRUE(a.Add(chunk).ok());
-  }
-  absl::StatusOr<Tensor> t = a.Finish();
-  ASSERT_TRUE(t.ok()) << t.status();
-  ASSERT_EQ(t->bytes.size(), all.size());
-  EXPECT_EQ(std::memcmp(t->bytes.data(), all.data(), all.size()), 0);
+// kClaimedAtOnce (the client's receivers) and kClaimedOnceAnEighthArrived (the server's) reserve
+// the claimed size; the result and every check stay those of the default assembler, and
+// absurd claims (overflowing, past the 4 GiB cap, negative) neither throw nor allocate.
+TEST(WireTest, ReservingAssemblersAssembleAndCheckLikeTheDefault) {
+  using Sizing = wire::TensorAssembler::Sizing;
+  for (Sizing sizing :
+       {Sizing::kGrow, Sizing::kClaimedAtOnce, Sizing::kClaimedOnceAnEighthArrived}) {
+    SCOPED_TRACE(static_cast<int>(sizing));
+    // 2048 bytes in chunks of 100 (the last one 48): the eighth arrives mid-stream.
+    wire::TensorAssembler a("out", sizing);
+    v1::Tensor chunk;
+    wire::SetTensorHeader(DType::kFloat32, {16, 32}, &chunk);
+    std::string all;
+    for (int i = 0; all.size() < 2048; ++i) {
+      chunk.set_data(std::string(std::min<size_t>(100, 2048 - all.size()), static_cast<char>(i)));
+      all += chunk.data();
+      ASSERT_TRUE(a.Add(chunk).ok());
+    }
+    absl::StatusOr<Tensor> t = a.Finish();
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->bytes.size(), all.size());
+    EXPECT_EQ(std::memcmp(t->bytes.data(), all.data(), all.size()), 0);
 
-  for (const std::vector<int64_t>& claim :
-       std::vector<std::vector<int64_t>>{{int64_t{1} << 40, int64_t{1} << 30},  // overflows
-                                         {int64_t{1} << 30, 8},                 // 32 GiB
-                                         {-4, 2}}) {
-    wire::TensorAssembler b("dx", /*trust_shape=*/true);
-    v1::Tensor c;
-    wire::SetTensorHeader(DType::kFloat32, claim, &c);
-    c.set_data(std::string(4, 'x'));
-    ASSERT_TRUE(b.Add(c).ok());
-    absl::Status st = b.Finish().status();
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("dx"), std::string::npos) << st;
+    for (const std::vector<int64_t>& claim :
+         std::vector<std::vector<int64_t>>{{int64_t{1} << 40, int64_t{1} << 30},  // overflows
+                                           {int64_t{1} << 30, 8},                 // 32 GiB
+                                           {-4, 2}}) {
+      wire::TensorAssembler b("dx", sizing);
+      v1::Tensor c;
+      wire::SetTensorHeader(DType::kFloat32, claim, &c);
+      c.set_data(std::string(4, 'x'));
+      ASSERT_TRUE(b.Add(c).ok());
+      absl::Status st = b.Finish().status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find("dx"), std::string::npos) << st;
+    }
   }
 }
 
