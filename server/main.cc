@@ -2,9 +2,6 @@
 // Prometheus metrics on --metrics_port. Every flag lives here and fills ServerOptions; the rest
 // of the server never reads flags. SIGINT/SIGTERM shut down cleanly (open sessions end, their
 // contexts are freed).
-#include <malloc.h>
-
-#include <climits>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -12,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "engine/host_memory.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -43,25 +41,13 @@ ABSL_FLAG(bool, retain_freed_memory, true,
 namespace {
 volatile std::sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
-
-// glibc serves every block of 32 MiB or more (and, in the per-thread arenas gRPC's threads use,
-// anything their 64 MiB heaps cannot hold) with a fresh mmap and unmaps it on free, so each
-// micro-batch's reassembled tensors and host buffers are page-faulted in anew: a copy into such
-// a buffer took 7x a copy into a warm one. With mmap off, trimming off and a single arena, the
-// pages are reused: 1.5-1.6x the tokens/s through the service where the transfer dominates
-// (docs/SERVICE_PERFORMANCE.md). M_MMAP_MAX = 0 rather than a higher M_MMAP_THRESHOLD, which
-// mallopt caps at 32 MiB. Must run before any thread starts (the arena limit applies to arenas
-// created later). False when glibc refused a setting.
-bool RetainFreedMemory() {
-  return mallopt(M_ARENA_MAX, 1) == 1 && mallopt(M_MMAP_MAX, 0) == 1 &&
-         mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
-}
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("moe-server: Mixture-of-Experts layers as a gRPC service");
   absl::ParseCommandLine(argc, argv);
-  if (absl::GetFlag(FLAGS_retain_freed_memory) && !RetainFreedMemory()) {
+  // Before Server::Start starts any thread (engine/host_memory.h says why and what it gains).
+  if (absl::GetFlag(FLAGS_retain_freed_memory) && !moe::RetainFreedHeapMemory()) {
     std::fprintf(stderr,
                  "moe-server: warning: malloc settings refused; freed memory is returned\n");
   }

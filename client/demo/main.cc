@@ -20,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "engine/host_memory.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "moe-server address");
 ABSL_FLAG(int, steps, 100, "optimizer steps");
@@ -33,6 +34,9 @@ ABSL_FLAG(double, lr, 1e-2, "AdamW learning rate");
 ABSL_FLAG(std::string, checkpoint, "demo/student.safetensors",
           "checkpoint path under the server's --checkpoint_dir");
 ABSL_FLAG(double, timeout_seconds, 60, "deadline of each call");
+ABSL_FLAG(bool, retain_freed_memory, true,
+          "Reuse freed heap memory in this trainer process (moe::RetainFreedHeapMemory, "
+          "engine/host_memory.h): received tensors then land in pages already faulted in");
 
 namespace {
 
@@ -93,6 +97,10 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "moe-demo --server=HOST:PORT: train a student MoE layer on moe-server");
   absl::ParseCommandLine(argc, argv);
+  // A trainer's own choice, made before any thread starts (the client's gRPC threads included).
+  if (absl::GetFlag(FLAGS_retain_freed_memory) && !moe::RetainFreedHeapMemory()) {
+    std::fprintf(stderr, "moe-demo: warning: malloc settings refused; freed memory is returned\n");
+  }
   const int64_t E = absl::GetFlag(FLAGS_experts), K = absl::GetFlag(FLAGS_top_k);
   const int64_t d = absl::GetFlag(FLAGS_d_model), h = absl::GetFlag(FLAGS_d_hidden);
   const int64_t T = absl::GetFlag(FLAGS_tokens);
