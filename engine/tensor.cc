@@ -54,6 +54,14 @@ Tensor Tensor::Zeros(DType dtype, std::vector<int64_t> shape) {
   return t;
 }
 
+Tensor Tensor::Uninitialized(DType dtype, std::vector<int64_t> shape) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.bytes.resize(static_cast<size_t>(NumElements(t.shape)) * DTypeSize(dtype));
+  return t;
+}
+
 absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType dtype,
                          const std::vector<int64_t>& shape) {
   auto shape_str = [](const std::vector<int64_t>& s) {

@@ -8,7 +8,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,7 +23,7 @@ namespace moe {
 enum class DType { kFloat32 = 0, kBFloat16 = 1, kInt32 = 2, kInt64 = 3 };
 
 size_t DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);   // "float32", "bfloat16", "int32", "int64"
+const char* DTypeName(DType dtype);  // "float32", "bfloat16", "int32", "int64"
 
 int64_t NumElements(const std::vector<int64_t>& shape);
 
@@ -32,22 +36,56 @@ struct TensorView {
   bool empty() const { return data == nullptr && shape.empty(); }
   int64_t num_elements() const { return NumElements(shape); }
   template <typename T>
-  const T* as() const { return static_cast<const T*>(data); }
+  const T* as() const {
+    return static_cast<const T*>(data);
+  }
 };
+
+// std::allocator, except that a value-less construct (resize, the count constructor) leaves
+// the bytes unset instead of zeroing them. Writing 75 MB of zeros costs 6.7 ms on the H100
+// machine's host (bench/results/2026-11-22-h100-e794a38-host-staging), which an output that
+// is overwritten at once (Tensor::Uninitialized) does not need to pay.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// A tensor's bytes. resize() does not zero them: Tensor::Zeros does, explicitly.
+using TensorBytes = std::vector<std::byte, DefaultInitAllocator<std::byte>>;
 
 struct Tensor {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
-  std::vector<std::byte> bytes;
+  TensorBytes bytes;
 
   static Tensor Zeros(DType dtype, std::vector<int64_t> shape);
+  // Bytes left unset, for an output the caller overwrites entirely before anyone reads it.
+  static Tensor Uninitialized(DType dtype, std::vector<int64_t> shape);
   bool empty() const { return shape.empty() && bytes.empty(); }
   int64_t num_elements() const { return NumElements(shape); }
   TensorView view() const { return {dtype, shape, bytes.data(), bytes.size()}; }
   template <typename T>
-  T* as() { return reinterpret_cast<T*>(bytes.data()); }
+  T* as() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
   template <typename T>
-  const T* as() const { return reinterpret_cast<const T*>(bytes.data()); }
+  const T* as() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
 };
 
 // OK when `view` has `dtype`, exactly `shape` (-1 matches any extent) and the matching byte

@@ -76,7 +76,7 @@ class TensorAssembler {
   size_t claimed_ = 0;  // what the shape claims, once to be reserved; 0 after reserving
   int dtype_ = 0;
   std::vector<int64_t> shape_;
-  std::vector<std::byte> bytes_;  // Tensor's own byte type, so Finish() can move it out
+  TensorBytes bytes_;  // Tensor's own byte type, so Finish() can move it out
 };
 
 // A piece of a tensor to put into one message.

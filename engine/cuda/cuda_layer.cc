@@ -302,7 +302,7 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
   ExpertWeights w{Weights(0), Weights(n_w13_)};
   MOE_RETURN_IF_ERROR(
       pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w, ctx->h.get(), out->get()));
-  res.out = Tensor::Zeros(cfg_.dtype, {t, d});
+  res.out = Tensor::Uninitialized(cfg_.dtype, {t, d});  // the copy below writes every byte
   MOE_RETURN_IF_ERROR(
       CopyToHost(device_, res.out.bytes.data(), out->get(), res.out.bytes.size(), s));
   (void)count;
@@ -385,7 +385,7 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
                                           dp->as<float>(), grads_zero_));
   grads_zero_ = false;
   BackwardResult res;
-  res.dx = Tensor::Zeros(cfg_.dtype, {t, d});
+  res.dx = Tensor::Uninitialized(cfg_.dtype, {t, d});  // CopyToHost below writes every byte
   if (server()) {
     MOE_RETURN_IF_ERROR(RouterBackward(*ctx, dp->as<float>(), dx->as<float>()));
     if (bf16()) {

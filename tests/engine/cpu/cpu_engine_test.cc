@@ -498,7 +498,7 @@ TEST(CpuLayerTest, ResultsDoNotDependOnTheThreadCount) {
   c.dtype = DType::kBFloat16;
   c.optimizer = OptimizerConfig{};
   const Batch b = MakeBatch(c, 300, 1250);
-  std::vector<std::vector<std::byte>> results[2];
+  std::vector<TensorBytes> results[2];
   int i = 0;
   for (int threads : {1, 3}) {
     auto engine = CreateCpuEngine(threads);

@@ -51,7 +51,7 @@ ForwardRequest RequestOf(const LayerConfig& c, const Inputs& in) {
 // Everything observable the sequence produces, as raw bytes, in a fixed order; plus the saved
 // context sizes.
 struct Trace {
-  std::vector<std::pair<std::string, std::vector<std::byte>>> blobs;
+  std::vector<std::pair<std::string, TensorBytes>> blobs;
   std::vector<int64_t> context_bytes;
 };
 
@@ -84,7 +84,7 @@ Trace RunSequence(const LayerConfig& c) {
   EXPECT_TRUE(step.ok()) << step.status();
   if (!step.ok()) return tr;
   double norm = step->grad_norm;
-  std::vector<std::byte> nb(sizeof(norm));
+  TensorBytes nb(sizeof(norm));
   std::memcpy(nb.data(), &norm, sizeof(norm));
   tr.blobs.push_back({"grad norm", nb});
   auto fz = layer->Forward(RequestOf(c, z));

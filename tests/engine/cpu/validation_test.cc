@@ -1,7 +1,9 @@
-// Bad configs and requests get InvalidArgument whose message names the field, before any work.
+// Bad configs and requests get InvalidArgument whose message names the field, before any work;
+// and the Tensor helpers (bf16 rounding, CheckTensor, Zeros and Uninitialized).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -182,6 +184,24 @@ TEST_F(ForwardValidationTest, BadDoutAndForeignContext) {
   ExpectInvalid(layer_->Backward(std::move(fwd2->context), x_.view()).status(), "context");
   ExpectInvalid(layer_->Backward(nullptr, x_.view()).status(), "context");
   ExpectInvalid(layer_->Backward(std::move(fwd->context), dout.view()).status(), "dout");
+}
+
+// TensorBytes leaves bytes unset on resize, so Zeros must zero them itself: memory a freed
+// tensor filled with 0xFF and malloc hands out again must come back as zeros (the first round's
+// block may be a fresh mapping, zero anyway; later ones reuse the heap).
+TEST(TensorTest, ZerosZeroesReusedMemoryAndUninitializedHasTheSize) {
+  for (int round = 0; round < 4; ++round) {
+    {
+      Tensor junk = Tensor::Uninitialized(DType::kFloat32, {1024, 1024});
+      ASSERT_EQ(junk.bytes.size(), size_t{4} << 20);
+      std::memset(junk.bytes.data(), 0xFF, junk.bytes.size());
+    }
+    const Tensor z = Tensor::Zeros(DType::kFloat32, {1024, 1024});
+    ASSERT_EQ(z.bytes.size(), size_t{4} << 20);
+    for (float v : std::vector<float>(z.as<float>(), z.as<float>() + 1024 * 1024)) {
+      ASSERT_EQ(v, 0.0f) << "round " << round;
+    }
+  }
 }
 
 TEST(TensorTest, BFloat16RoundsToNearestEven) {
