@@ -52,11 +52,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "bench/bench_kernels.h"
+#include "bench/gpu_sensor.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
@@ -100,6 +102,8 @@ constexpr int64_t kCheckGradElements = int64_t{1} << 24;
 struct Result {
   double fwd_ms[kNumPaths] = {}, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
   double bwd_ms[kNumBackwardPaths] = {};
+  // The GPU's state over each path's timed runs (readings only with a sensor).
+  GpuSummary fwd_gpu[kNumPaths], bwd_gpu[kNumBackwardPaths];
   cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
   cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
   double err_vs_unfused[kNumPaths] = {};  // normalised, on the first kCheckTokens tokens
@@ -122,12 +126,39 @@ double Median(std::vector<double> v) {
     if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (0)
 
+// The GPU around each timed series (gpu_sensor.h): with a sensor, TimeMs first waits until the
+// GPU is at most cool_to_c (when > 0; at most cool_timeout_s), then reads it after every timed
+// run, outside the timed interval; `last` is the latest series' summary.
+struct GpuWatch {
+  const GpuSensor* sensor = nullptr;
+  int cool_to_c = 0;
+  double cool_timeout_s = 120;
+  GpuSummary last;
+};
+
 // Times `fn` (which enqueues on `s`, possibly synchronising inside) with CUDA events.
 template <typename Fn>
-absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn) {
+absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn,
+                              GpuWatch* watch = nullptr) {
   cudaEvent_t a, b;
   MOE_CUDA_RETURN(cudaEventCreate(&a));
   MOE_CUDA_RETURN(cudaEventCreate(&b));
+  const GpuSensor* sensor = watch != nullptr ? watch->sensor : nullptr;
+  GpuSummary gpu;
+  if (sensor != nullptr && watch->cool_to_c > 0) {
+    MOE_CUDA_RETURN(cudaStreamSynchronize(s));  // nothing of ours still heating it
+    absl::StatusOr<double> waited = WaitUntilAtMost(
+        watch->cool_to_c, watch->cool_timeout_s, 0.25,
+        [&]() -> absl::StatusOr<int> {
+          absl::StatusOr<GpuReading> r = sensor->Read();
+          if (!r.ok()) return r.status();
+          return r->temp_c;
+        },
+        [](double seconds) { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); },
+        &gpu.cooled);
+    if (!waited.ok()) return waited.status();
+    gpu.cool_wait_s = *waited;
+  }
   std::vector<double> times;
   for (int i = 0; i < warmup + reps; ++i) {
     MOE_CUDA_RETURN(cudaEventRecord(a, s));
@@ -136,15 +167,23 @@ absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn) {
     MOE_CUDA_RETURN(cudaEventSynchronize(b));
     float ms = 0;
     MOE_CUDA_RETURN(cudaEventElapsedTime(&ms, a, b));
-    if (i >= warmup) times.push_back(ms);
+    if (i >= warmup) {
+      times.push_back(ms);
+      if (sensor != nullptr) {
+        absl::StatusOr<GpuReading> reading = sensor->Read();
+        if (!reading.ok()) return reading.status();
+        gpu.Add(*reading);
+      }
+    }
   }
+  if (watch != nullptr) watch->last = gpu;
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return Median(times);
 }
 
 absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode mode,
-                           bool recompute) {
+                           bool recompute, GpuWatch* watch) {
   absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
   if (!st.ok()) return st.status();
   std::shared_ptr<cuda::Stream> stream = *st;
@@ -208,16 +247,21 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     cuda::ExpertPipeline pipe(shape, stream, gemm->get());
     // Forward as the layer runs it in training: dispatch (one sync), H kept (not in
     // recompute mode), combine.
-    absl::StatusOr<double> fwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
-      cuda::DispatchPlan plan;
-      CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
-      if (recompute) return pipe.Forward(plan, x->get(), pw->as<float>(), w, nullptr, out->get());
-      absl::StatusOr<DeviceBuffer> hb = alloc(plan.total_routed * g * 2, "H");
-      if (!hb.ok()) return hb.status();
-      return pipe.Forward(plan, x->get(), pw->as<float>(), w, hb->get(), out->get());
-    });
+    absl::StatusOr<double> fwd = TimeMs(
+        s, warmup, reps,
+        [&]() -> absl::Status {
+          cuda::DispatchPlan plan;
+          CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
+          if (recompute)
+            return pipe.Forward(plan, x->get(), pw->as<float>(), w, nullptr, out->get());
+          absl::StatusOr<DeviceBuffer> hb = alloc(plan.total_routed * g * 2, "H");
+          if (!hb.ok()) return hb.status();
+          return pipe.Forward(plan, x->get(), pw->as<float>(), w, hb->get(), out->get());
+        },
+        watch);
     if (!fwd.ok()) return fwd.status();
     r.fwd_ms[v] = *fwd;
+    r.fwd_gpu[v] = watch->last;
     cuda::DispatchPlan plan;
     CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
     r.ran[v] = pipe.ChunkForwardKernels(plan.chunks.front());
@@ -271,14 +315,18 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     cuda::ExpertPipeline bpipe(bshape, stream, gemm->get());
     r.ran_bwd[v] = bpipe.ChunkBackwardKernels(plan.chunks.front());
     if (kBackwardPaths[v] == auto_bwd) r.auto_bwd = v;
-    absl::StatusOr<double> bwd = TimeMs(s, warmup, reps, [&]() -> absl::Status {
-      // As in a training step with one micro-batch: the gradients start at zero after Step.
-      return bpipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
-                            out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
-                            /*grads_are_zero=*/true);
-    });
+    absl::StatusOr<double> bwd = TimeMs(
+        s, warmup, reps,
+        [&]() -> absl::Status {
+          // As in a training step with one micro-batch: the gradients start at zero after Step.
+          return bpipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
+                                out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
+                                /*grads_are_zero=*/true);
+        },
+        watch);
     if (!bwd.ok()) return bwd.status();
     r.bwd_ms[v] = *bwd;
+    r.bwd_gpu[v] = watch->last;
     dx_host[v].resize(static_cast<size_t>(check_rows * d));
     dp_host[v].resize(static_cast<size_t>(check_rows * K));
     dw2_host[v].resize(static_cast<size_t>(check_w2));
@@ -547,7 +595,7 @@ int MaxTokens(bool recompute, double budget_s) {
 
 // The dense bf16 GEMM rate of cuBLAS on this GPU (TFLOP/s): M = N = K = 8192, fp32
 // accumulation, random inputs, median of 20. The ceiling issue 5's "% of cuBLAS" compares to.
-absl::StatusOr<double> CublasDenseTflops() {
+absl::StatusOr<double> CublasDenseTflops(GpuWatch* watch) {
   constexpr int64_t n = 8192;
   absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
   if (!st.ok()) return st.status();
@@ -564,12 +612,15 @@ absl::StatusOr<double> CublasDenseTflops() {
   MOE_CUBLAS_RETURN(cublasCreate(&handle));
   cublasSetStream(handle, s);
   const float one = 1.f, zero = 0.f;
-  absl::StatusOr<double> ms = TimeMs(s, 3, 20, [&]() -> absl::Status {
-    MOE_CUBLAS_RETURN(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a->get(),
-                                   CUDA_R_16BF, n, b->get(), CUDA_R_16BF, n, &zero, c->get(),
-                                   CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    return absl::OkStatus();
-  });
+  absl::StatusOr<double> ms = TimeMs(
+      s, 3, 20,
+      [&]() -> absl::Status {
+        MOE_CUBLAS_RETURN(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a->get(),
+                                       CUDA_R_16BF, n, b->get(), CUDA_R_16BF, n, &zero, c->get(),
+                                       CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        return absl::OkStatus();
+      },
+      watch);
   cublasDestroy(handle);
   if (!ms.ok()) return ms.status();
   return 2.0 * n * n * n / *ms / 1e9;
@@ -610,6 +661,7 @@ int Main(int argc, char** argv) {
   std::string json, mode_name = "auto";
   bool recompute = false, max_t = false;
   double max_t_seconds = 110;
+  GpuWatch watch;
   cuda::GemmMode mode = cuda::GemmMode::kAuto;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -630,6 +682,18 @@ int Main(int argc, char** argv) {
       max_t = true;
     } else if (a == "--max-t-seconds" && i + 1 < argc) {
       max_t_seconds = std::atof(argv[++i]);
+    } else if (a == "--cool-to" && i + 1 < argc) {
+      watch.cool_to_c = std::atoi(argv[++i]);
+      if (watch.cool_to_c <= 0) {
+        std::fprintf(stderr, "moe_bench: --cool-to takes a temperature in degrees C above 0\n");
+        return 2;
+      }
+    } else if (a == "--cool-timeout" && i + 1 < argc) {
+      watch.cool_timeout_s = std::atof(argv[++i]);
+      if (!(watch.cool_timeout_s >= 0)) {
+        std::fprintf(stderr, "moe_bench: --cool-timeout takes seconds, 0 or more\n");
+        return 2;
+      }
     } else if (a == "--all") {
       for (const Preset& p : kPresets) todo.push_back(&p);
     } else if (a == "--reps" && i + 1 < argc) {
@@ -654,6 +718,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: moe_bench (--all | --preset NAME...) [--reps N] [--warmup N] "
                    "[--json FILE] [--gemm auto|grouped|looped|streams] [--recompute]\n"
+                   "                 [--cool-to C] [--cool-timeout S]\n"
                    "       moe_bench --max-t [--recompute] [--max-t-seconds S]\n");
       return 2;
     }
@@ -674,7 +739,29 @@ int Main(int argc, char** argv) {
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   }
   if (max_t) return MaxTokens(recompute, max_t_seconds) == 0 ? 0 : 1;
-  absl::StatusOr<double> peak = CublasDenseTflops();
+  // The GPU's temperature and clocks, read through NVML; required by --cool-to.
+  std::unique_ptr<GpuSensor> sensor;
+  {
+    char bus_id[32] = {};
+    absl::StatusOr<std::unique_ptr<GpuSensor>> opened =
+        cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, 0) == cudaSuccess
+            ? GpuSensor::Open(bus_id)
+            : absl::StatusOr<std::unique_ptr<GpuSensor>>(
+                  absl::UnavailableError("cudaDeviceGetPCIBusId failed"));
+    if (opened.ok()) {
+      sensor = std::move(*opened);
+      watch.sensor = sensor.get();
+    } else if (watch.cool_to_c > 0) {
+      std::fprintf(stderr, "moe_bench: --cool-to needs the GPU's temperature: %s\n",
+                   std::string(opened.status().message()).c_str());
+      return 1;
+    } else {
+      std::printf("# GPU sensor unavailable (%s): no clocks recorded\n",
+                  std::string(opened.status().message()).c_str());
+    }
+  }
+  absl::StatusOr<double> peak = CublasDenseTflops(&watch);
+  const GpuSummary cublas_gpu = watch.last;
   if (!peak.ok()) {
     std::fprintf(stderr, "moe_bench: cuBLAS dense rate: %s\n",
                  std::string(peak.status().message()).c_str());
@@ -692,6 +779,18 @@ int Main(int argc, char** argv) {
       warmup);
   std::printf("# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s; device copy: %.0f GB/s\n", *peak,
               *copy_gbs);
+  if (sensor != nullptr) {
+    std::printf(
+        "# GPU read after every timed run%s; cuBLAS's runs: SM clock min %d / mean %.0f MHz, "
+        "max %d C%s. svcMHz/maxC/hot below: min SM clock, max temperature and thermal slowdown "
+        "over the service path's timed runs\n",
+        watch.cool_to_c > 0
+            ? absl::StrCat(", each timed series started at or below ", watch.cool_to_c, " C")
+                  .c_str()
+            : "",
+        cublas_gpu.min_sm_mhz, cublas_gpu.mean_sm_mhz, cublas_gpu.max_temp_c,
+        cublas_gpu.thermal_slowdown ? ", THERMAL SLOWDOWN" : "");
+  }
   std::printf(
       "# floors of fwd+bwd: flop_fl = 18*T*K*d*h / cuBLAS rate, byte_fl = FloorBytes / "
       "copy bandwidth (ms)\n");
@@ -704,13 +803,14 @@ int Main(int argc, char** argv) {
       "fused-vs-unfused "
       "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
   std::printf(
-      "%-12s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s\n",
+      "%-12s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s %7s "
+      "%5s %4s\n",
       "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "bwd_hyb",
       "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
-      "disp_ms", "cub_ms", "equal", "chunks");
+      "disp_ms", "cub_ms", "equal", "chunks", "svcMHz", "maxC", "hot");
   int failures = 0;
   for (const Preset* p : todo) {
-    absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute);
+    absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute, &watch);
     cudaDeviceSynchronize();
     // A pool sized for the previous preset would crowd the next one's.
     cudaMemPool_t pool;
@@ -743,14 +843,19 @@ int Main(int argc, char** argv) {
       for (int v = 0; v < kNumBackwardPaths; ++v) {
         bcols[v] = cell(r->bwd_ms[v], r->ran_bwd[v] != kBackwardPaths[v], v == b);
       }
+      const GpuSummary& svc_fwd_gpu = r->fwd_gpu[a];
+      const GpuSummary& svc_bwd_gpu = r->bwd_gpu[b];
       std::printf(
           "%-12s %9s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
-          "%9.4f %9.4f %6s %9lld\n",
+          "%9.4f %9.4f %6s %9lld %7d %5d %4s\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
           bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot,
           tot_tf, 100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err,
           r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
-          static_cast<long long>(r->chunks));
+          static_cast<long long>(r->chunks),
+          std::min(svc_fwd_gpu.min_sm_mhz, svc_bwd_gpu.min_sm_mhz),
+          std::max(svc_fwd_gpu.max_temp_c, svc_bwd_gpu.max_temp_c),
+          svc_fwd_gpu.thermal_slowdown || svc_bwd_gpu.thermal_slowdown ? "YES" : "no");
       if (!r->dispatch_equal) ++failures;
       line =
           absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
@@ -783,7 +888,14 @@ int Main(int argc, char** argv) {
                       ", \"dispatch_equal\": ", r->dispatch_equal ? "true" : "false",
                       ", \"chunks\": ", r->chunks,
                       ", \"recompute_h\": ", recompute ? "true" : "false", ", \"gemm\": \"",
-                      mode_name, "\", \"grouped_fallbacks\": ", r->grouped_fallbacks, "}");
+                      mode_name, "\", \"grouped_fallbacks\": ", r->grouped_fallbacks);
+      if (sensor != nullptr) {
+        absl::StrAppend(&line, ", \"gpu_cool_to_c\": ", watch.cool_to_c,
+                        ", \"gpu_cublas\": ", cublas_gpu.Json(),
+                        ", \"gpu_svc_fwd\": ", svc_fwd_gpu.Json(),
+                        ", \"gpu_svc_bwd\": ", svc_bwd_gpu.Json());
+      }
+      absl::StrAppend(&line, "}");
     }
     std::fflush(stdout);
     if (!json.empty()) {
