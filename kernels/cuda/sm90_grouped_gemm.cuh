@@ -65,6 +65,8 @@ constexpr int kMaxExperts = 512;  // the tile prefix and offsets live in shared 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
 struct GemmParams {
+  CUtensorMap tmap_a;       // ws kernel, A in slot order: [a_rows][k_dim], boxes of 64 k x 128
+                            // rows (encoded by DispatchGemm; unused elsewhere)
   CUtensorMap tmap_b0;      // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim] (K-major)
                             // or [experts][k_dim][n_dim] (kTransB, boxes of 64 n x 64 k),
   CUtensorMap tmap_b1;      // W3 (kSwiGLU only); experts b_expert_stride elements apart
@@ -82,6 +84,7 @@ struct GemmParams {
   int32_t top_k;
   int32_t group_m;          // row blocks per rasterisation band (>= 1)
   int64_t b_expert_stride;  // elements between experts in b0/b1 (>= n_dim * k_dim)
+  int64_t a_rows;           // rows of `a` the caller's buffer holds at least (tmap_a's extent)
   // kDSwiGLU only (the backward's dA GEMM with the SwiGLU backward as its epilogue; out0 is
   // then dH [N, 2 * n_dim], out1 pA [N, n_dim]):
   const __nv_bfloat16* saved_h;  // the forward's H [N, 2 * n_dim], slot order
@@ -148,6 +151,21 @@ __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Plain arrival (no transaction bytes) on a CTA-local mbarrier.
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// TMA: one box of a 2-D tensor map into shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                          int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
 }
 
@@ -378,12 +396,14 @@ __device__ __forceinline__ TileInfo DecodeTile(int tile, int n_tiles, int group_
 }
 
 // One stage's weight tile by TMA, completing on `bar` (armed here with the tile's bytes, which
-// count the zero fill past n_dim or k_dim too). K-major: one box of kN rows (kSwiGLU: kN/2 of
-// W1 then kN/2 of W3); MN-major: kN/64 boxes of 64 n x 64 k, one per 8 KB block.
+// count the zero fill past n_dim or k_dim too, plus `more_bytes` that the caller's own TMA
+// copies will complete). K-major: one box of kN rows (kSwiGLU: kN/2 of W1 then kN/2 of W3);
+// MN-major: kN/64 boxes of 64 n x 64 k, one per 8 KB block.
 template <int kN, bool kSwiGLU, bool kTransB>
 __device__ __forceinline__ void TmaLoadWeights(const GemmParams& p, uint32_t s_b, uint32_t bar,
-                                               int k0, int n0, int expert) {
-  MbarArriveExpectTx(bar, kN * kBlockK * 2);
+                                               int k0, int n0, int expert,
+                                               uint32_t more_bytes = 0) {
+  MbarArriveExpectTx(bar, kN * kBlockK * 2 + more_bytes);
   if constexpr (kTransB) {
 #pragma unroll
     for (int q = 0; q < kN / 64; ++q) {
@@ -1022,26 +1042,35 @@ __global__ void __launch_bounds__(384, 1)
         if (a_ok[j]) src = kGatherA ? p.entries[ti.slot0 + r] / p.top_k : ti.slot0 + r;
         a_row[j] = p.a + static_cast<int64_t>(src) * p.k_dim;
       }
+      // A in slot order, a tile of 128 rows all inside the expert's: one TMA box a stage
+      // (the same 128-byte swizzle the cp.async path writes). Ragged tiles stay on cp.async,
+      // which zero-fills the rows past the expert's, so no box reads past the caller's rows.
+      const bool tma_a = !kGatherA && ti.rows == kBlockM;
       for (int kt = 0; kt < num_k; ++kt) {
         MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
         const uint32_t s_a = base + stage * kStageBytes;
         const uint32_t s_b = s_a + kTileABytes;
+        const uint32_t bar = SmemAddr(&full[stage]);
         const int k0 = kt * kBlockK;
         if (t_wg == 0) {
-          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
-                                               ti.expert);
+          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, bar, k0, ti.n0, ti.expert,
+                                               tma_a ? kTileABytes : 0);
+          if (tma_a) TmaLoad2d(s_a, &p.tmap_a, bar, k0, ti.slot0);
         }
-        const int kk = k0 + chunk * 8;
-        const bool k_ok = kk < p.k_dim;
+        if (tma_a) {
+          MbarArrive(bar);  // the 128 arrivals `full` expects from the producer
+        } else {
+          const int kk = k0 + chunk * 8;
+          const bool k_ok = kk < p.k_dim;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int r = (t_wg >> 3) + 16 * j;
-          const bool ok = a_ok[j] && k_ok;
-          CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+          for (int j = 0; j < 8; ++j) {
+            const int r = (t_wg >> 3) + 16 * j;
+            const bool ok = a_ok[j] && k_ok;
+            CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+          }
+          asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar)
+                       : "memory");
         }
-        asm volatile(
-            "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))
-            : "memory");
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;

@@ -46,6 +46,9 @@ inline GemmParams MakeGemmParams(const Sm90ExpertProblem& problem, const uint16_
   params.n_dim = n_dim;
   params.top_k = problem.top_k;
   params.b_expert_stride = b_expert_stride;
+  // Every routed row is one of the T*K (token, k) pairs, so the caller's A holds at most that
+  // many; the ws kernel's A map reads only rows below the last expert's end.
+  params.a_rows = problem.num_tokens * problem.top_k;
   return params;
 }
 
@@ -83,6 +86,22 @@ inline cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_
   const CUresult result =
       encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(weights), dims, strides,
              box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A 2-D map over A read in slot order ([rows][k_dim] bf16), boxes of 64 k x 128 rows in the
+// 128-byte swizzle, as the ws kernel's producer stages an A tile.
+inline cudaError_t EncodeSlotRowsMap(CUtensorMap* map, const void* a, int64_t rows, int64_t k_dim) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_dim), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k_dim) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(kMinBlockM)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -258,6 +277,10 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
       err = EncodeWeightMap(&params.tmap_b1, b1, params.num_experts, params.n_dim, params.k_dim,
                             params.b_expert_stride, box_rows);
     }
+  }
+  // The ws kernel's producer loads full tiles of an A read in slot order by TMA too.
+  if (err == cudaSuccess && config.warp_specialized && !config.ping_pong && !kGatherA) {
+    err = EncodeSlotRowsMap(&params.tmap_a, params.a, params.a_rows, params.k_dim);
   }
   if (err != cudaSuccess) return err;
   return LaunchTile<true>(variant, config, params, stream);

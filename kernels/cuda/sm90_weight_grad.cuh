@@ -224,20 +224,6 @@ __host__ __device__ constexpr int WgradSmemBytes() {
          WgradStages<kN, kSlabRows, kCtasPerSm>() * 8 /* kTmaSlots: a TMA mbarrier a stage */;
 }
 
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// TMA: one box of a 2-D tensor map into shared memory, completing `bar`'s transaction count.
-__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                          int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-
 // Epilogue: each thread owns, per 8-column block i, the pair of columns 2*(lane%4) of rows
 // lane/4 and lane/4 + 8 of its warp's 16 (the wgmma fragment), stored as float2. With
 // accumulate, all old values are read first so the loads overlap.
