@@ -65,8 +65,8 @@ constexpr int kMaxExperts = 512;  // the tile prefix and offsets live in shared 
 // Everything the kernel reads; passed by value as a __grid_constant__ so the tensor maps stay
 // in parameter space, where TMA may read them.
 struct GemmParams {
-  CUtensorMap tmap_a;       // ws kernel, A in slot order: [a_rows][k_dim], boxes of 64 k x 128
-                            // rows (encoded by DispatchGemm; unused elsewhere)
+  CUtensorMap tmap_a;       // A in slot order (plain and ws kernels): [a_rows][k_dim], boxes of
+                            // 64 k x 128 rows (encoded by DispatchGemm; else unused)
   CUtensorMap tmap_b0;      // W1 (kSwiGLU) or W2 (kPlain): [experts][n_dim][k_dim] (K-major)
                             // or [experts][k_dim][n_dim] (kTransB, boxes of 64 n x 64 k),
   CUtensorMap tmap_b1;      // W3 (kSwiGLU only); experts b_expert_stride elements apart
@@ -747,6 +747,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   constexpr int kThreads = kWarpgroups * 128;
   constexpr int kBlockM = kWarpgroups * 64;
   constexpr int kTileABytes = kBlockM * kBlockK * 2;
+  // Full tiles of an A in slot order come by TMA (tmap_a's boxes are kMinBlockM rows).
+  constexpr bool kTmaA = kTmaB && !kGatherA && kBlockM == kMinBlockM;
   constexpr int kTileBBytes = kN * kBlockK * 2;
   constexpr int kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kAhead = kStages - 2;
@@ -833,17 +835,24 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
       const int k0 = ld_kt * kBlockK;
       const int kk = k0 + chunk * 8;
       const bool k_ok = kk < p.k_dim;
-      // A: gathered rows, 128-byte swizzle (chunk c of row r lands at chunk c ^ (r % 8)).
+      // A in slot order, a tile of 128 rows all inside the expert's: one TMA box on the
+      // weights' mbarrier (as in the ws kernel); otherwise cp.async, which zero-fills.
+      const bool tma_a = kTmaA && ld.rows == kBlockM;
+      if (!tma_a) {
+        // A: gathered rows, 128-byte swizzle (chunk c of row r lands at chunk c ^ (r % 8)).
 #pragma unroll
-      for (int j = 0; j < kBlockM * 8 / kThreads; ++j) {
-        const int r = (tid >> 3) + j * (kThreads / 8);
-        const bool ok = a_ok[j] && k_ok;
-        CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+        for (int j = 0; j < kBlockM * 8 / kThreads; ++j) {
+          const int r = (tid >> 3) + j * (kThreads / 8);
+          const bool ok = a_ok[j] && k_ok;
+          CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
+        }
       }
       if constexpr (kTmaB) {
         if (tid == 0) {
-          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&bars[stage]), k0, ld.n0,
-                                               ld.expert);
+          const uint32_t bar = SmemAddr(&bars[stage]);
+          TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, bar, k0, ld.n0, ld.expert,
+                                               tma_a ? kTileABytes : 0);
+          if (tma_a) TmaLoad2d(s_a, &p.tmap_a, bar, k0, ld.slot0);
         }
       } else if constexpr (kTransB) {
         // MN-major by cp.async, the same bytes the boxes above would write: 16-byte piece

@@ -278,8 +278,8 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
                             params.b_expert_stride, box_rows);
     }
   }
-  // The ws kernel's producer loads full tiles of an A read in slot order by TMA too.
-  if (err == cudaSuccess && config.warp_specialized && !config.ping_pong && !kGatherA) {
+  // The plain and ws kernels load full tiles of an A read in slot order by TMA too.
+  if (err == cudaSuccess && !config.ping_pong && !kGatherA) {
     err = EncodeSlotRowsMap(&params.tmap_a, params.a, params.a_rows, params.k_dim);
   }
   if (err != cudaSuccess) return err;
