@@ -9,7 +9,11 @@
 // conflicts:
 //   A (activations): cp.async, 16 bytes per thread, rows GATHERED through the dispatch index
 //      while loading (row r of expert e is x[entries[offsets[e] + r] / K]), so the permuted copy
-//      of x never exists in device memory. Rows past the expert's count are zero-filled.
+//      of x never exists in device memory. Rows past the expert's count are zero-filled. An A
+//      read in slot order (the down-projection's activations, dXg's dH) comes, for the tiles
+//      whose 128 rows are all the expert's, as one TMA box a stage on the weights' mbarrier
+//      instead (plain and ws kernels; 3-13% less time on those GEMMs,
+//      bench/results/2026-11-22-h100-67c219d-tma-a-plain); ragged tiles keep cp.async.
 //   B (weights):     TMA (cp.async.bulk.tensor, 3-D map over [experts, rows, k]) completing on
 //      an mbarrier, or cp.async as a fallback; out-of-range rows and k are zero-filled either way.
 // The ring is shared by loads of the NEXT tile too (a load cursor runs kStages-2 steps ahead of
@@ -987,7 +991,9 @@ struct WsSmem {
 //     TMA, and all 128 threads issue the gathered A tile by cp.async (8 x 16 bytes each),
 //     then `cp.async.mbarrier.arrive.noinc`: each thread's arrival on `full` fires by itself
 //     once its copies have landed, so the producer never waits for its own loads (`full`
-//     expects 128 such arrivals + the TMA's expect-tx arrival). An earlier version waited on
+//     expects 128 such arrivals + the TMA's expect-tx arrival). A full tile of an A in slot
+//     order comes by TMA with the weights instead (thread 0 arms `full` with both tiles'
+//     bytes) and the 128 threads arrive plainly. An earlier version waited on
 //     cp.async groups to arrive and measured slower than the plain kernel.
 //   Consumers (register budget raised to 224): wait `full`, fence the cp.async writes (generic
 //     proxy) into the async proxy that wgmma reads, issue the wgmmas, and once the previous
