@@ -365,29 +365,12 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
   const bool fetcher = lane < ShapeG::kRows * kRowSetLanes;
   const int fetch_row = (tid - lane) / ShapeG::kChunksPerRow + lane % kRowSetLanes +
                         (lane / kRowSetLanes) * ShapeG::kRowStep;
-  // The index entries of the cursor's next slab (`raw`) and of the one after it (`raw_next`,
-  // fetched for the second cursor `nx`, one slab ahead): each entry load has two k-steps to land.
-  // With one, waiting for it took 20-21% of all warp stall samples of sonic-7b's dW13 and dW2
-  // (bench/results/2026-11-22-h100-9eff605-wgrad-stalls).
-  auto fetch_entry = [&](const WgradTile& t, int kt) {
-    const int r = kt * kSlabRows + fetch_row;
-    return (fetcher && r < t.count) ? p.entries[t.slot0 + r] : 0;
+  int raw = 0;
+  auto fetch_raw = [&]() {
+    const int r = ld_kt * kSlabRows + fetch_row;
+    raw = (fetcher && r < ld.count) ? p.entries[ld.slot0 + r] : 0;
   };
-  int nx_tile = ld_tile;
-  int nx_kt = ld_kt;
-  WgradTile nx = ld;
-  auto advance_nx = [&]() {
-    if (++nx_kt == nx.num_k) {
-      nx_kt = 0;
-      nx_tile += gridDim.x;
-      if (nx_tile < total) {
-        nx = DecodeWgradTile<kN, kSlabRows>(nx_tile, m_tiles, n_tiles, active, offs);
-      }
-    }
-  };
-  int raw = fetch_entry(ld, ld_kt);
-  advance_nx();
-  int raw_next = nx_tile < total ? fetch_entry(nx, nx_kt) : 0;
+  fetch_raw();
   // Row j of this thread's gathered share, as a token index (all 32 lanes must call).
   auto gathered_token = [&](int tok, int j) {
     return __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / ShapeG::kChunksPerRow);
@@ -461,9 +444,7 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
           ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
         }
       }
-      raw = raw_next;  // nx was one slab ahead of the cursor, which has now caught up with it
-      advance_nx();
-      if (nx_tile < total) raw_next = fetch_entry(nx, nx_kt);
+      if (ld_tile < total) fetch_raw();
     }
     CpAsyncCommit();  // always one group per step, so the wait counts stay exact
   };
