@@ -845,17 +845,20 @@ int Main(int argc, char** argv) {
       }
       const GpuSummary& svc_fwd_gpu = r->fwd_gpu[a];
       const GpuSummary& svc_bwd_gpu = r->bwd_gpu[b];
+      std::string svc_mhz = "-", svc_max_c = "-", svc_hot = "-";  // no sensor, no readings
+      if (svc_fwd_gpu.readings > 0 && svc_bwd_gpu.readings > 0) {
+        svc_mhz = std::to_string(std::min(svc_fwd_gpu.min_sm_mhz, svc_bwd_gpu.min_sm_mhz));
+        svc_max_c = std::to_string(std::max(svc_fwd_gpu.max_temp_c, svc_bwd_gpu.max_temp_c));
+        svc_hot = svc_fwd_gpu.thermal_slowdown || svc_bwd_gpu.thermal_slowdown ? "YES" : "no";
+      }
       std::printf(
           "%-12s %9s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
-          "%9.4f %9.4f %6s %9lld %7d %5d %4s\n",
+          "%9.4f %9.4f %6s %9lld %7s %5s %4s\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
           bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot,
           tot_tf, 100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err,
           r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
-          static_cast<long long>(r->chunks),
-          std::min(svc_fwd_gpu.min_sm_mhz, svc_bwd_gpu.min_sm_mhz),
-          std::max(svc_fwd_gpu.max_temp_c, svc_bwd_gpu.max_temp_c),
-          svc_fwd_gpu.thermal_slowdown || svc_bwd_gpu.thermal_slowdown ? "YES" : "no");
+          static_cast<long long>(r->chunks), svc_mhz.c_str(), svc_max_c.c_str(), svc_hot.c_str());
       if (!r->dispatch_equal) ++failures;
       line =
           absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
