@@ -90,17 +90,19 @@ inline cudaError_t EncodeWeightMap(CUtensorMap* map, const void* weights, int64_
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// A 2-D map over A read in slot order ([rows][k_dim] bf16), boxes of 64 k x 128 rows in the
-// 128-byte swizzle, as the ws kernel's producer stages an A tile.
-inline cudaError_t EncodeSlotRowsMap(CUtensorMap* map, const void* a, int64_t rows, int64_t k_dim) {
+// A 2-D map over rows read in slot order ([rows][row_elems] bf16), boxes of 64 elements x
+// box_rows rows in the 128-byte swizzle: the grouped GEMM's A tiles (box_rows 128) and the
+// weight gradients' slot-order operand (a slab, box_rows rows).
+inline cudaError_t EncodeSlotRowsMap(CUtensorMap* map, const void* data, int64_t rows,
+                                     int64_t row_elems, int box_rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_dim), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k_dim) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(kMinBlockM)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_elems) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result =
-      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a), dims, strides, box,
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data), dims, strides, box,
              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
@@ -280,7 +282,7 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
   }
   // The plain and ws kernels load full tiles of an A read in slot order by TMA too.
   if (err == cudaSuccess && !config.ping_pong && !kGatherA) {
-    err = EncodeSlotRowsMap(&params.tmap_a, params.a, params.a_rows, params.k_dim);
+    err = EncodeSlotRowsMap(&params.tmap_a, params.a, params.a_rows, params.k_dim, kMinBlockM);
   }
   if (err != cudaSuccess) return err;
   return LaunchTile<true>(variant, config, params, stream);

@@ -501,20 +501,10 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
   auto* kernel = sm90_weight_grad_kernel<kN, kSlabRows, kGatherA, kDrain, kCtasPerSm, kTmaSlots>;
   WeightGradParams params = params_in;
   if constexpr (kTmaSlots) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-    if (encode == nullptr) return cudaErrorNotSupported;
-    const int cols = kGatherA ? params.n_dim : params.m_dim;
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols),
-                                static_cast<cuuint64_t>(params.slot_rows)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(kSlabRows)};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult result =
-        encode(&params.slot_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-               const_cast<__nv_bfloat16*>(kGatherA ? params.b : params.a), dims, strides, box,
-               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (result != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    const cudaError_t encoded =
+        EncodeSlotRowsMap(&params.slot_map, kGatherA ? params.b : params.a, params.slot_rows,
+                          kGatherA ? params.n_dim : params.m_dim, kSlabRows);
+    if (encoded != cudaSuccess) return encoded;
   }
   constexpr int kSmem = WgradSmemBytes<kN, kSlabRows, kCtasPerSm>();
   static_assert(kSmem <= 227 * 1024, "shared memory over the sm_90 per-block limit");
