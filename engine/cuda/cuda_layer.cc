@@ -59,7 +59,6 @@ class CudaLayer : public Layer {
   ~CudaLayer() override {
     cudaSetDevice(device_);
     if (stream_) cudaStreamSynchronize(stream_->get());
-    if (pinned_ != nullptr) cudaFreeHost(pinned_);
   }
 
   absl::Status Init();
@@ -109,8 +108,7 @@ class CudaLayer : public Layer {
   int64_t step_ = 0;
   bool grads_zero_ = true;  // gradients known to be zero (after init, Step, ZeroGrad)
   std::vector<int64_t> tokens_seen_;
-  void* pinned_ = nullptr;  // host staging for router results and the gradient norm
-  int64_t pinned_bytes_ = 0;
+  PinnedHostBuffer pinned_;  // host staging for router results and the gradient norm
 };
 
 absl::Status CudaLayer::Upload(const void* src, int64_t bytes, DeviceBuffer* dst,
@@ -122,14 +120,9 @@ absl::Status CudaLayer::Upload(const void* src, int64_t bytes, DeviceBuffer* dst
 }
 
 absl::Status CudaLayer::EnsurePinned(int64_t bytes) {
-  if (bytes <= pinned_bytes_) return absl::OkStatus();
+  if (static_cast<size_t>(bytes) <= pinned_.bytes()) return absl::OkStatus();
   MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));  // nothing may still target it
-  if (pinned_ != nullptr) cudaFreeHost(pinned_);
-  pinned_ = nullptr;
-  pinned_bytes_ = 0;
-  MOE_CUDA_RETURN(cudaMallocHost(&pinned_, static_cast<size_t>(bytes)));
-  pinned_bytes_ = bytes;
-  return absl::OkStatus();
+  return pinned_.Reserve(static_cast<size_t>(bytes));
 }
 
 absl::Status CudaLayer::Init() {
@@ -225,7 +218,7 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
                                              stats->as<double>(), stats->as<double>() + ne, s));
   // Stage ids, weights and statistics in pinned memory; the dispatch's one sync covers them.
   MOE_RETURN_IF_ERROR(EnsurePinned((ne + 1) * 8 + t * k * 8));
-  char* pin = static_cast<char*>(pinned_);
+  char* pin = pinned_.as<char>();
   MOE_CUDA_RETURN(cudaMemcpyAsync(pin, stats->get(), (ne + 1) * 8, cudaMemcpyDeviceToHost, s));
   MOE_CUDA_RETURN(
       cudaMemcpyAsync(pin + (ne + 1) * 8, ids->get(), t * k * 4, cudaMemcpyDeviceToHost, s));
@@ -265,7 +258,7 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
 
   if (server()) {
     // The dispatch's sync completed the staged router results.
-    const char* pin = static_cast<const char*>(pinned_);
+    const char* pin = pinned_.as<const char>();
     std::vector<double> stats(ne + 1);
     std::memcpy(stats.data(), pin, (ne + 1) * 8);
     std::memcpy(res.expert_ids.as<int32_t>(), pin + (ne + 1) * 8, t * k * 4);
@@ -417,11 +410,11 @@ absl::StatusOr<StepResult> CudaLayer::Step() {
   MOE_CUDA_RETURN(
       kernels::LaunchSumSquares(grad_.as<float>(), n_params_, ws->get(), ws_bytes, sq_d, s));
   MOE_RETURN_IF_ERROR(EnsurePinned(8));
-  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, sq_d, 8, cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_.get(), sq_d, 8, cudaMemcpyDeviceToHost, s));
   // Step's one sync: the norm is part of the result and decides the clipping factor.
   MOE_CUDA_RETURN(cudaStreamSynchronize(s));
   double sq;
-  std::memcpy(&sq, pinned_, 8);
+  std::memcpy(&sq, pinned_.get(), 8);
   const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) {
     (void)ZeroGrad();

@@ -68,4 +68,18 @@ void DeviceBuffer::Reset() {
   stream_.reset();
 }
 
+PinnedHostBuffer::~PinnedHostBuffer() {
+  if (ptr_ != nullptr) cudaFreeHost(ptr_);
+}
+
+absl::Status PinnedHostBuffer::Reserve(size_t bytes) {
+  if (bytes <= bytes_) return absl::OkStatus();
+  if (ptr_ != nullptr) MOE_CUDA_RETURN(cudaFreeHost(ptr_));
+  ptr_ = nullptr;
+  bytes_ = 0;
+  MOE_CUDA_RETURN(cudaMallocHost(&ptr_, bytes));
+  bytes_ = bytes;
+  return absl::OkStatus();
+}
+
 }  // namespace moe::cuda

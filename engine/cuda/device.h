@@ -98,6 +98,30 @@ class DeviceBuffer {
   std::shared_ptr<Stream> stream_;
 };
 
+// Page-locked host memory (cudaMallocHost), grown on demand, never shrunk, freed with the
+// object: the staging the engine's device-to-host and host-to-device copies go through. Growing
+// drops the old contents, so the caller must first make sure no copy still targets it.
+class PinnedHostBuffer {
+ public:
+  PinnedHostBuffer() = default;
+  ~PinnedHostBuffer();
+  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
+  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+
+  // At least `bytes` long afterwards.
+  absl::Status Reserve(size_t bytes);
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 }  // namespace moe::cuda
 
 #endif  // MOE_ENGINE_CUDA_DEVICE_H_

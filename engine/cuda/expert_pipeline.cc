@@ -108,8 +108,7 @@ ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90Expe
     } else if (WorkPerExpert(shape, problem) <= kFusedMaxWorkPerExpert) {
       k = kDefaultFusedForward;
     } else {
-      k = shape.d_hidden <= kFusedUpMaxHidden ? ForwardKernels::kFusedUp
-                                              : ForwardKernels::kUnfused;
+      k = shape.d_hidden <= kFusedUpMaxHidden ? ForwardKernels::kFusedUp : ForwardKernels::kUnfused;
     }
   }
   if (k == ForwardKernels::kUnfused) return k;
@@ -180,10 +179,6 @@ const int32_t* ExpertPipeline::DeviceOffsets(const DispatchPlan& plan, const Chu
   return plan.counts.as<int32_t>() + (&ch - plan.chunks.data()) * (2 * shape_.expert_count + 1);
 }
 
-ExpertPipeline::~ExpertPipeline() {
-  if (pinned_ != nullptr) cudaFreeHost(pinned_);
-}
-
 absl::StatusOr<DeviceBuffer> ExpertPipeline::Alloc(int64_t bytes, const char* what) {
   return DeviceBuffer::Allocate(static_cast<size_t>(bytes), stream_, what);
 }
@@ -233,16 +228,11 @@ absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens, Di
         ws_bytes, stream_->get()));
   }
   const int64_t ints = num_chunks * per_chunk;
-  if (ints > pinned_ints_) {
+  if (static_cast<size_t>(ints) * 4 > pinned_.bytes()) {
     MOE_CUDA_RETURN(cudaStreamSynchronize(stream_->get()));  // old staging may still be a target
-    if (pinned_ != nullptr) cudaFreeHost(pinned_);
-    pinned_ = nullptr;
-    pinned_ints_ = 0;
-    MOE_CUDA_RETURN(
-        cudaMallocHost(reinterpret_cast<void**>(&pinned_), static_cast<size_t>(ints) * 4));
-    pinned_ints_ = ints;
+    MOE_RETURN_IF_ERROR(pinned_.Reserve(static_cast<size_t>(ints) * 4));
   }
-  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_, plan->counts.get(), static_cast<size_t>(ints) * 4,
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_.get(), plan->counts.get(), static_cast<size_t>(ints) * 4,
                                   cudaMemcpyDeviceToHost, stream_->get()));
   // The one host synchronisation of a forward: the grouped GEMMs need per-expert row counts
   // on the host.
@@ -252,7 +242,7 @@ absl::Status ExpertPipeline::Dispatch(const int32_t* ids, int64_t num_tokens, Di
   int64_t row_base = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     ChunkPlan& ch = plan->chunks[c];
-    const int32_t* src = pinned_ + c * per_chunk;
+    const int32_t* src = pinned_.as<int32_t>() + c * per_chunk;
     ch.offsets.assign(src, src + count + 1);
     ch.counts.assign(src + count + 1, src + per_chunk);
     ch.routed = ch.offsets[count];

@@ -207,7 +207,6 @@ class ExpertPipeline {
   // override below).
   ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream, GemmRunner* gemm,
                  int64_t max_chunk_rows = 0);
-  ~ExpertPipeline();
   ExpertPipeline(const ExpertPipeline&) = delete;
   ExpertPipeline& operator=(const ExpertPipeline&) = delete;
 
@@ -281,8 +280,7 @@ class ExpertPipeline {
   int64_t max_chunk_rows_;
   bool device_sm90_ = false;
   int num_sms_ = 0;
-  int32_t* pinned_ = nullptr;  // host staging for the counts, grown on demand
-  int64_t pinned_ints_ = 0;
+  PinnedHostBuffer pinned_;  // host staging for the counts
 };
 
 }  // namespace moe::cuda

@@ -16,11 +16,10 @@
 namespace moe::cuda {
 namespace {
 
-// One device's pinned buffer, grown on demand up to kMaxStagingBytes and never shrunk.
+// One device's pinned buffer, grown on demand up to kMaxStagingBytes, and its lock.
 struct Staging {
   std::mutex mu;
-  void* ptr = nullptr;
-  size_t bytes = 0;
+  PinnedHostBuffer buffer;
 };
 
 Staging& StagingFor(int device) {
@@ -30,17 +29,6 @@ Staging& StagingFor(int device) {
   std::unique_ptr<Staging>& s = (*stagings)[device];
   if (!s) s = std::make_unique<Staging>();
   return *s;
-}
-
-// Called with s.mu held.
-absl::Status Reserve(Staging& s, size_t bytes) {
-  if (bytes <= s.bytes) return absl::OkStatus();
-  if (s.ptr != nullptr) MOE_CUDA_RETURN(cudaFreeHost(s.ptr));
-  s.ptr = nullptr;
-  s.bytes = 0;
-  MOE_CUDA_RETURN(cudaMallocHost(&s.ptr, bytes));
-  s.bytes = bytes;
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -73,9 +61,11 @@ template <typename Piece>
 absl::Status ForEachStagedPiece(int device, size_t bytes, Piece piece) {
   Staging& s = StagingFor(device);
   std::lock_guard<std::mutex> lock(s.mu);
-  MOE_RETURN_IF_ERROR(Reserve(s, std::min(bytes, kMaxStagingBytes)));
-  for (size_t off = 0; off < bytes; off += s.bytes) {
-    MOE_RETURN_IF_ERROR(piece(s.ptr, off, std::min(s.bytes, bytes - off)));
+  // Every earlier transfer through it has synchronised on its stream, so nothing targets it.
+  MOE_RETURN_IF_ERROR(s.buffer.Reserve(std::min(bytes, kMaxStagingBytes)));
+  const size_t step = s.buffer.bytes();
+  for (size_t off = 0; off < bytes; off += step) {
+    MOE_RETURN_IF_ERROR(piece(s.buffer.get(), off, std::min(step, bytes - off)));
   }
   return absl::OkStatus();
 }
