@@ -14,6 +14,9 @@
 // down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
 // overwritten, not read; the fused results are checked against the unfused ones (dx and dp on
 // the first 16384 tokens, the first 16 Mi elements of each weight gradient; > 2e-2 fails).
+// Then the service's backward path twice more, back to back: its weight gradients on the
+// layer's stream (bwd_ser) and on their own stream beside dXg and the combine (bwd_ovl, the
+// default, ExpertShape::overlap_weight_grads); both must repeat the service path's bits.
 // TFLOP/s counting 6*T*K*d*h forward and 12*T*K*d*h backward, the two floors of fwd+bwd (its
 // flops over the cuBLAS rate below, its fewest bytes, FloorBytes, over the device copy
 // bandwidth measured in the same process), the bytes the forward keeps for the backward (x, H
@@ -102,6 +105,11 @@ constexpr int64_t kCheckGradElements = int64_t{1} << 24;
 struct Result {
   double fwd_ms[kNumPaths] = {}, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
   double bwd_ms[kNumBackwardPaths] = {};
+  // The service's backward path again, its weight gradients on the layer's stream (serial),
+  // then on their own stream (overlapped, the default) once more: the A/B of
+  // ExpertShape::overlap_weight_grads, timed back to back; both must give the same bits.
+  double bwd_serial_ms = 0, bwd_overlap_ms = 0;
+  bool serial_same_bits = false;
   // The GPU's state over each path's timed runs (readings only with a sensor).
   GpuSummary fwd_gpu[kNumPaths], bwd_gpu[kNumBackwardPaths];
   cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
@@ -309,6 +317,20 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
   std::vector<uint16_t> dx_host[kNumBackwardPaths];
   std::vector<float> dp_host[kNumBackwardPaths], dw2_host[kNumBackwardPaths],
       dw13_host[kNumBackwardPaths];
+  // The compared part of the latest backward's dx, dp, dW2 and dW13, to the host.
+  auto fetch_grads = [&](std::vector<uint16_t>* dxh, std::vector<float>* dph,
+                         std::vector<float>* dw2h, std::vector<float>* dw13h) -> absl::Status {
+    dxh->resize(static_cast<size_t>(check_rows * d));
+    dph->resize(static_cast<size_t>(check_rows * K));
+    dw2h->resize(static_cast<size_t>(check_w2));
+    dw13h->resize(static_cast<size_t>(check_w13));
+    MOE_CUDA_RETURN(cudaMemcpy(dxh->data(), out->get(), dxh->size() * 2, cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(cudaMemcpy(dph->data(), dp->get(), dph->size() * 4, cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(cudaMemcpy(dw2h->data(), dw2->get(), dw2h->size() * 4, cudaMemcpyDeviceToHost));
+    MOE_CUDA_RETURN(
+        cudaMemcpy(dw13h->data(), dw13->get(), dw13h->size() * 4, cudaMemcpyDeviceToHost));
+    return absl::OkStatus();
+  };
   for (int v = 0; v < kNumBackwardPaths; ++v) {
     cuda::ExpertShape bshape = shape;
     bshape.backward = kBackwardPaths[v];
@@ -327,18 +349,32 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     if (!bwd.ok()) return bwd.status();
     r.bwd_ms[v] = *bwd;
     r.bwd_gpu[v] = watch->last;
-    dx_host[v].resize(static_cast<size_t>(check_rows * d));
-    dp_host[v].resize(static_cast<size_t>(check_rows * K));
-    dw2_host[v].resize(static_cast<size_t>(check_w2));
-    dw13_host[v].resize(static_cast<size_t>(check_w13));
-    MOE_CUDA_RETURN(
-        cudaMemcpy(dx_host[v].data(), out->get(), dx_host[v].size() * 2, cudaMemcpyDeviceToHost));
-    MOE_CUDA_RETURN(
-        cudaMemcpy(dp_host[v].data(), dp->get(), dp_host[v].size() * 4, cudaMemcpyDeviceToHost));
-    MOE_CUDA_RETURN(
-        cudaMemcpy(dw2_host[v].data(), dw2->get(), dw2_host[v].size() * 4, cudaMemcpyDeviceToHost));
-    MOE_CUDA_RETURN(cudaMemcpy(dw13_host[v].data(), dw13->get(), dw13_host[v].size() * 4,
-                               cudaMemcpyDeviceToHost));
+    CHECK_OK(fetch_grads(&dx_host[v], &dp_host[v], &dw2_host[v], &dw13_host[v]));
+  }
+  {
+    cuda::ExpertShape sshape = shape;
+    sshape.backward = kBackwardPaths[r.auto_bwd];
+    r.serial_same_bits = true;
+    for (const bool overlap : {false, true}) {
+      sshape.overlap_weight_grads = overlap;
+      cuda::ExpertPipeline spipe(sshape, stream, gemm->get());
+      absl::StatusOr<double> bwd = TimeMs(
+          s, warmup, reps,
+          [&]() -> absl::Status {
+            return spipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
+                                  out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
+                                  /*grads_are_zero=*/true);
+          },
+          watch);
+      if (!bwd.ok()) return bwd.status();
+      (overlap ? r.bwd_overlap_ms : r.bwd_serial_ms) = *bwd;
+      std::vector<uint16_t> dx_again;
+      std::vector<float> dp_again, dw2_again, dw13_again;
+      CHECK_OK(fetch_grads(&dx_again, &dp_again, &dw2_again, &dw13_again));
+      const int v = r.auto_bwd;
+      r.serial_same_bits = r.serial_same_bits && dx_again == dx_host[v] && dp_again == dp_host[v] &&
+                           dw2_again == dw2_host[v] && dw13_again == dw13_host[v];
+    }
   }
   auto rel_err = [](const auto& got, const auto& want, auto value) {
     double num = 0, den = 0;
@@ -803,11 +839,15 @@ int Main(int argc, char** argv) {
       "fused-vs-unfused "
       "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
   std::printf(
-      "%-12s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s %9s %7s "
-      "%5s %4s\n",
+      "# bwd_ser / bwd_ovl: the service's backward path again, weight gradients on the layer's "
+      "stream, then on their own stream (the default), back to back; '=' both gave the bits of "
+      "the service path's run, 'X' one did not (a failure)\n");
+  std::printf(
+      "%-12s %9s %9s %9s %9s %9s %9s %9s %9s %10s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s "
+      "%9s %7s %5s %4s\n",
       "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "bwd_hyb",
-      "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err", "saved_MiB",
-      "disp_ms", "cub_ms", "equal", "chunks", "svcMHz", "maxC", "hot");
+      "bwd_ser", "bwd_ovl", "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err",
+      "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks", "svcMHz", "maxC", "hot");
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute, &watch);
@@ -852,14 +892,16 @@ int Main(int argc, char** argv) {
         svc_hot = svc_fwd_gpu.thermal_slowdown || svc_bwd_gpu.thermal_slowdown ? "YES" : "no";
       }
       std::printf(
-          "%-12s %9s %9s %9s %9s %9s %9s %9s %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f %7.1e %10.1f "
-          "%9.4f %9.4f %6s %9lld %7s %5s %4s\n",
+          "%-12s %9s %9s %9s %9s %9s %9s %9s %9.3f %9.3f%c %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f "
+          "%7.1e %10.1f %9.4f %9.4f %6s %9lld %7s %5s %4s\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
-          bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->fwd_ms[0] + r->bwd_ms[0], tot,
-          tot_tf, 100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err,
-          r->saved_bytes / 1048576.0, r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
+          bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->bwd_serial_ms, r->bwd_overlap_ms,
+          r->serial_same_bits ? '=' : 'X', r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf,
+          100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err, r->saved_bytes / 1048576.0,
+          r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",
           static_cast<long long>(r->chunks), svc_mhz.c_str(), svc_max_c.c_str(), svc_hot.c_str());
       if (!r->dispatch_equal) ++failures;
+      if (!r->serial_same_bits) ++failures;
       line =
           absl::StrCat("{\"preset\": \"", p->name, "\", \"impl\": \"moe-offload\", \"T\": ", p->T,
                        ", \"d\": ", p->d, ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
@@ -882,6 +924,9 @@ int Main(int argc, char** argv) {
         absl::StrAppend(&line, ", \"bwd_", key, "_ms\": ", r->bwd_ms[v], ", \"ran_bwd_", key,
                         "\": \"", cuda::BackwardKernelsName(r->ran_bwd[v]), "\"");
       }
+      absl::StrAppend(&line, ", \"bwd_svc_serial_ms\": ", r->bwd_serial_ms,
+                      ", \"bwd_svc_overlap_ms\": ", r->bwd_overlap_ms,
+                      ", \"serial_same_bits\": ", r->serial_same_bits ? "true" : "false");
       absl::StrAppend(&line, ", \"flop_floor_ms\": ", flop_floor_ms,
                       ", \"byte_floor_ms\": ", byte_floor_ms, ", \"copy_gbs\": ", *copy_gbs);
       absl::StrAppend(&line, ", \"fwdbwd_unfused_all_ms\": ", r->fwd_ms[0] + r->bwd_ms[0],

@@ -68,6 +68,31 @@ void DeviceBuffer::Reset() {
   stream_.reset();
 }
 
+absl::StatusOr<Event> Event::Create(int device) {
+  MOE_CUDA_RETURN(cudaSetDevice(device));
+  Event e;
+  MOE_CUDA_RETURN(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
+  return e;
+}
+
+Event::~Event() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+Event& Event::operator=(Event&& o) noexcept {
+  if (this != &o) {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+    event_ = std::exchange(o.event_, nullptr);
+  }
+  return *this;
+}
+
+absl::Status StreamWaitFor(cudaStream_t waiter, cudaStream_t done, const Event& event) {
+  MOE_CUDA_RETURN(cudaEventRecord(event.get(), done));
+  MOE_CUDA_RETURN(cudaStreamWaitEvent(waiter, event.get(), 0));
+  return absl::OkStatus();
+}
+
 PinnedHostBuffer::~PinnedHostBuffer() {
   if (ptr_ != nullptr) cudaFreeHost(ptr_);
 }

@@ -98,6 +98,28 @@ class DeviceBuffer {
   std::shared_ptr<Stream> stream_;
 };
 
+// A CUDA event without timing, for making one stream wait for another's work; destroyed
+// with the object.
+class Event {
+ public:
+  static absl::StatusOr<Event> Create(int device);
+  Event() = default;
+  ~Event();
+  Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// Everything enqueued on `done` so far happens before anything enqueued on `waiter` after this
+// call (records `event` on `done`, `waiter` waits for it).
+absl::Status StreamWaitFor(cudaStream_t waiter, cudaStream_t done, const Event& event);
+
 // Page-locked host memory (cudaMallocHost), grown on demand, never shrunk, freed with the
 // object: the staging the engine's device-to-host and host-to-device copies go through. Growing
 // drops the old contents, so the caller must first make sure no copy still targets it.

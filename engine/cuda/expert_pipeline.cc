@@ -36,6 +36,7 @@ uint16_t* Bf16At(void* base, int64_t bytes) {
 std::atomic<int64_t> test_max_chunk_rows{0};
 std::atomic<int> test_forward_kernels{static_cast<int>(ForwardKernels::kAuto)};
 std::atomic<int> test_backward_kernels{static_cast<int>(BackwardKernels::kAuto)};
+std::atomic<bool> test_serial_weight_grads{false};
 
 // MOE_DISABLE_FUSED=1 in the environment turns kAuto into kUnfused for the whole process (an
 // operator's escape hatch if the fused kernels misbehave on some driver). Read once.
@@ -136,6 +137,7 @@ void SetForwardKernelsForTesting(ForwardKernels k) { test_forward_kernels = stat
 void SetBackwardKernelsForTesting(BackwardKernels k) {
   test_backward_kernels = static_cast<int>(k);
 }
+void SetSerialWeightGradsForTesting(bool serial) { test_serial_weight_grads = serial; }
 
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
                                GemmRunner* gemm, int64_t max_chunk_rows)
@@ -147,6 +149,7 @@ ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream>
   if (forced != ForwardKernels::kAuto) shape_.forward = forced;
   const auto forced_backward = static_cast<BackwardKernels>(test_backward_kernels.load());
   if (forced_backward != BackwardKernels::kAuto) shape_.backward = forced_backward;
+  if (test_serial_weight_grads) shape_.overlap_weight_grads = false;
   const int device = stream_->device();
   device_sm90_ = kernels::Sm90DeviceSupported(device);
   if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -181,6 +184,25 @@ const int32_t* ExpertPipeline::DeviceOffsets(const DispatchPlan& plan, const Chu
 
 absl::StatusOr<DeviceBuffer> ExpertPipeline::Alloc(int64_t bytes, const char* what) {
   return DeviceBuffer::Allocate(static_cast<size_t>(bytes), stream_, what);
+}
+
+absl::StatusOr<ExpertPipeline::SideLane*> ExpertPipeline::Lane() {
+  if (lane_ != nullptr) return lane_.get();
+  auto lane = std::make_unique<SideLane>();
+  absl::StatusOr<std::shared_ptr<Stream>> stream = Stream::Create(stream_->device());
+  if (!stream.ok()) return stream.status();
+  lane->stream = std::move(*stream);
+  absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create(lane->stream);
+  if (!gemm.ok()) return gemm.status();
+  lane->gemm = std::move(*gemm);
+  lane->gemm->set_mode(gemm_->mode());
+  for (Event* e : {&lane->start, &lane->done}) {
+    absl::StatusOr<Event> made = Event::Create(stream_->device());
+    if (!made.ok()) return made.status();
+    *e = std::move(*made);
+  }
+  lane_ = std::move(lane);
+  return lane_.get();
 }
 
 int64_t ExpertPipeline::ChunkTokens(int64_t num_tokens) const {
@@ -389,8 +411,12 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
     // Overwrite only in the first chunk; an expert with no rows there keeps its zeros, since
     // the runner skips k = 0 problems.
     const float beta = grads_are_zero && &ch == &plan.chunks.front() ? 0.f : 1.f;
-    DeviceBuffer dxg;
-    if (n > 0) {
+    void* dx_rows = Offset(dx, ch.t0 * d * dxe);
+    if (n == 0) {
+      // No rows routed here: the combine writes the chunk's dx rows as zeros.
+      MOE_CUDA_RETURN(kernels::LaunchCombine(nullptr, type, slots, nullptr, ch.tokens,
+                                             static_cast<int32_t>(K), d, dx_rows, dx_type, s));
+    } else {
       DeviceBuffer h_tmp;
       const void* hb;
       if (h_saved != nullptr) {
@@ -417,14 +443,9 @@ absl::Status ExpertPipeline::Backward(const DispatchPlan& plan, const void* x, c
         MOE_RETURN_IF_ERROR(ChunkUp(plan, ch, kernels_used, x, w, h_rows, a_tmp.get()));
         hb = h_rows;
       }
-      absl::StatusOr<DeviceBuffer> dxb = ChunkBackward(plan, ch, ChunkBackwardKernels(ch), x, hb, p,
-                                                       dout, w, grads, beta == 0.f, dp, &h_tmp);
-      if (!dxb.ok()) return dxb.status();
-      dxg = std::move(*dxb);
+      MOE_RETURN_IF_ERROR(ChunkBackward(plan, ch, ChunkBackwardKernels(ch), x, hb, p, dout, w,
+                                        grads, beta == 0.f, dp, &h_tmp, dx_rows, dx_type));
     }
-    MOE_CUDA_RETURN(kernels::LaunchCombine(dxg.get(), type, slots, nullptr, ch.tokens,
-                                           static_cast<int32_t>(K), d, Offset(dx, ch.t0 * d * dxe),
-                                           dx_type, s));
   }
   return absl::OkStatus();
 }
@@ -456,10 +477,11 @@ FusedGemms FusedGemmsOf(BackwardKernels path) {
 
 }  // namespace
 
-absl::StatusOr<DeviceBuffer> ExpertPipeline::ChunkBackward(
-    const DispatchPlan& plan, const ChunkPlan& ch, BackwardKernels path, const void* x,
-    const void* hb, const float* p, const void* dout, const ExpertWeights& w,
-    const ExpertGrads& grads, bool overwrite, float* dp, DeviceBuffer* h_tmp) {
+absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
+                                           BackwardKernels path, const void* x, const void* hb,
+                                           const float* p, const void* dout, const ExpertWeights& w,
+                                           const ExpertGrads& grads, bool overwrite, float* dp,
+                                           DeviceBuffer* h_tmp, void* dx_rows, ElemType dx_type) {
   const FusedGemms fused = FusedGemmsOf(path);
   const ElemType type = shape_.type;
   const int64_t e = static_cast<int64_t>(kernels::ElemSize(type));
@@ -531,50 +553,81 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::ChunkBackward(
   }
   h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
 
+  // Every buffer the weight gradients read is allocated here, before the lane starts: the
+  // lane then waits for the layer's stream, and the layer's stream waits for the lane before
+  // any of them is freed (`join`, declared after them, so destroyed first, also on an error).
+  const void* gathered_dout = gbuf.get();
+  DeviceBuffer xg;
+  if (!fused.dw13) {
+    if (gbuf.get() != nullptr) {
+      xg = std::move(gbuf);  // same size; the x gather is ordered after dW2's reads of dout
+    } else {
+      absl::StatusOr<DeviceBuffer> b = Alloc(n * d * e, "gathered x");
+      if (!b.ok()) return b.status();
+      xg = std::move(*b);
+    }
+  }
+  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
+  if (!dxg.ok()) return dxg.status();
+  struct LaneJoin {
+    SideLane* lane = nullptr;
+    cudaStream_t main = nullptr;
+    absl::Status Join() {
+      SideLane* l = std::exchange(lane, nullptr);
+      return l == nullptr ? absl::OkStatus() : StreamWaitFor(main, l->stream->get(), l->done);
+    }
+    ~LaneJoin() { Join().IgnoreError(); }
+  } join;
+  cudaStream_t gs = s;  // where the weight gradients run
+  GemmRunner* grad_gemm = gemm_;
+  if (shape_.overlap_weight_grads) {
+    absl::StatusOr<SideLane*> lane = Lane();
+    if (!lane.ok()) return lane.status();
+    MOE_RETURN_IF_ERROR(StreamWaitFor((*lane)->stream->get(), s, (*lane)->start));
+    join.lane = *lane;
+    join.main = s;
+    gs = (*lane)->stream->get();
+    grad_gemm = (*lane)->gemm.get();
+  }
+
   if (fused.dw2) {
     MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
         prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(),
-        offsets, entries, grads.dw2, !overwrite, s));
+        offsets, entries, grads.dw2, !overwrite, gs));
   } else {
     for (size_t l = 0; l < nl; ++l) {
       const int64_t off = ch.offsets[l];
       // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
       probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
                        Offset(ap->get(), off * h * e), static_cast<int>(h),
-                       Offset(gbuf.get(), off * d * e), static_cast<int>(d),
+                       Offset(gathered_dout, off * d * e), static_cast<int>(d),
                        grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
     }
     MOE_RETURN_IF_ERROR(
-        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+        grad_gemm->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
     probs.clear();
   }
-  gbuf.Reset();
-  ap->Reset();
 
   if (fused.dw13) {
     MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
         prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
-        Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, s));
+        Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, gs));
   } else {
-    absl::StatusOr<DeviceBuffer> xg = Alloc(n * d * e, "gathered x");
-    if (!xg.ok()) return xg.status();
     MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                              static_cast<int32_t>(K), n, xg->get(), s));
+                                              static_cast<int32_t>(K), n, xg.get(), gs));
     for (size_t l = 0; l < nl; ++l) {
       const int64_t off = ch.offsets[l];
       // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
       probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
-                       Offset(xg->get(), off * d * e), static_cast<int>(d),
+                       Offset(xg.get(), off * d * e), static_cast<int>(d),
                        Offset(dh->get(), off * g * e), static_cast<int>(g),
                        grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
     }
     MOE_RETURN_IF_ERROR(
-        gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
+        grad_gemm->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
     probs.clear();
   }
 
-  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
-  if (!dxg.ok()) return dxg.status();
   if (fused.dx) {
     MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(
         prob, config(kernels::Sm90Projection::kBackwardDX), dh->as<uint16_t>(), Bf16At(w.w13, 0),
@@ -590,7 +643,10 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::ChunkBackward(
     }
     MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
   }
-  return std::move(*dxg);
+  MOE_CUDA_RETURN(kernels::LaunchCombine(dxg->get(), type, plan.slot_of.as<int32_t>() + ch.t0 * K,
+                                         nullptr, ch.tokens, static_cast<int32_t>(K), d, dx_rows,
+                                         dx_type, s));
+  return join.Join();
 }
 
 }  // namespace moe::cuda

@@ -91,6 +91,12 @@ struct ExpertShape {
   kernels::ElemType type = kernels::ElemType::kBFloat16;
   ForwardKernels forward = ForwardKernels::kAuto;
   BackwardKernels backward = BackwardKernels::kAuto;
+  // The backward runs a chunk's weight gradients (dW2, dW13 and the x gather they may need) on
+  // a second stream, beside its dXg GEMM and dx combine, instead of before them on the layer's
+  // stream: the weight gradients only read what the SwiGLU backward pass has written, and on
+  // the widest presets they are bound by their fp32 stores while dXg is bound by its math. The
+  // results are the same bits either way (each GEMM and its accumulation order is unchanged).
+  bool overlap_weight_grads = true;
 
   bool gated() const { return activation == 0; }
   int64_t gate_width() const { return gated() ? 2 * d_hidden : d_hidden; }
@@ -193,6 +199,10 @@ inline constexpr double kHybridBackwardMaxWorkPerExpert = 8589934592.0;  // 2^33
 void SetForwardKernelsForTesting(ForwardKernels k);
 void SetBackwardKernelsForTesting(BackwardKernels k);
 
+// Test hook: pipelines created afterwards run the weight gradients on the layer's stream
+// (overlap_weight_grads off) while `serial` is true.
+void SetSerialWeightGradsForTesting(bool serial);
+
 // Test hook: pipelines created afterwards use at most `rows` routed rows per chunk, so small
 // test shapes run through several chunks. 0 restores the default.
 void SetMaxChunkRowsForTesting(int64_t rows);
@@ -258,14 +268,16 @@ class ExpertPipeline {
   // The backward of one chunk with routed rows by `path` (each of its four GEMMs by the sm90
   // kernel or per-expert cuBLAS, see BackwardKernels), after its H rows `hb` (saved, or
   // recomputed into *h_tmp, which is released once read) are at hand: dp rows, the weight
-  // gradients (`overwrite`: write them, else add to them) and, returned, dXg [routed, d] in
-  // slot order for the combine. Gathered copies of dout or x exist only while a cuBLAS GEMM
-  // needs them.
-  absl::StatusOr<DeviceBuffer> ChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch,
-                                             BackwardKernels path, const void* x, const void* hb,
-                                             const float* p, const void* dout,
-                                             const ExpertWeights& w, const ExpertGrads& grads,
-                                             bool overwrite, float* dp, DeviceBuffer* h_tmp);
+  // gradients (`overwrite`: write them, else add to them), dXg [routed, d] in slot order and
+  // its combine into the chunk's dx rows `dx_rows`. Gathered copies of dout or x exist only
+  // while a cuBLAS GEMM needs them. With overlap_weight_grads the weight gradients run on the
+  // side lane, and the layer's stream waits for them before this returns (also on an error),
+  // so every buffer it frees afterwards is free of the lane's reads.
+  absl::Status ChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch, BackwardKernels path,
+                             const void* x, const void* hb, const float* p, const void* dout,
+                             const ExpertWeights& w, const ExpertGrads& grads, bool overwrite,
+                             float* dp, DeviceBuffer* h_tmp, void* dx_rows,
+                             kernels::ElemType dx_type);
   // The forward's up-projection of one chunk by `kernels_used`: H [routed, g] into hb and, when
   // `a` is not null, A [routed, h] (the fused kernel always needs `a`). Forward and the
   // recompute-mode Backward both run this.
@@ -274,6 +286,16 @@ class ExpertPipeline {
 
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes, const char* what);
 
+  // The second stream the weight gradients run on (overlap_weight_grads), with its own cuBLAS
+  // runner and the events that order it against the layer's stream; made on first use.
+  struct SideLane {
+    std::shared_ptr<Stream> stream;
+    std::unique_ptr<GemmRunner> gemm;
+    Event start;  // the lane waits for the layer's stream (dH and pA written)
+    Event done;   // the layer's stream waits for the lane
+  };
+  absl::StatusOr<SideLane*> Lane();
+
   ExpertShape shape_;
   std::shared_ptr<Stream> stream_;
   GemmRunner* gemm_;
@@ -281,6 +303,7 @@ class ExpertPipeline {
   bool device_sm90_ = false;
   int num_sms_ = 0;
   PinnedHostBuffer pinned_;  // host staging for the counts
+  std::unique_ptr<SideLane> lane_;
 };
 
 }  // namespace moe::cuda

@@ -1,15 +1,21 @@
-// Helpers shared by the CUDA engine's tests against the CPU engine (cuda_engine_test.cc and
-// recompute_test.cc, one binary): random inputs and the normalised error both hold the GPU's
-// tensors to.
+// Helpers shared by the CUDA engine's tests (cuda_engine_test.cc, recompute_test.cc and
+// weight_grad_overlap_test.cc, one binary): random inputs, the normalised error the GPU's
+// tensors are held to, and a training sequence that records everything a layer produces.
 #ifndef MOE_TESTS_ENGINE_CUDA_ENGINE_TEST_UTIL_H_
 #define MOE_TESTS_ENGINE_CUDA_ENGINE_TEST_UTIL_H_
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <numeric>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "engine/layer.h"
 #include "engine/tensor.h"
 
 namespace moe::testing {
@@ -57,6 +63,79 @@ inline Tensor RandomFloat(DType dtype, std::vector<int64_t> shape, std::mt19937_
     }
   }
   return t;
+}
+
+// One training round's inputs: x and dout [T, d], client routing ids and weights [T, K].
+struct Round {
+  Tensor x, ids, w, dout;
+};
+
+// `n` rounds of Normal inputs; each token's K experts are distinct and uniformly drawn.
+inline std::vector<Round> RandomRounds(int n, DType dtype, int64_t T, int64_t d, int64_t K,
+                                       int64_t experts, std::mt19937_64& rng) {
+  std::vector<Round> rounds(n);
+  for (Round& r : rounds) {
+    r.x = RandomFloat(dtype, {T, d}, rng, 1.f);
+    r.dout = RandomFloat(dtype, {T, d}, rng, 1.f);
+    r.ids = Tensor::Zeros(DType::kInt32, {T, K});
+    r.w = RandomFloat(DType::kFloat32, {T, K}, rng, 0.5f);
+    std::vector<int32_t> pool(experts);
+    std::iota(pool.begin(), pool.end(), 0);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        std::uniform_int_distribution<int64_t> pick(k, experts - 1);
+        std::swap(pool[k], pool[pick(rng)]);
+        r.ids.as<int32_t>()[t * K + k] = pool[k];
+      }
+    }
+  }
+  return rounds;
+}
+
+// Everything one layer produces over the sequence, by name, plus its saved-context sizes.
+struct Trace {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<int64_t> context_bytes;
+  int64_t routed = 0;  // (t,k) rows routed to local experts, round 0
+};
+
+// Per round a training Forward and its Backward (gradients accumulate), then a Step and the
+// full state export; records out, dx, dp, the gradient norm and every state tensor.
+inline void RunSequence(Layer& layer, const std::vector<Round>& rounds, const std::string& what,
+                        Trace* tr) {
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    ForwardRequest req;
+    req.x = rounds[r].x.view();
+    if (layer.config().routing == RoutingMode::kClient) {
+      req.expert_ids = rounds[r].ids.view();
+      req.weights = rounds[r].w.view();
+    }
+    absl::StatusOr<ForwardResult> f = layer.Forward(req);
+    ASSERT_TRUE(f.ok()) << f.status() << " " << what;
+    ASSERT_NE(f->context, nullptr) << what;
+    tr->context_bytes.push_back(f->context->bytes());
+    if (r == 0) {
+      for (int64_t n : f->tokens_per_local_expert) tr->routed += n;
+    }
+    const std::string k = std::to_string(r);
+    tr->tensors.push_back({"out " + k, f->out});
+    absl::StatusOr<BackwardResult> b = layer.Backward(std::move(f->context), rounds[r].dout.view());
+    ASSERT_TRUE(b.ok()) << b.status() << " " << what;
+    tr->tensors.push_back({"dx " + k, b->dx});
+    if (layer.config().routing == RoutingMode::kClient)
+      tr->tensors.push_back({"dp " + k, b->dweights});
+  }
+  absl::StatusOr<StepResult> s = layer.Step();
+  ASSERT_TRUE(s.ok()) << s.status() << " " << what;
+  Tensor norm = Tensor::Zeros(DType::kFloat32, {1});
+  norm.as<float>()[0] = static_cast<float>(s->grad_norm);
+  tr->tensors.push_back({"grad norm", norm});
+  absl::StatusOr<std::map<std::string, Tensor>> st = layer.ExportState(true);
+  ASSERT_TRUE(st.ok()) << st.status() << " " << what;
+  for (const auto& [name, t] : *st) {
+    if (t.dtype == DType::kInt64) continue;  // "step": equal by construction
+    tr->tensors.push_back({"state " + name, t});
+  }
 }
 
 }  // namespace moe::testing

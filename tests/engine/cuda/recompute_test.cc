@@ -39,7 +39,10 @@ namespace moe {
 namespace {
 
 using testing::NormErr;
-using testing::RandomFloat;
+using testing::RandomRounds;
+using testing::Round;
+using testing::RunSequence;
+using testing::Trace;
 
 struct RCase {
   int64_t tokens, experts, top_k, d, h;
@@ -59,54 +62,6 @@ std::string Describe(const RCase& c, uint64_t seed) {
     << " forward=" << cuda::ForwardKernelsName(c.forward) << " chunk_rows=" << c.chunk_rows
     << " shard=[" << c.first << ",+" << c.count << ") seed=" << seed;
   return s.str();
-}
-
-struct Round {
-  Tensor x, ids, w, dout;
-};
-
-// Everything one layer produces over the sequence, by name, plus its saved-context sizes.
-struct Trace {
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  std::vector<int64_t> context_bytes;
-  int64_t routed = 0;  // (t,k) rows routed to local experts, round 0
-};
-
-void RunSequence(Layer& layer, const std::vector<Round>& rounds, const std::string& what,
-                 Trace* tr) {
-  for (size_t r = 0; r < rounds.size(); ++r) {
-    ForwardRequest req;
-    req.x = rounds[r].x.view();
-    if (layer.config().routing == RoutingMode::kClient) {
-      req.expert_ids = rounds[r].ids.view();
-      req.weights = rounds[r].w.view();
-    }
-    absl::StatusOr<ForwardResult> f = layer.Forward(req);
-    ASSERT_TRUE(f.ok()) << f.status() << " " << what;
-    ASSERT_NE(f->context, nullptr) << what;
-    tr->context_bytes.push_back(f->context->bytes());
-    if (r == 0) {
-      for (int64_t n : f->tokens_per_local_expert) tr->routed += n;
-    }
-    const std::string k = std::to_string(r);
-    tr->tensors.push_back({"out " + k, f->out});
-    absl::StatusOr<BackwardResult> b = layer.Backward(std::move(f->context), rounds[r].dout.view());
-    ASSERT_TRUE(b.ok()) << b.status() << " " << what;
-    tr->tensors.push_back({"dx " + k, b->dx});
-    if (layer.config().routing == RoutingMode::kClient)
-      tr->tensors.push_back({"dp " + k, b->dweights});
-  }
-  absl::StatusOr<StepResult> s = layer.Step();
-  ASSERT_TRUE(s.ok()) << s.status() << " " << what;
-  Tensor norm = Tensor::Zeros(DType::kFloat32, {1});
-  norm.as<float>()[0] = static_cast<float>(s->grad_norm);
-  tr->tensors.push_back({"grad norm", norm});
-  absl::StatusOr<std::map<std::string, Tensor>> st = layer.ExportState(true);
-  ASSERT_TRUE(st.ok()) << st.status() << " " << what;
-  for (const auto& [name, t] : *st) {
-    if (t.dtype == DType::kInt64) continue;  // "step": equal by construction
-    tr->tensors.push_back({"state " + name, t});
-  }
 }
 
 class CudaRecomputeTest : public ::testing::TestWithParam<RCase> {
@@ -152,22 +107,7 @@ TEST_P(CudaRecomputeTest, BitwiseKeepHAndWithinToleranceOfCpu) {
   recompute.recompute_h = true;
 
   const int64_t T = c.tokens, K = c.top_k, d = c.d;
-  std::vector<Round> rounds(2);
-  for (Round& r : rounds) {
-    r.x = RandomFloat(c.dtype, {T, d}, rng, 1.f);
-    r.dout = RandomFloat(c.dtype, {T, d}, rng, 1.f);
-    r.ids = Tensor::Zeros(DType::kInt32, {T, K});
-    r.w = RandomFloat(DType::kFloat32, {T, K}, rng, 0.5f);
-    std::vector<int32_t> pool(c.experts);
-    std::iota(pool.begin(), pool.end(), 0);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t k = 0; k < K; ++k) {
-        std::uniform_int_distribution<int64_t> pick(k, c.experts - 1);
-        std::swap(pool[k], pool[pick(rng)]);
-        r.ids.as<int32_t>()[t * K + k] = pool[k];
-      }
-    }
-  }
+  const std::vector<Round> rounds = RandomRounds(2, c.dtype, T, d, K, c.experts, rng);
 
   absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();

@@ -1,0 +1,126 @@
+// The backward's weight gradients on the side lane (ExpertShape::overlap_weight_grads, the
+// default) against the same layer with them on the layer's stream: every tensor of a training
+// sequence must be the same bits. GPU only (label "gpu").
+//
+// The lane only moves work between streams; each GEMM and its accumulation order stay as they
+// are, so any difference is an ordering bug: the lane reading dH or pA before the SwiGLU
+// backward pass wrote them, or a buffer freed (and, with poisoned allocations, refilled with
+// NaN by the next allocation) while the lane still reads it. Several dispatch chunks make the
+// lane's gradient sums of one chunk and the next chunk's pass meet; each backward path is
+// forced in turn, since they hand the lane different buffers (gathered dout reused for x in
+// the unfused path, a fresh gathered x in the hybrid, none in the fused ones).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "engine/cuda/cuda_engine.h"
+#include "engine/cuda/device.h"
+#include "engine/cuda/expert_pipeline.h"
+#include "engine/layer.h"
+#include "engine/tensor.h"
+#include "tests/engine/cuda/engine_test_util.h"
+
+namespace moe {
+namespace {
+
+using testing::NormErr;
+using testing::RandomRounds;
+using testing::Round;
+using testing::RunSequence;
+using testing::Trace;
+
+struct OCase {
+  int64_t tokens, experts, top_k, d, h;
+  DType dtype;
+  cuda::BackwardKernels backward;
+  int64_t chunk_rows = 0;  // > 0: force dispatch chunks of this many rows
+};
+
+class WeightGradOverlapTest : public ::testing::TestWithParam<OCase> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    cuda::SetPoisonAllocationsForTesting(true);
+  }
+  void TearDown() override {
+    cuda::SetPoisonAllocationsForTesting(false);
+    cuda::SetMaxChunkRowsForTesting(0);
+    cuda::SetBackwardKernelsForTesting(cuda::BackwardKernels::kAuto);
+    cuda::SetSerialWeightGradsForTesting(false);
+  }
+};
+
+TEST_P(WeightGradOverlapTest, SameBitsAsOnTheLayersStream) {
+  const OCase& c = GetParam();
+  const uint64_t seed = std::random_device{}();
+  std::ostringstream describe;
+  describe << "T=" << c.tokens << " E=" << c.experts << " K=" << c.top_k << " d=" << c.d
+           << " h=" << c.h << " dtype=" << DTypeName(c.dtype)
+           << " backward=" << cuda::BackwardKernelsName(c.backward)
+           << " chunk_rows=" << c.chunk_rows << " seed=" << seed;
+  const std::string what = describe.str();
+  std::mt19937_64 rng(seed);
+  cuda::SetMaxChunkRowsForTesting(c.chunk_rows);
+  cuda::SetBackwardKernelsForTesting(c.backward);
+
+  LayerConfig config;
+  config.num_experts = c.experts;
+  config.top_k = c.top_k;
+  config.d_model = c.d;
+  config.d_hidden = c.h;
+  config.activation = Activation::kSwiGLU;
+  config.dtype = c.dtype;
+  config.routing = RoutingMode::kClient;
+  config.seed = rng();
+  config.optimizer.learning_rate = 1e-2;
+  const std::vector<Round> rounds =
+      RandomRounds(2, c.dtype, c.tokens, c.d, c.top_k, c.experts, rng);
+
+  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  Trace traces[2];  // overlapped, serial
+  for (int i = 0; i < 2; ++i) {
+    cuda::SetSerialWeightGradsForTesting(i == 1);  // read when the layer makes its pipeline
+    absl::StatusOr<std::unique_ptr<Layer>> layer = (*gpu)->CreateLayer(config);
+    cuda::SetSerialWeightGradsForTesting(false);
+    ASSERT_TRUE(layer.ok()) << layer.status() << " " << what;
+    RunSequence(**layer, rounds, what, &traces[i]);
+    if (HasFatalFailure()) return;
+  }
+  const Trace &overlapped = traces[0], &serial = traces[1];
+  ASSERT_EQ(overlapped.tensors.size(), serial.tensors.size()) << what;
+  ASSERT_GT(overlapped.routed, 0) << what;
+  std::printf("[case] %s\n", what.c_str());
+  for (size_t i = 0; i < serial.tensors.size(); ++i) {
+    const std::string& name = serial.tensors[i].first;
+    const Tensor& got = overlapped.tensors[i].second;
+    const Tensor& want = serial.tensors[i].second;
+    ASSERT_EQ(overlapped.tensors[i].first, name);
+    const bool same = got.bytes == want.bytes;
+    EXPECT_TRUE(same) << name << " differs from the serial backward's (err " << NormErr(got, want)
+                      << "); " << what;
+    std::printf("  %-24s %s\n", name.c_str(), same ? "same bits" : "DIFFERS");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Paths, WeightGradOverlapTest,
+    ::testing::Values(
+        // Each backward path (the fused ones need sm_90 and fall back to unfused elsewhere),
+        // bf16, several chunks, widths the sm90 kernels take.
+        OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kUnfused, 300},
+        OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFused, 300},
+        OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFusedEpilogue, 300},
+        OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kHybrid, 300},
+        // One chunk, more experts and rows: the lane's GEMMs long enough to overlap dXg.
+        OCase{2048, 16, 4, 256, 128, DType::kBFloat16, cuda::BackwardKernels::kFused, 0},
+        OCase{2048, 16, 4, 256, 128, DType::kBFloat16, cuda::BackwardKernels::kHybrid, 0},
+        // fp32 (unfused only), odd widths, several chunks.
+        OCase{300, 7, 3, 37, 19, DType::kFloat32, cuda::BackwardKernels::kAuto, 61}));
+
+}  // namespace
+}  // namespace moe
