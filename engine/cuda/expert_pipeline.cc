@@ -37,6 +37,11 @@ std::atomic<int64_t> test_max_chunk_rows{0};
 std::atomic<int> test_forward_kernels{static_cast<int>(ForwardKernels::kAuto)};
 std::atomic<int> test_backward_kernels{static_cast<int>(BackwardKernels::kAuto)};
 std::atomic<bool> test_serial_weight_grads{false};
+std::atomic<LaneDelayForTesting> test_lane_delay{nullptr};
+
+void DelayForTesting(LaneTestPoint point, cudaStream_t stream) {
+  if (const LaneDelayForTesting delay = test_lane_delay.load()) delay(point, stream);
+}
 
 // MOE_DISABLE_FUSED=1 in the environment turns kAuto into kUnfused for the whole process (an
 // operator's escape hatch if the fused kernels misbehave on some driver). Read once.
@@ -138,6 +143,7 @@ void SetBackwardKernelsForTesting(BackwardKernels k) {
   test_backward_kernels = static_cast<int>(k);
 }
 void SetSerialWeightGradsForTesting(bool serial) { test_serial_weight_grads = serial; }
+void SetLaneDelayForTesting(LaneDelayForTesting delay) { test_lane_delay = delay; }
 
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
                                GemmRunner* gemm, int64_t max_chunk_rows)
@@ -514,6 +520,7 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   if (!dh.ok()) return dh.status();
   absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
   if (!ap.ok()) return ap.status();
+  DelayForTesting(LaneTestPoint::kLayerBeforeDA, s);
   // The sm90 dA GEMM's tiles; with the SwiGLU backward in its epilogue it has its own choice.
   const kernels::Sm90GemmConfig da_config =
       !fused.da ? kernels::Sm90GemmConfig{}
@@ -589,6 +596,7 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
     gs = (*lane)->stream->get();
     grad_gemm = (*lane)->gemm.get();
   }
+  DelayForTesting(LaneTestPoint::kLaneStart, gs);
 
   if (fused.dw2) {
     MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(

@@ -203,6 +203,17 @@ void SetBackwardKernelsForTesting(BackwardKernels k);
 // (overlap_weight_grads off) while `serial` is true.
 void SetSerialWeightGradsForTesting(bool serial);
 
+// Test hook: the two places where the weight-gradient lane's ordering against the layer's
+// stream matters. The backward calls `delay` (when set) with the stream about to run there, so
+// a test can enqueue a wait on the GPU and make a missing stream wait show deterministically:
+//   kLayerBeforeDA: the layer's stream, dH and pA allocated, before the dA GEMM (and the
+//                   SwiGLU backward after it) write them;
+//   kLaneStart:     the lane (or the layer's stream when serial), before its first GEMM.
+// nullptr removes it.
+enum class LaneTestPoint { kLayerBeforeDA, kLaneStart };
+using LaneDelayForTesting = void (*)(LaneTestPoint point, cudaStream_t stream);
+void SetLaneDelayForTesting(LaneDelayForTesting delay);
+
 // Test hook: pipelines created afterwards use at most `rows` routed rows per chunk, so small
 // test shapes run through several chunks. 0 restores the default.
 void SetMaxChunkRowsForTesting(int64_t rows);

@@ -3,12 +3,15 @@
 // sequence must be the same bits. GPU only (label "gpu").
 //
 // The lane only moves work between streams; each GEMM and its accumulation order stay as they
-// are, so any difference is an ordering bug: the lane reading dH or pA before the SwiGLU
-// backward pass wrote them, or a buffer freed (and, with poisoned allocations, refilled with
-// NaN by the next allocation) while the lane still reads it. Several dispatch chunks make the
-// lane's gradient sums of one chunk and the next chunk's pass meet; each backward path is
-// forced in turn, since they hand the lane different buffers (gathered dout reused for x in
-// the unfused path, a fresh gathered x in the hybrid, none in the fused ones).
+// are, so any difference is an ordering bug: the lane reading dH or pA before they are written,
+// or the layer's stream going on (freeing buffers the lane reads, stepping with gradients the
+// lane has not finished) without waiting for it. Left to chance these show only when the host
+// falls behind the GPU, so the test makes the GPU wait (gpu_delay.h) at the two points the
+// engine's hook names: the layer's stream before dA, and the lane before its first GEMM. Two
+// builds with one of the two stream waits removed each fail every case here. Several dispatch
+// chunks make one chunk's lane meet the next chunk's dA; each backward path is forced in turn,
+// since they hand the lane different buffers (gathered dout reused for x in the unfused path,
+// a fresh gathered x in the hybrid, none in the fused ones).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -23,6 +26,7 @@
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
+#include "tests/engine/cuda/gpu_delay.h"
 
 namespace moe {
 namespace {
@@ -32,6 +36,19 @@ using testing::RandomRounds;
 using testing::Round;
 using testing::RunSequence;
 using testing::Trace;
+
+// Each longer than any of these cases' kernels take, and the layer's longer than the lane's:
+// a lane that does not wait for the layer's stream then runs its GEMMs while dA has not even
+// started, and a layer stream that does not wait for the lane finishes the backward (and the
+// step) before the lane's GEMMs have run.
+int64_t DelayMicroseconds(cuda::LaneTestPoint point) {
+  return point == cuda::LaneTestPoint::kLayerBeforeDA ? 10000 : 4000;
+}
+
+void DelayAtLanePoint(cuda::LaneTestPoint point, cudaStream_t stream) {
+  const cudaError_t err = testing::EnqueueGpuDelay(stream, DelayMicroseconds(point));
+  if (err != cudaSuccess) ADD_FAILURE() << "EnqueueGpuDelay: " << cudaGetErrorString(err);
+}
 
 struct OCase {
   int64_t tokens, experts, top_k, d, h;
@@ -45,12 +62,14 @@ class WeightGradOverlapTest : public ::testing::TestWithParam<OCase> {
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
     cuda::SetPoisonAllocationsForTesting(true);
+    cuda::SetLaneDelayForTesting(&DelayAtLanePoint);
   }
   void TearDown() override {
     cuda::SetPoisonAllocationsForTesting(false);
     cuda::SetMaxChunkRowsForTesting(0);
     cuda::SetBackwardKernelsForTesting(cuda::BackwardKernels::kAuto);
     cuda::SetSerialWeightGradsForTesting(false);
+    cuda::SetLaneDelayForTesting(nullptr);
   }
 };
 
@@ -116,7 +135,7 @@ INSTANTIATE_TEST_SUITE_P(
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFused, 300},
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFusedEpilogue, 300},
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kHybrid, 300},
-        // One chunk, more experts and rows: the lane's GEMMs long enough to overlap dXg.
+        // One chunk, more experts and rows.
         OCase{2048, 16, 4, 256, 128, DType::kBFloat16, cuda::BackwardKernels::kFused, 0},
         OCase{2048, 16, 4, 256, 128, DType::kBFloat16, cuda::BackwardKernels::kHybrid, 0},
         // fp32 (unfused only), odd widths, several chunks.
