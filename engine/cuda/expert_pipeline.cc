@@ -125,12 +125,13 @@ BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90) {
   BackwardKernels k = shape.backward;
   if (k == BackwardKernels::kAuto) {
-    const double work = WorkPerExpert(shape, problem);
-    if (FusedDisabledByEnv() || work > kHybridBackwardMaxWorkPerExpert) {
+    if (FusedDisabledByEnv()) {
       k = BackwardKernels::kUnfused;
+    } else if (WorkPerExpert(shape, problem) <= kFusedBackwardMaxWorkPerExpert) {
+      k = BackwardKernels::kFused;
     } else {
-      k = work > kFusedBackwardMaxWorkPerExpert ? BackwardKernels::kHybrid
-                                                : BackwardKernels::kFused;
+      k = shape.d_hidden <= kHybridBackwardMaxHidden ? BackwardKernels::kHybrid
+                                                     : BackwardKernels::kUnfused;
     }
   }
   if (k == BackwardKernels::kUnfused) return k;

@@ -167,11 +167,11 @@ inline constexpr int64_t kFusedUpMaxHidden = 4096;
 
 // The one place that decides the backward's kernels for one chunk, like UseFusedForward:
 // `shape.backward` kAuto -> kUnfused under MOE_DISABLE_FUSED=1; else by the average per-expert
-// GEMM work: kFused up to kFusedBackwardMaxWorkPerExpert, kHybrid up to
-// kHybridBackwardMaxWorkPerExpert, kUnfused above. A result that runs any sm90 kernel (kFused,
-// kHybrid, a forced kFusedEpilogue) is then reduced to kUnfused unless the fused kernels take
-// the problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The backward path does not depend on the
-// forward's: both read and write the same buffers.
+// GEMM work: kFused up to kFusedBackwardMaxWorkPerExpert, above it kHybrid where d_hidden <=
+// kHybridBackwardMaxHidden and kUnfused where it is wider. A result that runs any sm90 kernel
+// (kFused, kHybrid, a forced kFusedEpilogue) is then reduced to kUnfused unless the fused kernels
+// take the problem (SwiGLU, bf16, sm_90, Sm90CanImplement). The backward path does not depend on
+// the forward's: both read and write the same buffers.
 BackwardKernels UseFusedBackward(const ExpertShape& shape,
                                  const kernels::Sm90ExpertProblem& problem, bool device_sm90);
 
@@ -185,13 +185,18 @@ inline constexpr double kFusedBackwardMaxWorkPerExpert = 2147483648.0;  // 2^31 
 // Above that, the hybrid (sm90 dA and dW2: no gathered copy of dout; cuBLAS dW13 and dXg)
 // measured faster than both others at 3.8-4.3 G multiply-adds per expert (H100,
 // bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs 6.65 unfused and 7.16 fused,
-// scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and 37.31) and slower than the
-// unfused path at mixtral's 120 G (19.93 vs 18.43: cuBLAS's dA is then as fast and the sm90
-// dW2 slower). The main run repeats it (-8feb5c1-final: olmoe 6.34 vs 6.77 unfused and 6.66
-// fused, scale-32k 6.69 vs 6.93 and 6.75, deepseek-v3 34.91 vs 35.15 and 38.11, mixtral 20.88
-// vs 18.91) and has the hybrid ahead of unfused by 0.3-1.4% at 17-270 G (scale-128k to 2m),
-// within run-to-run spread, so the bound stays at 2^33.
-inline constexpr double kHybridBackwardMaxWorkPerExpert = 8589934592.0;  // 2^33 multiply-adds
+// scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and 37.31), and slower than the
+// unfused path on mixtral (19.93 vs 18.43: with h = 14336, cuBLAS's dA is as fast and the sm90
+// dW2 slower). Up to 2^33 multiply-adds it was at first, with the hybrid's lead over unfused at
+// 17-270 G (scale-128k to 2m) within run-to-run spread (0.3-1.4%, -8feb5c1-final; 0.5-0.8%,
+// -f5b0b6d-final). Since the weight gradients run on their own stream
+// (ExpertShape::overlap_weight_grads) the lead is larger and the same each time: scale-128k
+// 24.97 vs 25.87 ms, scale-512k 100.48 vs 103.59, scale-2m 412.38 vs 420.94
+// (-ec42bec-overlap), scale-128k 25.36 vs 26.22 (-ec42bec-overlap-ab2), while mixtral stays
+// unfused's (20.08 vs 18.18, 20.29 vs 18.30). So the width, not the work, now separates them:
+// the hybrid where h is at most the fused up-projection's bound (deepseek-v3's 2048 and below,
+// every preset but mixtral), cuBLAS where it is wider.
+inline constexpr int64_t kHybridBackwardMaxHidden = kFusedUpMaxHidden;
 
 // Test hooks: pipelines created afterwards take these as their shape's `forward` / `backward`
 // when not kAuto (the engine tests force each path through the CUDA layer). kAuto restores the

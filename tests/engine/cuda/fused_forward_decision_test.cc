@@ -97,9 +97,10 @@ TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
 //   5.58 vs 6.90, scale-8k 2.19 vs 3.19); the hybrid (sm90 dA and dW2, cuBLAS dW13 and dXg) where
 //   it measured faster than both (bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs
 //   6.65 unfused and 7.16 fused, scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and
-//   37.31); the unfused one where cuBLAS was faster than both (mixtral 18.43 vs 19.93 hybrid and
-//   24.40 fused) or the hybrid's lead was within run-to-run spread (scale-128k: 25.92 hybrid vs
-//   26.29 unfused, bench/results/2026-11-21-h100-8feb5c1-final).
+//   37.31), and at the largest per-expert GEMMs too since the weight gradients have their own
+//   stream (scale-128k 24.97 vs 25.87 unfused, bench/results/2026-11-22-h100-ec42bec-overlap);
+//   the unfused one where cuBLAS was faster than both (mixtral, h = 14336: 18.43 vs 19.93
+//   hybrid and 24.40 fused).
 struct MeasuredPreset {
   const char* name;
   int64_t T, d, h, E, K;
@@ -120,7 +121,8 @@ constexpr MeasuredPreset kMeasuredPresets[] = {
     {"deepseek-v3", 8192, 7168, 2048, 256, 8, kUp, kH},
     {"scale-8k", 8192, 2048, 1024, 64, 4, kUpDown, kF},
     {"scale-32k", 32768, 2048, 1024, 64, 4, kUp, kH},
-    {"scale-128k", 131072, 2048, 1024, 64, 4, kUp, kU},
+    {"scale-128k", 131072, 2048, 1024, 64, 4, kUp, kH},
+    {"scale-2m", 2097152, 2048, 1024, 64, 4, kUp, kH},
 };
 
 ExpertShape PresetShape(const MeasuredPreset& p) {
@@ -216,14 +218,21 @@ TEST(UseFusedBackwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
 }
 
 // d = h = 1024, K = 2, E = 8: T tokens give T / 4 * 2^20 multiply-adds per expert, so T = 8192
-// sits exactly on kFusedBackwardMaxWorkPerExpert and T = 32768 on the hybrid's bound.
-TEST(UseFusedBackwardTest, WorkThresholdsAreInclusiveUpperBounds) {
+// sits exactly on kFusedBackwardMaxWorkPerExpert. Above it the width decides, at any work.
+TEST(UseFusedBackwardTest, WorkThresholdThenWidthBound) {
   if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
   const ExpertShape s = SwiGluBf16Backward(1024, 1024, BackwardKernels::kAuto);
   EXPECT_EQ(UseFusedBackward(s, Problem(s, 8192), true), BackwardKernels::kFused);
   EXPECT_EQ(UseFusedBackward(s, Problem(s, 8196), true), BackwardKernels::kHybrid);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 32768), true), BackwardKernels::kHybrid);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 32772), true), BackwardKernels::kUnfused);
+  EXPECT_EQ(UseFusedBackward(s, Problem(s, 1 << 21), true), BackwardKernels::kHybrid);
+  const ExpertShape at_bound =
+      SwiGluBf16Backward(1024, kHybridBackwardMaxHidden, BackwardKernels::kAuto);
+  EXPECT_EQ(UseFusedBackward(at_bound, Problem(at_bound, 8192), true), BackwardKernels::kHybrid);
+  const ExpertShape wider =
+      SwiGluBf16Backward(1024, kHybridBackwardMaxHidden + 64, BackwardKernels::kAuto);
+  EXPECT_EQ(UseFusedBackward(wider, Problem(wider, 8192), true), BackwardKernels::kUnfused);
+  // Below the work threshold the fused backward whatever the width.
+  EXPECT_EQ(UseFusedBackward(wider, Problem(wider, 64), true), BackwardKernels::kFused);
   // The hybrid runs sm90 kernels too: off sm_90 it falls back like kFused.
   EXPECT_EQ(UseFusedBackward(s, Problem(s, 16384), false), BackwardKernels::kUnfused);
 }

@@ -5,13 +5,15 @@
 // The lane only moves work between streams; each GEMM and its accumulation order stay as they
 // are, so any difference is an ordering bug: the lane reading dH or pA before they are written,
 // or the layer's stream going on (freeing buffers the lane reads, stepping with gradients the
-// lane has not finished) without waiting for it. Left to chance these show only when the host
-// falls behind the GPU, so the test makes the GPU wait (gpu_delay.h) at the two points the
-// engine's hook names: the layer's stream before dA, and the lane before its first GEMM. Two
-// builds with one of the two stream waits removed each fail every case here. Several dispatch
-// chunks make one chunk's lane meet the next chunk's dA; each backward path is forced in turn,
-// since they hand the lane different buffers (gathered dout reused for x in the unfused path,
-// a fresh gathered x in the hybrid, none in the fused ones).
+// lane has not finished) without waiting for it. Left to chance these show only when the GPU
+// runs far enough behind the host, so the test makes the GPU wait (gpu_delay.h) at the two
+// points the engine's hook names: the layer's stream before dA, and the lane before its first
+// GEMM. A build whose lane does not wait for the layer's stream fails all seven cases, one whose
+// layer stream does not wait for the lane six (all but the one-chunk hybrid), on an H100
+// (bench/results/2026-11-22-h100-920e1a3-overlap-mutants). Several dispatch chunks make one
+// chunk's lane meet the next chunk's dA; each backward path is forced in turn, since they hand
+// the lane different buffers (gathered dout reused for x in the unfused path, a fresh gathered
+// x in the hybrid, none in the fused ones).
 #include <gtest/gtest.h>
 
 #include <cstdio>
