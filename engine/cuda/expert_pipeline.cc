@@ -561,11 +561,132 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   }
   h_tmp->Reset();  // the recomputed H (recompute mode) is read for the last time above
 
-  // Every buffer the weight gradients read is allocated here, before the lane starts: the
-  // lane then waits for the layer's stream, and the layer's stream waits for the lane before
-  // any of them is freed (`join`, declared after them, so destroyed first, also on an error).
   const void* gathered_dout = gbuf.get();
-  DeviceBuffer xg;
+  // The three GEMMs left: the weight gradients on `on` through `runner` (dW13's gathered x in
+  // `xg` when cuBLAS runs it), then dXg and its combine on the layer's stream.
+  auto weight_grad_w2 = [&](cudaStream_t on, GemmRunner* runner) -> absl::Status {
+    if (fused.dw2) {
+      MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
+          prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(),
+          offsets, entries, grads.dw2, !overwrite, on));
+      return absl::OkStatus();
+    }
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
+      probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
+                       Offset(ap->get(), off * h * e), static_cast<int>(h),
+                       Offset(gathered_dout, off * d * e), static_cast<int>(d),
+                       grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
+    }
+    absl::Status st =
+        runner->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs);
+    probs.clear();
+    return st;
+  };
+  auto weight_grad_w13 = [&](cudaStream_t on, GemmRunner* runner, void* xg) -> absl::Status {
+    if (fused.dw13) {
+      MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
+          prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
+          Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, on));
+      return absl::OkStatus();
+    }
+    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
+                                              static_cast<int32_t>(K), n, xg, on));
+    for (size_t l = 0; l < nl; ++l) {
+      const int64_t off = ch.offsets[l];
+      // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
+      probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
+                       Offset(xg, off * d * e), static_cast<int>(d), Offset(dh->get(), off * g * e),
+                       static_cast<int>(g), grads.dw13 + static_cast<int64_t>(l) * g * d,
+                       static_cast<int>(d)});
+    }
+    absl::Status st =
+        runner->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs);
+    probs.clear();
+    return st;
+  };
+  auto data_grad = [&](void* dxg) -> absl::Status {
+    if (fused.dx) {
+      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(
+          prob, config(kernels::Sm90Projection::kBackwardDX), dh->as<uint16_t>(), Bf16At(w.w13, 0),
+          offsets, static_cast<uint16_t*>(dxg), s));
+    } else {
+      for (size_t l = 0; l < nl; ++l) {
+        const int64_t off = ch.offsets[l];
+        // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
+        probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
+                         Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
+                         Offset(dh->get(), off * g * e), static_cast<int>(g),
+                         Offset(dxg, off * d * e), static_cast<int>(d)});
+      }
+      absl::Status st = gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs);
+      probs.clear();
+      MOE_RETURN_IF_ERROR(st);
+    }
+    MOE_CUDA_RETURN(kernels::LaunchCombine(dxg, type, plan.slot_of.as<int32_t>() + ch.t0 * K,
+                                           nullptr, ch.tokens, static_cast<int32_t>(K), d, dx_rows,
+                                           dx_type, s));
+    return absl::OkStatus();
+  };
+
+  // With the lane, dW13's gathered x and dXg are allocated before it starts and live beside dH
+  // and pA until it is done: one [routed, d] buffer more than the serial order's peak. Where the
+  // pool cannot give them, this chunk runs in the serial order instead, so the lane never
+  // lowers the largest batch that fits.
+  DeviceBuffer xg, dxg;
+  bool overlap = shape_.overlap_weight_grads;
+  if (overlap) {
+    auto reserve = [&](DeviceBuffer* b, const char* what) -> absl::Status {
+      absl::StatusOr<DeviceBuffer> got = Alloc(n * d * e, what);
+      if (got.ok()) {
+        *b = std::move(*got);
+      } else if (absl::IsResourceExhausted(got.status())) {
+        overlap = false;
+      } else {
+        return got.status();
+      }
+      return absl::OkStatus();
+    };
+    if (!fused.dw13 && gbuf.get() == nullptr) MOE_RETURN_IF_ERROR(reserve(&xg, "gathered x"));
+    if (overlap) MOE_RETURN_IF_ERROR(reserve(&dxg, "dXg"));
+    if (!overlap) {
+      xg.Reset();
+      dxg.Reset();
+    }
+  }
+  if (overlap) {
+    // Every buffer the lane reads exists before it starts: the lane waits for the layer's
+    // stream, and the layer's stream waits for the lane before any of them is freed (`join`,
+    // declared after them, is destroyed first, also on an error).
+    if (!fused.dw13 && gbuf.get() != nullptr) {
+      xg = std::move(gbuf);  // same size; the x gather is ordered after dW2's reads of dout
+    }
+    absl::StatusOr<SideLane*> lane = Lane();
+    if (!lane.ok()) return lane.status();
+    struct LaneJoin {
+      SideLane* lane = nullptr;
+      cudaStream_t main = nullptr;
+      absl::Status Join() {
+        SideLane* l = std::exchange(lane, nullptr);
+        return l == nullptr ? absl::OkStatus() : StreamWaitFor(main, l->stream->get(), l->done);
+      }
+      ~LaneJoin() { Join().IgnoreError(); }
+    } join;
+    const cudaStream_t ls = (*lane)->stream->get();
+    MOE_RETURN_IF_ERROR(StreamWaitFor(ls, s, (*lane)->start));
+    join.lane = *lane;
+    join.main = s;
+    DelayForTesting(LaneTestPoint::kLaneStart, ls);
+    MOE_RETURN_IF_ERROR(weight_grad_w2(ls, (*lane)->gemm.get()));
+    MOE_RETURN_IF_ERROR(weight_grad_w13(ls, (*lane)->gemm.get(), xg.get()));
+    MOE_RETURN_IF_ERROR(data_grad(dxg.get()));
+    return join.Join();
+  }
+  // The serial order frees each buffer after its last reader, as early as it can.
+  DelayForTesting(LaneTestPoint::kLaneStart, s);
+  MOE_RETURN_IF_ERROR(weight_grad_w2(s, gemm_));
+  ap->Reset();
   if (!fused.dw13) {
     if (gbuf.get() != nullptr) {
       xg = std::move(gbuf);  // same size; the x gather is ordered after dW2's reads of dout
@@ -575,87 +696,13 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
       xg = std::move(*b);
     }
   }
-  absl::StatusOr<DeviceBuffer> dxg = Alloc(n * d * e, "dXg");
-  if (!dxg.ok()) return dxg.status();
-  struct LaneJoin {
-    SideLane* lane = nullptr;
-    cudaStream_t main = nullptr;
-    absl::Status Join() {
-      SideLane* l = std::exchange(lane, nullptr);
-      return l == nullptr ? absl::OkStatus() : StreamWaitFor(main, l->stream->get(), l->done);
-    }
-    ~LaneJoin() { Join().IgnoreError(); }
-  } join;
-  cudaStream_t gs = s;  // where the weight gradients run
-  GemmRunner* grad_gemm = gemm_;
-  if (shape_.overlap_weight_grads) {
-    absl::StatusOr<SideLane*> lane = Lane();
-    if (!lane.ok()) return lane.status();
-    MOE_RETURN_IF_ERROR(StreamWaitFor((*lane)->stream->get(), s, (*lane)->start));
-    join.lane = *lane;
-    join.main = s;
-    gs = (*lane)->stream->get();
-    grad_gemm = (*lane)->gemm.get();
-  }
-  DelayForTesting(LaneTestPoint::kLaneStart, gs);
-
-  if (fused.dw2) {
-    MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
-        prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(),
-        offsets, entries, grads.dw2, !overwrite, gs));
-  } else {
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dW2_l (col-major [h, d]) += (pA)_l^T [h, m] x G_l [m, d].
-      probs.push_back({static_cast<int>(h), static_cast<int>(d), ch.counts[l],
-                       Offset(ap->get(), off * h * e), static_cast<int>(h),
-                       Offset(gathered_dout, off * d * e), static_cast<int>(d),
-                       grads.dw2 + static_cast<int64_t>(l) * d * h, static_cast<int>(h)});
-    }
-    MOE_RETURN_IF_ERROR(
-        grad_gemm->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-    probs.clear();
-  }
-
-  if (fused.dw13) {
-    MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
-        prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
-        Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, gs));
-  } else {
-    MOE_CUDA_RETURN(kernels::LaunchGatherRows(Offset(x, ch.t0 * d * e), d * e, entries,
-                                              static_cast<int32_t>(K), n, xg.get(), gs));
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dW13_l (col-major [d, g]) += Xg_l^T [d, m] x dH_l [m, g].
-      probs.push_back({static_cast<int>(d), static_cast<int>(g), ch.counts[l],
-                       Offset(xg.get(), off * d * e), static_cast<int>(d),
-                       Offset(dh->get(), off * g * e), static_cast<int>(g),
-                       grads.dw13 + static_cast<int64_t>(l) * g * d, static_cast<int>(d)});
-    }
-    MOE_RETURN_IF_ERROR(
-        grad_gemm->Run({CUBLAS_OP_N, CUBLAS_OP_T, type, ElemType::kFloat32, beta}, probs));
-    probs.clear();
-  }
-
-  if (fused.dx) {
-    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(
-        prob, config(kernels::Sm90Projection::kBackwardDX), dh->as<uint16_t>(), Bf16At(w.w13, 0),
-        offsets, dxg->as<uint16_t>(), s));
-  } else {
-    for (size_t l = 0; l < nl; ++l) {
-      const int64_t off = ch.offsets[l];
-      // dXg_l^T [d, m] = W13_l^T (col-major view of row-major [g, d]) x dH_l^T [g, m].
-      probs.push_back({static_cast<int>(d), ch.counts[l], static_cast<int>(g),
-                       Offset(w.w13, static_cast<int64_t>(l) * g * d * e), static_cast<int>(d),
-                       Offset(dh->get(), off * g * e), static_cast<int>(g),
-                       Offset(dxg->get(), off * d * e), static_cast<int>(d)});
-    }
-    MOE_RETURN_IF_ERROR(gemm_->Run({CUBLAS_OP_N, CUBLAS_OP_N, type, type, 0.f}, probs));
-  }
-  MOE_CUDA_RETURN(kernels::LaunchCombine(dxg->get(), type, plan.slot_of.as<int32_t>() + ch.t0 * K,
-                                         nullptr, ch.tokens, static_cast<int32_t>(K), d, dx_rows,
-                                         dx_type, s));
-  return join.Join();
+  gbuf.Reset();
+  MOE_RETURN_IF_ERROR(weight_grad_w13(s, gemm_, xg.get()));
+  xg.Reset();
+  absl::StatusOr<DeviceBuffer> dxb = Alloc(n * d * e, "dXg");
+  if (!dxb.ok()) return dxb.status();
+  dxg = std::move(*dxb);
+  return data_grad(dxg.get());
 }
 
 }  // namespace moe::cuda

@@ -96,6 +96,8 @@ struct ExpertShape {
   // stream: the weight gradients only read what the SwiGLU backward pass has written, and on
   // the widest presets they are bound by their fp32 stores while dXg is bound by its math. The
   // results are the same bits either way (each GEMM and its accumulation order is unchanged).
+  // It holds one more [routed rows, d] buffer at once than the serial order; a chunk for which
+  // the device has no room for it runs serially, so the largest batch that fits is the same.
   bool overlap_weight_grads = true;
 
   bool gated() const { return activation == 0; }
@@ -288,7 +290,8 @@ class ExpertPipeline {
   // its combine into the chunk's dx rows `dx_rows`. Gathered copies of dout or x exist only
   // while a cuBLAS GEMM needs them. With overlap_weight_grads the weight gradients run on the
   // side lane, and the layer's stream waits for them before this returns (also on an error),
-  // so every buffer it frees afterwards is free of the lane's reads.
+  // so every buffer it frees afterwards is free of the lane's reads; a chunk whose extra
+  // buffer for that the pool cannot give runs in the serial order instead.
   absl::Status ChunkBackward(const DispatchPlan& plan, const ChunkPlan& ch, BackwardKernels path,
                              const void* x, const void* hb, const float* p, const void* dout,
                              const ExpertWeights& w, const ExpertGrads& grads, bool overwrite,
