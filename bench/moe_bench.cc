@@ -331,21 +331,25 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
         cudaMemcpy(dw13h->data(), dw13->get(), dw13h->size() * 4, cudaMemcpyDeviceToHost));
     return absl::OkStatus();
   };
+  // The median backward of a pipeline on this plan, H and inputs, as in a training step with
+  // one micro-batch: the gradients start at zero after Step.
+  auto time_backward = [&](cuda::ExpertPipeline& bpipe) {
+    return TimeMs(
+        s, warmup, reps,
+        [&]() -> absl::Status {
+          return bpipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
+                                out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
+                                /*grads_are_zero=*/true);
+        },
+        watch);
+  };
   for (int v = 0; v < kNumBackwardPaths; ++v) {
     cuda::ExpertShape bshape = shape;
     bshape.backward = kBackwardPaths[v];
     cuda::ExpertPipeline bpipe(bshape, stream, gemm->get());
     r.ran_bwd[v] = bpipe.ChunkBackwardKernels(plan.chunks.front());
     if (kBackwardPaths[v] == auto_bwd) r.auto_bwd = v;
-    absl::StatusOr<double> bwd = TimeMs(
-        s, warmup, reps,
-        [&]() -> absl::Status {
-          // As in a training step with one micro-batch: the gradients start at zero after Step.
-          return bpipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
-                                out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
-                                /*grads_are_zero=*/true);
-        },
-        watch);
+    absl::StatusOr<double> bwd = time_backward(bpipe);
     if (!bwd.ok()) return bwd.status();
     r.bwd_ms[v] = *bwd;
     r.bwd_gpu[v] = watch->last;
@@ -358,14 +362,7 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     for (const bool overlap : {false, true}) {
       sshape.overlap_weight_grads = overlap;
       cuda::ExpertPipeline spipe(sshape, stream, gemm->get());
-      absl::StatusOr<double> bwd = TimeMs(
-          s, warmup, reps,
-          [&]() -> absl::Status {
-            return spipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w, grads,
-                                  out->get(), kernels::ElemType::kBFloat16, dp->as<float>(),
-                                  /*grads_are_zero=*/true);
-          },
-          watch);
+      absl::StatusOr<double> bwd = time_backward(spipe);
       if (!bwd.ok()) return bwd.status();
       (overlap ? r.bwd_overlap_ms : r.bwd_serial_ms) = *bwd;
       std::vector<uint16_t> dx_again;
