@@ -632,10 +632,22 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
 
   // With the lane, dW13's gathered x and dXg are allocated before it starts and live beside dH
   // and pA until it is done: one [routed, d] buffer more than the serial order's peak. Where the
-  // pool cannot give them, this chunk runs in the serial order instead, so the lane never
-  // lowers the largest batch that fits.
+  // pool cannot give them (or the lane itself), this chunk runs in the serial order instead, so
+  // the lane never lowers the largest batch that fits.
   DeviceBuffer xg, dxg;
   bool overlap = shape_.overlap_weight_grads;
+  SideLane* lane = nullptr;
+  if (overlap) {
+    // Out of memory for the lane's own stream, cuBLAS runner or buffers: the serial order.
+    absl::StatusOr<SideLane*> made = Lane();
+    if (made.ok()) {
+      lane = *made;
+    } else if (absl::IsResourceExhausted(made.status())) {
+      overlap = false;
+    } else {
+      return made.status();
+    }
+  }
   if (overlap) {
     auto reserve = [&](DeviceBuffer* b, const char* what) -> absl::Status {
       absl::StatusOr<DeviceBuffer> got = Alloc(n * d * e, what);
@@ -662,8 +674,6 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
     if (!fused.dw13 && gbuf.get() != nullptr) {
       xg = std::move(gbuf);  // same size; the x gather is ordered after dW2's reads of dout
     }
-    absl::StatusOr<SideLane*> lane = Lane();
-    if (!lane.ok()) return lane.status();
     struct LaneJoin {
       SideLane* lane = nullptr;
       cudaStream_t main = nullptr;
@@ -673,13 +683,13 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
       }
       ~LaneJoin() { Join().IgnoreError(); }
     } join;
-    const cudaStream_t ls = (*lane)->stream->get();
-    MOE_RETURN_IF_ERROR(StreamWaitFor(ls, s, (*lane)->start));
-    join.lane = *lane;
+    const cudaStream_t ls = lane->stream->get();
+    MOE_RETURN_IF_ERROR(StreamWaitFor(ls, s, lane->start));
+    join.lane = lane;
     join.main = s;
     DelayForTesting(LaneTestPoint::kLaneStart, ls);
-    MOE_RETURN_IF_ERROR(weight_grad_w2(ls, (*lane)->gemm.get()));
-    MOE_RETURN_IF_ERROR(weight_grad_w13(ls, (*lane)->gemm.get(), xg.get()));
+    MOE_RETURN_IF_ERROR(weight_grad_w2(ls, lane->gemm.get()));
+    MOE_RETURN_IF_ERROR(weight_grad_w13(ls, lane->gemm.get(), xg.get()));
     MOE_RETURN_IF_ERROR(data_grad(dxg.get()));
     return join.Join();
   }
