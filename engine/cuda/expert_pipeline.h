@@ -18,7 +18,9 @@
 //   d[W1;W3] += dH^T Xg; dXg = dH [W1;W3]; dx = sum_k dXg[slot_of].
 //   On an sm_90 GPU (UseFusedBackward) the four GEMMs are the fused sm90 kernels of
 //   kernels/cuda/sm90_expert_backward.h instead: G and Xg are never materialised (rows are
-//   gathered while loading) and each GEMM is one launch over all experts.
+//   gathered while loading) and each GEMM is one launch over all experts. On every path the
+//   weight gradients run on a second stream of the pipeline beside dXg and the combine
+//   (ExpertShape::overlap_weight_grads), ordered by events, never by the host.
 //
 // Chunks: tokens are processed in chunks small enough that the per-chunk temporaries stay
 // under a fixed budget (kChunkBudgetBytes), so T = 2M tokens fits next to its saved H. Each
