@@ -2,16 +2,12 @@
 //
 // Forward and Backward share one reactor template: read chunks until `last_chunk`, hand the
 // assembled micro-batch to the executor, write the response chunks, then read the next
-// micro-batch. At most one read or one write is outstanding at a time. The response's messages
-// are built from the result tensors as they are sent, the next while the previous is on the
-// wire; grpc may run reactions concurrently, so that handshake is under a lock (Pump). A
+// micro-batch. Exactly one operation is outstanding at a time, so the reactor needs no lock; a
 // failure finishes the stream with that micro-batch's status.
 #include "server/service.h"
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <random>
 #include <utility>
 #include <vector>
@@ -59,47 +55,33 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
   return std::string(it->second.data(), it->second.size());
 }
 
-// A micro-batch's response: the result tensors, kept here, and the plan that cuts them into
-// messages of at most `chunk` payload bytes each. Message m is built only when it is about to be
-// written (Build), on the reaction thread, so the device executor hands the tensors over and
-// moves on instead of copying the whole response into messages first, and no more than one
-// message's copy of the payload exists at a time. `header` prepares a message and returns its
-// proto tensors in the order of `tensors`; an empty result tensor stays unset on the wire.
-template <typename Resp>
-class ChunkedResponse {
- public:
-  using Header = std::function<std::vector<v1::Tensor*>(Resp*)>;
-
-  ChunkedResponse() = default;
-  ChunkedResponse(std::vector<Tensor> tensors, int64_t chunk, Header header)
-      : tensors_(std::move(tensors)), header_(std::move(header)) {
-    std::vector<size_t> sizes;
-    for (const Tensor& t : tensors_) sizes.push_back(t.bytes.size());
-    plan_ = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
+// Cuts `tensors` into response messages of at most `chunk` payload bytes each. `header`
+// prepares a message and returns the proto tensors in the same order as `tensors`.
+template <typename Resp, typename Header>
+std::vector<Resp> ChunkResponse(const std::vector<const Tensor*>& tensors, int64_t chunk,
+                                Header header) {
+  std::vector<size_t> sizes;
+  std::vector<const Tensor*> present = tensors;
+  for (const Tensor*& t : present) {
+    if (t && t->empty()) t = nullptr;  // an empty result tensor stays unset on the wire
   }
-
-  size_t size() const { return plan_.size(); }
-
-  // Message m of size(), into *out (cleared first).
-  void Build(size_t m, Resp* out) const {
-    out->Clear();
-    std::vector<v1::Tensor*> protos = header_(out);
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      if (!tensors_[i].empty() && protos[i])
-        wire::SetTensorHeader(tensors_[i].dtype, tensors_[i].shape, protos[i]);
+  for (const Tensor* t : present) sizes.push_back(t ? t->bytes.size() : 0);
+  auto plan = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
+  std::vector<Resp> out(plan.size());
+  for (size_t m = 0; m < plan.size(); ++m) {
+    std::vector<v1::Tensor*> protos = header(&out[m]);
+    for (size_t i = 0; i < present.size(); ++i) {
+      if (present[i] && protos[i])
+        wire::SetTensorHeader(present[i]->dtype, present[i]->shape, protos[i]);
     }
-    for (const wire::Piece& p : plan_[m]) {
+    for (const wire::Piece& p : plan[m]) {
       protos[p.tensor]->mutable_data()->append(
-          reinterpret_cast<const char*>(tensors_[p.tensor].bytes.data()) + p.offset, p.size);
+          reinterpret_cast<const char*>(present[p.tensor]->bytes.data()) + p.offset, p.size);
     }
-    out->set_last_chunk(m + 1 == plan_.size());
+    out[m].set_last_chunk(m + 1 == plan.size());
   }
-
- private:
-  std::vector<Tensor> tensors_;
-  Header header_;
-  std::vector<std::vector<wire::Piece>> plan_;
-};
+  return out;
+}
 
 int64_t ChunkSize(int64_t requested) {
   return requested > 0 ? requested : kDefaultResponseChunkBytes;
@@ -148,70 +130,36 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<Req, Resp> {
     service_->metrics().Stage(method_, "receive", SecondsSince(receive_start_));
     service_->executor().Submit([this](double queued) {
       service_->metrics().Stage(method_, "queue", queued);
+      responses_.clear();
       absl::Status status = CallAlive(ctx_);
       if (status.ok()) {
         const Clock::time_point t0 = Clock::now();
-        absl::StatusOr<ChunkedResponse<Resp>> computed = Compute();
+        status = Compute(&responses_);
         service_->metrics().Stage(method_, "compute", SecondsSince(t0));
-        if (computed.ok()) {
-          std::lock_guard<std::mutex> lock(send_mu_);
-          response_ = std::move(*computed);
-          computed_size_ = response_.size();
-          building_ = true;  // this thread builds the first messages, below
-        } else {
-          status = computed.status();
-        }
       }
       if (!status.ok()) {
         Fail(status);
         return;
       }
-      // Messages 0 and 1 here; from then on each write's completion starts the next write and
-      // builds the one after it, so one message is built while the previous is on the wire.
-      // StartWrite is this thread's last use of the reactor: only reactions may outlive it.
       send_start_ = Clock::now();
-      const size_t first = std::min<size_t>(response_.size(), 2);
-      for (size_t m = 0; m < first; ++m) response_.Build(m, &messages_[m]);
-      {
-        std::lock_guard<std::mutex> lock(send_mu_);
-        built_ = first;
-        written_ = 1;
-        completed_ = 0;
-        write_in_flight_ = true;
-        building_ = false;
-      }
-      this->StartWrite(&messages_[0]);
+      next_ = 0;
+      this->StartWrite(&responses_[0]);
     });
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      // write_in_flight_ stays set, so no reaction starts another write after this Finish.
       Fail(absl::CancelledError("the client went away while the response was being sent"));
       return;
     }
-    bool finished;
-    {
-      std::lock_guard<std::mutex> lock(send_mu_);
-      // Its buffer is not rebuilt before completed_ counts this write.
-      service_->metrics().BytesOut(method_,
-                                   static_cast<int64_t>(messages_[completed_ % 2].ByteSizeLong()));
-      ++completed_;
-      write_in_flight_ = false;
-      finished = completed_ == computed_size_;
-    }
-    if (!finished) {
-      Pump();
+    service_->metrics().BytesOut(method_, static_cast<int64_t>(responses_[next_].ByteSizeLong()));
+    if (++next_ < responses_.size()) {
+      this->StartWrite(&responses_[next_]);
       return;
     }
     service_->metrics().Stage(method_, "send", SecondsSince(send_start_));
     service_->metrics().Request(method_, "OK");
-    {
-      std::lock_guard<std::mutex> lock(send_mu_);
-      response_ = ChunkedResponse<Resp>();
-      computed_size_ = 0;
-      built_ = written_ = completed_ = 0;
-    }
+    responses_.clear();
     in_batch_ = false;
     ResetBatch();
     this->StartRead(&request_);
@@ -225,43 +173,9 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<Req, Resp> {
  protected:
   // Takes one chunk (`first`: it opens a micro-batch). Reaction thread.
   virtual absl::Status Accept(const Req& chunk, bool first) = 0;
-  // Runs the micro-batch on the executor; returns its response (at least one message).
-  virtual absl::StatusOr<ChunkedResponse<Resp>> Compute() = 0;
+  // Runs the micro-batch on the executor and fills the response chunks (at least one).
+  virtual absl::Status Compute(std::vector<Resp>* out) = 0;
   virtual void ResetBatch() = 0;
-
-  // Runs in OnWriteDone only (a reaction, so the reactor outlives it), possibly on several
-  // threads at once: grpc may run reactions concurrently. Under send_mu_ it takes the next
-  // write if that message is built and no write is in flight, and the next build if that
-  // message's buffer is free (its write two back has completed) and nobody else is building;
-  // it repeats until neither is left for it, so a write that completes while the next message
-  // is still being built is started by the builder.
-  void Pump() {
-    constexpr size_t kNone = ~size_t{0};
-    for (;;) {
-      Resp* to_write = nullptr;
-      size_t to_build = kNone;
-      {
-        std::lock_guard<std::mutex> lock(send_mu_);
-        if (!write_in_flight_ && written_ < built_) {
-          to_write = &messages_[written_ % 2];
-          write_in_flight_ = true;
-          ++written_;
-        }
-        if (!building_ && built_ < computed_size_ && built_ < completed_ + 2) {
-          building_ = true;
-          to_build = built_;
-        }
-        if (to_write == nullptr && to_build == kNone) return;
-      }
-      if (to_write != nullptr) this->StartWrite(to_write);
-      if (to_build != kNone) {
-        response_.Build(to_build, &messages_[to_build % 2]);
-        std::lock_guard<std::mutex> lock(send_mu_);
-        ++built_;
-        building_ = false;
-      }
-    }
-  }
 
   void Fail(const absl::Status& status) {
     service_->metrics().Request(method_, GrpcCodeName(ToGrpcStatus(status).error_code()));
@@ -274,15 +188,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<Req, Resp> {
 
  private:
   Req request_;
-  // Sending the response (see Pump): message m is built into messages_[m % 2]; built_,
-  // written_ and completed_ count the messages built, whose write started and whose write
-  // completed. All under send_mu_, as is replacing response_.
-  std::mutex send_mu_;
-  ChunkedResponse<Resp> response_;
-  size_t computed_size_ = 0;  // response_.size()
-  Resp messages_[2];
-  size_t built_ = 0, written_ = 0, completed_ = 0;
-  bool write_in_flight_ = false, building_ = false;
+  std::vector<Resp> responses_;
+  size_t next_ = 0;
   bool in_batch_ = false;
   Clock::time_point receive_start_;
   Clock::time_point send_start_;
@@ -318,7 +225,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     return absl::OkStatus();
   }
 
-  absl::StatusOr<ChunkedResponse<v1::ForwardResponse>> Compute() override {
+  absl::Status Compute(std::vector<v1::ForwardResponse>* out) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     if (training_ && !session_.empty() && !service_->contexts().SessionOpen(session_)) {
@@ -354,22 +261,20 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     service_->metrics().Tokens(layer_, "forward", tokens);
     service_->metrics().ExpertTokens(layer_, e.config.expert_first,
                                      result->tokens_per_local_expert);
-    const double aux = result->aux_loss, z = result->z_loss;
+    result_ = std::move(*result);
+    const double aux = result_.aux_loss, z = result_.z_loss;
     const uint64_t id = context_id_;
-    const bool has_ids = !result->expert_ids.empty(), has_weights = !result->weights.empty();
-    std::vector<Tensor> tensors;
-    tensors.push_back(std::move(result->out));
-    tensors.push_back(std::move(result->expert_ids));
-    tensors.push_back(std::move(result->weights));
-    return ChunkedResponse<v1::ForwardResponse>(
-        std::move(tensors), chunk_, [=](v1::ForwardResponse* r) {
+    *out = ChunkResponse<v1::ForwardResponse>(
+        {&result_.out, &result_.expert_ids, &result_.weights}, chunk_, [&](v1::ForwardResponse* r) {
           r->set_context_id(id);
           r->set_aux_loss(aux);
           r->set_z_loss(z);
-          return std::vector<v1::Tensor*>{r->mutable_out(),
-                                          has_ids ? r->mutable_expert_ids() : nullptr,
-                                          has_weights ? r->mutable_weights() : nullptr};
+          return std::vector<v1::Tensor*>{
+              r->mutable_out(), result_.expert_ids.empty() ? nullptr : r->mutable_expert_ids(),
+              result_.weights.empty() ? nullptr : r->mutable_weights()};
         });
+    result_ = ForwardResult();  // the chunks hold copies
+    return absl::OkStatus();
   }
 
   void ResetBatch() override {
@@ -390,6 +295,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
                              wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
   wire::TensorAssembler weights_{"weights",
                                  wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
+  ForwardResult result_;
 };
 
 class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::BackwardResponse> {
@@ -421,7 +327,7 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     return absl::OkStatus();
   }
 
-  absl::StatusOr<ChunkedResponse<v1::BackwardResponse>> Compute() override {
+  absl::Status Compute(std::vector<v1::BackwardResponse>* out) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     LayerEntry& e = **entry;
@@ -437,17 +343,15 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     auto result = e.layer->Backward(std::move(*context), *dout);
     if (!result.ok()) return result.status();
     service_->metrics().Tokens(layer_, "backward", *tokens);
+    BackwardResult r = std::move(*result);
     const uint64_t id = context_id_;
-    const bool has_dweights = !result->dweights.empty();
-    std::vector<Tensor> tensors;
-    tensors.push_back(std::move(result->dx));
-    tensors.push_back(std::move(result->dweights));
-    return ChunkedResponse<v1::BackwardResponse>(
-        std::move(tensors), chunk_, [=](v1::BackwardResponse* m) {
+    *out = ChunkResponse<v1::BackwardResponse>(
+        {&r.dx, r.dweights.empty() ? nullptr : &r.dweights}, chunk_, [&](v1::BackwardResponse* m) {
           m->set_context_id(id);
           return std::vector<v1::Tensor*>{m->mutable_dx(),
-                                          has_dweights ? m->mutable_dweights() : nullptr};
+                                          r.dweights.empty() ? nullptr : m->mutable_dweights()};
         });
+    return absl::OkStatus();
   }
 
   void ResetBatch() override { dout_.Reset(); }
