@@ -19,9 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
-#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
