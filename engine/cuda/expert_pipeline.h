@@ -95,9 +95,11 @@ struct ExpertShape {
   BackwardKernels backward = BackwardKernels::kAuto;
   // The backward runs a chunk's weight gradients (dW2, dW13 and the x gather they may need) on
   // a second stream, beside its dXg GEMM and dx combine, instead of before them on the layer's
-  // stream: the weight gradients only read what the SwiGLU backward pass has written, and on
-  // the widest presets they are bound by their fp32 stores while dXg is bound by its math. The
-  // results are the same bits either way (each GEMM and its accumulation order is unchanged).
+  // stream: they only read what the SwiGLU backward pass has written. The persistent GEMMs do
+  // not share SMs, so what this buys is their last waves, the launch gaps and the combine
+  // under them: 1-3% of sonic-7b's and scale-8k's backward on an H100 (docs/PERFORMANCE.md).
+  // The results are the same bits either way (each GEMM and its accumulation order is
+  // unchanged).
   // It holds one more [routed rows, d] buffer at once than the serial order; a chunk for which
   // the device has no room for it runs serially, so the largest batch that fits is the same.
   bool overlap_weight_grads = true;
