@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/raw_message.h"
 #include "proto/wire.h"
 
 namespace moe::client {
@@ -45,79 +46,97 @@ absl::Status FinishInto(wire::TensorAssembler& assembler, bool required, Tensor*
   return absl::OkStatus();
 }
 
-// Request chunks for `views` (in the order the header lambda returns proto tensors for).
-template <typename Req, typename Header>
-std::vector<Req> ChunkRequest(const std::vector<const TensorView*>& views, int64_t chunk,
-                              Header header) {
-  std::vector<size_t> sizes;
-  for (const TensorView* v : views) sizes.push_back(v && !v->empty() ? v->size_bytes : 0);
-  auto plan = wire::PlanChunks(sizes, static_cast<size_t>(chunk));
-  std::vector<Req> out(plan.size());
-  for (size_t m = 0; m < plan.size(); ++m) {
-    std::vector<v1::Tensor*> protos = header(&out[m]);
-    for (size_t i = 0; i < views.size(); ++i) {
-      if (views[i] && !views[i]->empty()) {
-        wire::SetTensorHeader(views[i]->dtype, views[i]->shape, protos[i]);
-      }
-    }
-    for (const wire::Piece& p : plan[m]) {
-      protos[p.tensor]->mutable_data()->append(
-          static_cast<const char*>(views[p.tensor]->data) + p.offset, p.size);
-    }
-    out[m].set_last_chunk(m + 1 == plan.size());
-  }
-  return out;
+// Adds response tensor `proto` (top-level field `field`, bytes in `in`) to `assembler` if the
+// message carries it.
+absl::Status AddIfPresent(bool present, const v1::Tensor& proto, int field,
+                          const wire::IncomingMessage& in, wire::TensorAssembler& assembler) {
+  return present ? assembler.Add(proto, in.payload(field)) : absl::OkStatus();
 }
 
-// One micro-batch on its own bidi stream.
+// The full names of the raw methods (gRPC keeps a pointer to them for the call's lifetime).
+constexpr char kForwardMethod[] = "/moe.v1.ExpertService/Forward";
+constexpr char kBackwardMethod[] = "/moe.v1.ExpertService/Backward";
+
+// One micro-batch on its own bidi stream, on raw buffers (proto/raw_message.h): the requests are
+// encoded by reference to the call's own copy of the caller's tensors, one message at a time as
+// it is written; each response's tensor bytes are copied once, as it arrives, by `accept` into
+// the assembled outputs, and `finish` makes the result from the first response's small fields.
 template <typename Req, typename Resp, typename Out>
-class StreamCall final : public grpc::ClientBidiReactor<Req, Resp> {
+class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  using Assemble = std::function<absl::StatusOr<Out>(std::vector<Resp>&)>;
-  StreamCall(std::vector<Req> requests, Assemble assemble)
-      : requests_(std::move(requests)), assemble_(std::move(assemble)) {}
+  using Accept = std::function<absl::Status(const Resp&, const wire::IncomingMessage&)>;
+  using Finish = std::function<absl::StatusOr<Out>(const Resp& first)>;
+  StreamCall(wire::ChunkedMessages<Req> requests, std::vector<int> response_tensor_fields,
+             Accept accept, Finish finish)
+      : requests_(std::move(requests)),
+        response_tensor_fields_(std::move(response_tensor_fields)),
+        accept_(std::move(accept)),
+        finish_(std::move(finish)) {}
 
   grpc::ClientContext* context() { return &ctx_; }
   std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
 
   void Start() {
-    this->StartWrite(&requests_[0]);
-    this->StartRead(&response_);
-    this->StartCall();
+    message_ = requests_.Build(0);
+    StartWrite(&message_);
+    StartRead(&read_);
+    StartCall();
   }
   void OnWriteDone(bool ok) override {
     if (!ok) return;  // the call failed; OnDone reports why
     if (++next_ < requests_.size()) {
-      this->StartWrite(&requests_[next_]);
+      message_ = requests_.Build(next_);
+      StartWrite(&message_);
     } else {
-      this->StartWritesDone();
+      message_.Clear();
+      StartWritesDone();
     }
   }
   void OnReadDone(bool ok) override {
     if (!ok) return;
-    responses_.push_back(std::move(response_));
-    response_.Clear();
-    this->StartRead(&response_);
+    Resp response;
+    absl::Status st = incoming_.Decode(&read_, response_tensor_fields_, &response,
+                                       Resp::descriptor()->full_name());
+    if (st.ok()) st = accept_(response, incoming_);
+    if (!st.ok()) {
+      // A response this client cannot use: end the call (OnDone reports `st`).
+      error_ = st;
+      ctx_.TryCancel();
+      return;
+    }
+    if (responses_ == 0) first_ = response;
+    ++responses_;
+    last_seen_ = response.last_chunk();
+    StartRead(&read_);
   }
   void OnDone(const grpc::Status& status) override {
-    if (!status.ok()) {
+    if (!error_.ok()) {
+      promise_.set_value(error_);
+    } else if (!status.ok()) {
       promise_.set_value(FromGrpcStatus(status));
-    } else if (responses_.empty() || !responses_.back().last_chunk()) {
+    } else if (responses_ == 0 || !last_seen_) {
       promise_.set_value(
           absl::DataLossError("the server ended the stream without a complete response"));
     } else {
-      promise_.set_value(assemble_(responses_));
+      promise_.set_value(finish_(first_));
     }
     delete this;
   }
 
  private:
   grpc::ClientContext ctx_;
-  std::vector<Req> requests_;
+  wire::ChunkedMessages<Req> requests_;
+  const std::vector<int> response_tensor_fields_;
+  grpc::ByteBuffer message_;  // the request being written: requests_'s message next_
   size_t next_ = 0;
-  Resp response_;
-  std::vector<Resp> responses_;
-  Assemble assemble_;
+  grpc::ByteBuffer read_;
+  wire::IncomingMessage incoming_;
+  Resp first_;
+  size_t responses_ = 0;
+  bool last_seen_ = false;
+  absl::Status error_;
+  Accept accept_;
+  Finish finish_;
   std::promise<absl::StatusOr<Out>> promise_;
 };
 
@@ -197,6 +216,8 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
         absl::StrCat("could not connect to ", target, " within ", options.timeout.count(), " ms"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
+  c->raw_stub_ =
+      std::make_unique<grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>>(c->channel_);
   std::random_device rd;
   c->context_prefix_ = (static_cast<uint64_t>(rd()) << 32) & 0xFFFFFFFF00000000ull;
   if (options.open_session) {
@@ -281,88 +302,123 @@ absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::GetStats, v1::GetStatsRequest());
 }
 
+// The caller's tensors are copied once, into the call's own buffers, so the caller may reuse
+// them as soon as this returns; the messages refer to those copies.
 std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
                                                                uint64_t context_id, bool training,
                                                                const TensorView& x,
                                                                const TensorView& ids,
                                                                const TensorView& weights) {
   const int64_t chunk = options_.chunk_bytes;
-  auto requests =
-      ChunkRequest<v1::ForwardRequest>({&x, &ids, &weights}, chunk, [&](v1::ForwardRequest* r) {
+  const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
+  const bool has_ids = !ids.empty(), has_weights = !weights.empty();
+  std::vector<Tensor> tensors;
+  tensors.push_back(ToTensor(x));
+  tensors.push_back(has_ids ? ToTensor(ids) : Tensor());
+  tensors.push_back(has_weights ? ToTensor(weights) : Tensor());
+  wire::ChunkedMessages<v1::ForwardRequest> requests(
+      std::move(tensors),
+      {v1::ForwardRequest::kXFieldNumber, v1::ForwardRequest::kExpertIdsFieldNumber,
+       v1::ForwardRequest::kWeightsFieldNumber},
+      chunk, [=](v1::ForwardRequest* r) {
         r->set_layer(layer);
         r->set_context_id(context_id);
         r->set_training(training);
-        r->set_max_response_chunk_bytes(std::min(chunk, options_.max_receive_bytes / 2));
+        r->set_max_response_chunk_bytes(response_chunk);
         // Absent tensors stay unset (server routing sends no ids or weights).
-        return std::vector<v1::Tensor*>{r->mutable_x(),
-                                        ids.empty() ? nullptr : r->mutable_expert_ids(),
-                                        weights.empty() ? nullptr : r->mutable_weights()};
+        return std::vector<v1::Tensor*>{r->mutable_x(), has_ids ? r->mutable_expert_ids() : nullptr,
+                                        has_weights ? r->mutable_weights() : nullptr};
       });
+  // The server answers for shapes this call set: reserve each tensor on its first chunk.
+  struct Outputs {
+    wire::TensorAssembler out{"out", wire::TensorAssembler::Sizing::kClaimedAtOnce};
+    wire::TensorAssembler ids{"expert_ids", wire::TensorAssembler::Sizing::kClaimedAtOnce};
+    wire::TensorAssembler weights{"weights", wire::TensorAssembler::Sizing::kClaimedAtOnce};
+  };
+  auto outputs = std::make_shared<Outputs>();
   auto* call = new StreamCall<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput>(
       std::move(requests),
-      [](std::vector<v1::ForwardResponse>& rs) -> absl::StatusOr<ForwardOutput> {
-        // The server answers for shapes this call set: reserve each tensor on its first chunk.
-        wire::TensorAssembler out("out", wire::TensorAssembler::Sizing::kClaimedAtOnce),
-            ids("expert_ids", wire::TensorAssembler::Sizing::kClaimedAtOnce),
-            w("weights", wire::TensorAssembler::Sizing::kClaimedAtOnce);
-        for (const auto& r : rs) {
-          if (r.has_out()) {
-            if (auto s = out.Add(r.out()); !s.ok()) return s;
-          }
-          if (r.has_expert_ids()) {
-            if (auto s = ids.Add(r.expert_ids()); !s.ok()) return s;
-          }
-          if (r.has_weights()) {
-            if (auto s = w.Add(r.weights()); !s.ok()) return s;
-          }
+      {v1::ForwardResponse::kOutFieldNumber, v1::ForwardResponse::kExpertIdsFieldNumber,
+       v1::ForwardResponse::kWeightsFieldNumber},
+      [outputs](const v1::ForwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
+        if (auto s = AddIfPresent(r.has_out(), r.out(), v1::ForwardResponse::kOutFieldNumber, in,
+                                  outputs->out);
+            !s.ok()) {
+          return s;
         }
+        if (auto s = AddIfPresent(r.has_expert_ids(), r.expert_ids(),
+                                  v1::ForwardResponse::kExpertIdsFieldNumber, in, outputs->ids);
+            !s.ok()) {
+          return s;
+        }
+        return AddIfPresent(r.has_weights(), r.weights(), v1::ForwardResponse::kWeightsFieldNumber,
+                            in, outputs->weights);
+      },
+      [outputs](const v1::ForwardResponse& first) -> absl::StatusOr<ForwardOutput> {
         ForwardOutput o;
-        o.context_id = rs.front().context_id();
-        o.aux_loss = rs.front().aux_loss();
-        o.z_loss = rs.front().z_loss();
-        if (auto s = FinishInto(out, /*required=*/true, &o.out); !s.ok()) return s;
-        if (auto s = FinishInto(ids, /*required=*/false, &o.expert_ids); !s.ok()) return s;
-        if (auto s = FinishInto(w, /*required=*/false, &o.weights); !s.ok()) return s;
+        o.context_id = first.context_id();
+        o.aux_loss = first.aux_loss();
+        o.z_loss = first.z_loss();
+        if (auto s = FinishInto(outputs->out, /*required=*/true, &o.out); !s.ok()) return s;
+        if (auto s = FinishInto(outputs->ids, /*required=*/false, &o.expert_ids); !s.ok()) {
+          return s;
+        }
+        if (auto s = FinishInto(outputs->weights, /*required=*/false, &o.weights); !s.ok()) {
+          return s;
+        }
         return o;
       });
   Prepare(call->context());
   auto fut = call->future();
-  stub_->async()->Forward(call->context(), call);
+  raw_stub_->PrepareBidiStreamingCall(call->context(), kForwardMethod, grpc::StubOptions(), call);
   call->Start();
   return fut;
 }
 
+// As Forward: `dout` is copied once into the call's own buffer.
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  const TensorView& dout) {
   const int64_t chunk = options_.chunk_bytes;
-  auto requests = ChunkRequest<v1::BackwardRequest>({&dout}, chunk, [&](v1::BackwardRequest* r) {
-    r->set_layer(layer);
-    r->set_context_id(context_id);
-    r->set_max_response_chunk_bytes(std::min(chunk, options_.max_receive_bytes / 2));
-    return std::vector<v1::Tensor*>{r->mutable_dout()};
-  });
+  const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
+  std::vector<Tensor> tensors;
+  tensors.push_back(ToTensor(dout));
+  wire::ChunkedMessages<v1::BackwardRequest> requests(
+      std::move(tensors), {v1::BackwardRequest::kDoutFieldNumber}, chunk,
+      [=](v1::BackwardRequest* r) {
+        r->set_layer(layer);
+        r->set_context_id(context_id);
+        r->set_max_response_chunk_bytes(response_chunk);
+        return std::vector<v1::Tensor*>{r->mutable_dout()};
+      });
+  struct Outputs {
+    wire::TensorAssembler dx{"dx", wire::TensorAssembler::Sizing::kClaimedAtOnce};
+    wire::TensorAssembler dweights{"dweights", wire::TensorAssembler::Sizing::kClaimedAtOnce};
+  };
+  auto outputs = std::make_shared<Outputs>();
   auto* call = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
       std::move(requests),
-      [](std::vector<v1::BackwardResponse>& rs) -> absl::StatusOr<BackwardOutput> {
-        wire::TensorAssembler dx("dx", wire::TensorAssembler::Sizing::kClaimedAtOnce),
-            dw("dweights", wire::TensorAssembler::Sizing::kClaimedAtOnce);
-        for (const auto& r : rs) {
-          if (r.has_dx()) {
-            if (auto s = dx.Add(r.dx()); !s.ok()) return s;
-          }
-          if (r.has_dweights()) {
-            if (auto s = dw.Add(r.dweights()); !s.ok()) return s;
-          }
+      {v1::BackwardResponse::kDxFieldNumber, v1::BackwardResponse::kDweightsFieldNumber},
+      [outputs](const v1::BackwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
+        if (auto s = AddIfPresent(r.has_dx(), r.dx(), v1::BackwardResponse::kDxFieldNumber, in,
+                                  outputs->dx);
+            !s.ok()) {
+          return s;
         }
+        return AddIfPresent(r.has_dweights(), r.dweights(),
+                            v1::BackwardResponse::kDweightsFieldNumber, in, outputs->dweights);
+      },
+      [outputs](const v1::BackwardResponse&) -> absl::StatusOr<BackwardOutput> {
         BackwardOutput o;
-        if (auto s = FinishInto(dx, /*required=*/true, &o.dx); !s.ok()) return s;
-        if (auto s = FinishInto(dw, /*required=*/false, &o.dweights); !s.ok()) return s;
+        if (auto s = FinishInto(outputs->dx, /*required=*/true, &o.dx); !s.ok()) return s;
+        if (auto s = FinishInto(outputs->dweights, /*required=*/false, &o.dweights); !s.ok()) {
+          return s;
+        }
         return o;
       });
   Prepare(call->context());
   auto fut = call->future();
-  stub_->async()->Backward(call->context(), call);
+  raw_stub_->PrepareBidiStreamingCall(call->context(), kBackwardMethod, grpc::StubOptions(), call);
   call->Start();
   return fut;
 }

@@ -22,6 +22,7 @@
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -125,6 +126,8 @@ class Connection {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
+  // Forward and Backward as raw buffers (proto/raw_message.h), on the same channel.
+  std::unique_ptr<grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>> raw_stub_;
   std::string session_id_;
   SessionCall* session_ = nullptr;
   uint64_t context_prefix_ = 0;

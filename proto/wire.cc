@@ -172,6 +172,12 @@ void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor*
 }
 
 absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
+  const absl::string_view data = chunk.data();
+  return Add(chunk, absl::MakeConstSpan(&data, 1));
+}
+
+absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
+                                  absl::Span<const absl::string_view> pieces) {
   std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
   if (!seen_) {
     seen_ = true;
@@ -182,13 +188,16 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
   }
-  const size_t arrived = bytes_.size() + chunk.data().size();
+  size_t arrived = bytes_.size();
+  for (absl::string_view p : pieces) arrived += p.size();
   if (claimed_ > 0 && (sizing_ == Sizing::kClaimedAtOnce || arrived >= claimed_ / 8)) {
     bytes_.reserve(std::max(claimed_, arrived));
     claimed_ = 0;
   }
-  const auto* data = reinterpret_cast<const std::byte*>(chunk.data().data());
-  bytes_.insert(bytes_.end(), data, data + chunk.data().size());
+  for (absl::string_view p : pieces) {
+    const auto* data = reinterpret_cast<const std::byte*>(p.data());
+    bytes_.insert(bytes_.end(), data, data + p.size());
+  }
   return absl::OkStatus();
 }
 

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "moe/v1/moe.pb.h"
@@ -55,6 +56,9 @@ class TensorAssembler {
   explicit TensorAssembler(std::string field, Sizing sizing = Sizing::kGrow)
       : field_(std::move(field)), sizing_(sizing) {}
   absl::Status Add(const v1::Tensor& chunk);
+  // The same with the chunk's bytes given apart, as pieces in order (a received message's data
+  // left in gRPC's buffers; raw_message.h): `chunk` supplies dtype and shape, its data is ignored.
+  absl::Status Add(const v1::Tensor& chunk, absl::Span<const absl::string_view> pieces);
   // Room for `bytes` before the first Add, where the receiver knows the size from its own state
   // (the server knows dout's from the saved context), so the bytes land in one buffer.
   void Reserve(size_t bytes) { bytes_.reserve(bytes); }

@@ -41,7 +41,25 @@ struct LayerEntry {
   std::atomic<int64_t> resident_bytes{0};
 };
 
-class ExpertServiceImpl final : public v1::ExpertService::CallbackService {
+// The callback service with Forward and Backward taking raw buffers: their tensors' bytes are
+// decoded and encoded by reference (proto/raw_message.h) instead of through protobuf's copies.
+// The wire format is unchanged. Same order of methods as the generated CallbackService.
+using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
+    v1::ExpertService::WithCallbackMethod_GetLayer<v1::ExpertService::WithCallbackMethod_ListLayers<
+        v1::ExpertService::WithCallbackMethod_DeleteLayer<
+            v1::ExpertService::WithRawCallbackMethod_Forward<
+                v1::ExpertService::WithRawCallbackMethod_Backward<
+                    v1::ExpertService::WithCallbackMethod_Step<
+                        v1::ExpertService::WithCallbackMethod_ZeroGrad<
+                            v1::ExpertService::WithCallbackMethod_ExportWeights<
+                                v1::ExpertService::WithCallbackMethod_ImportWeights<
+                                    v1::ExpertService::WithCallbackMethod_SaveCheckpoint<
+                                        v1::ExpertService::WithCallbackMethod_LoadCheckpoint<
+                                            v1::ExpertService::WithCallbackMethod_GetStats<
+                                                v1::ExpertService::WithCallbackMethod_OpenSession<
+                                                    v1::ExpertService::Service>>>>>>>>>>>>>>;
+
+class ExpertServiceImpl final : public ExpertServiceBase {
  public:
   ExpertServiceImpl(const ServerOptions& options, std::unique_ptr<Engine> engine, Metrics* metrics);
   ~ExpertServiceImpl() override;
@@ -57,9 +75,11 @@ class ExpertServiceImpl final : public v1::ExpertService::CallbackService {
   grpc::ServerUnaryReactor* DeleteLayer(grpc::CallbackServerContext* ctx,
                                         const v1::DeleteLayerRequest* req,
                                         v1::DeleteLayerResponse* resp) override;
-  grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* Forward(
+  // Raw: moe.v1.ForwardRequest in, moe.v1.ForwardResponse out.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Forward(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* Backward(
+  // Raw: moe.v1.BackwardRequest in, moe.v1.BackwardResponse out.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Backward(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) override;

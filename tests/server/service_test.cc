@@ -370,6 +370,19 @@ TEST(ServiceTest, OneStreamCarriesSeveralMicroBatchesInOrder) {
   EXPECT_EQ(got[0].out().shape(0), 5);
   EXPECT_EQ(got[1].context_id(), 200u);
   EXPECT_EQ(got[1].out().shape(0), 9);
+  // A plain protobuf client (this stub) and moe::client (its own encoding, by reference) get the
+  // same bytes for the same micro-batch.
+  auto view = [](const v1::Tensor& t, DType dtype) {
+    return TensorView{dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+                      t.data().data(), t.data().size()};
+  };
+  auto same = c.Forward("bad", 0, false, view(b.x(), DType::kFloat32),
+                        view(b.expert_ids(), DType::kInt32), view(b.weights(), DType::kFloat32))
+                  .get();
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(
+      std::string(reinterpret_cast<const char*>(same->out.bytes.data()), same->out.bytes.size()),
+      got[1].out().data());
   // A stream that ends inside a micro-batch is an error naming last_chunk.
   grpc::ClientContext ctx2;
   c.Prepare(&ctx2);
@@ -707,6 +720,35 @@ TEST(ServiceTest, ServesReflectionAndHealth) {
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_NE(call.text().find("moe.v1.ExpertService"), std::string::npos) << call.text();
   EXPECT_NE(call.text().find("grpc.health.v1.Health"), std::string::npos) << call.text();
+}
+
+// Forward and Backward are raw methods on the server (proto/raw_message.h): bytes that are not a
+// message get InvalidArgument naming the message type, and the server keeps serving.
+TEST(ServiceTest, MalformedMicroBatchBytesAreInvalidArgument) {
+  Loopback lb = Start();
+  ASSERT_TRUE(lb.conn);
+  auto channel = grpc::CreateChannel(lb.target(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  struct Case {
+    const char* method;
+    std::string bytes;
+    const char* type;
+  };
+  const Case cases[] = {
+      // x: 5 bytes of tensor announcing 16 bytes of data.
+      {"/moe.v1.ExpertService/Forward", std::string("\x22\x05\x1a\x10\x61\x62\x63", 7),
+       "moe.v1.ForwardRequest"},
+      // a stray end of group.
+      {"/moe.v1.ExpertService/Backward", std::string("\x0c", 1), "moe.v1.BackwardRequest"}};
+  for (const Case& c : cases) {
+    RawBidi call(c.bytes);
+    call.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto done = call.done();
+    stub.PrepareBidiStreamingCall(&call.ctx, c.method, {}, &call);
+    call.Start();
+    ExpectStatus(done.get(), grpc::StatusCode::INVALID_ARGUMENT, c.type);
+  }
+  EXPECT_TRUE(lb.conn->Health().ok());
 }
 
 // --- Recompute memory mode ------------------------------------------------------------------

@@ -1,0 +1,237 @@
+// Encoding and decoding of tensor-carrying messages by reference (see raw_message.h). The
+// decoder walks protobuf's wire format itself, over gRPC's slices, only far enough to lift the
+// tensors' `data` out; everything else is re-emitted in canonical form and left to protobuf.
+#include "proto/raw_message.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::wire {
+namespace {
+
+// Wire types of the protobuf encoding.
+constexpr int kVarint = 0;
+constexpr int kFixed64 = 1;
+constexpr int kLengthDelimited = 2;
+constexpr int kStartGroup = 3;
+constexpr int kEndGroup = 4;
+constexpr int kFixed32 = 5;
+// Protobuf's own limit on nested groups and messages.
+constexpr int kMaxDepth = 100;
+// moe.v1.Tensor's `data`.
+constexpr int kTensorDataField = v1::Tensor::kDataFieldNumber;
+
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7F) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+void AppendTag(int field, int wire_type, std::string* out) {
+  AppendVarint((static_cast<uint64_t>(field) << 3) | static_cast<uint64_t>(wire_type), out);
+}
+
+size_t VarintSize(uint64_t value) {
+  size_t n = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// Reads protobuf's wire format across a sequence of slices. Every read fails (returns false)
+// rather than running past the end.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) { Skip(); }
+
+  bool at_end() const { return index_ == slices_.size(); }
+  size_t position() const { return position_; }
+
+  bool ReadVarint(uint64_t* value) {
+    *value = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (at_end()) return false;
+      const uint8_t byte = slices_[index_].begin()[offset_];
+      Advance(1);
+      *value |= static_cast<uint64_t>(byte & 0x7F) << shift;
+      if (!(byte & 0x80)) return true;
+    }
+    return false;  // more than ten bytes: not a varint
+  }
+
+  // The next n bytes as views into the slices, appended to *pieces.
+  bool Take(size_t n, std::vector<absl::string_view>* pieces) {
+    while (n > 0) {
+      if (at_end()) return false;
+      const size_t take = std::min(n, slices_[index_].size() - offset_);
+      pieces->emplace_back(reinterpret_cast<const char*>(slices_[index_].begin()) + offset_, take);
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+
+  bool CopyTo(size_t n, std::string* out) {
+    std::vector<absl::string_view> pieces;
+    if (!Take(n, &pieces)) return false;
+    for (absl::string_view p : pieces) out->append(p.data(), p.size());
+    return true;
+  }
+
+ private:
+  void Advance(size_t n) {
+    offset_ += n;
+    position_ += n;
+    Skip();
+  }
+  // Moves past exhausted (or empty) slices, so a non-end reader always has a byte at offset_.
+  void Skip() {
+    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t offset_ = 0;
+  size_t position_ = 0;
+};
+
+// Copies one field's value (its tag already read) in canonical form into *out. A group (not
+// part of proto3, but protobuf's parser keeps one under an unknown field) is copied up to its
+// matching end; a stray end of group fails, as it does in protobuf.
+bool CopyField(SliceReader& in, uint64_t tag, std::string* out, int depth = 0) {
+  const int wire_type = static_cast<int>(tag & 7);
+  AppendVarint(tag, out);
+  switch (wire_type) {
+    case kStartGroup: {
+      if (depth >= kMaxDepth) return false;
+      for (;;) {
+        uint64_t inner;
+        if (!in.ReadVarint(&inner) || (inner >> 3) == 0) return false;
+        if ((inner & 7) == kEndGroup) {
+          AppendVarint(inner, out);
+          return (inner >> 3) == (tag >> 3);
+        }
+        if (!CopyField(in, inner, out, depth + 1)) return false;
+      }
+    }
+    case kVarint: {
+      uint64_t v;
+      if (!in.ReadVarint(&v)) return false;
+      AppendVarint(v, out);
+      return true;
+    }
+    case kFixed64:
+      return in.CopyTo(8, out);
+    case kLengthDelimited: {
+      uint64_t n;
+      if (!in.ReadVarint(&n)) return false;
+      AppendVarint(n, out);
+      return in.CopyTo(n, out);
+    }
+    case kFixed32:
+      return in.CopyTo(4, out);
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodeMessage(const google::protobuf::MessageLite& header,
+                               absl::Span<const OutgoingPayload> payloads,
+                               std::shared_ptr<const void> owner) {
+  std::vector<grpc::Slice> slices;
+  std::string pending = header.SerializeAsString();
+  for (const OutgoingPayload& p : payloads) {
+    if (p.size == 0) continue;
+    // field { data: <bytes> }: the tag and length of the field, then those of data.
+    const size_t inner =
+        VarintSize((kTensorDataField << 3) | kLengthDelimited) + VarintSize(p.size) + p.size;
+    AppendTag(p.field, kLengthDelimited, &pending);
+    AppendVarint(inner, &pending);
+    AppendTag(kTensorDataField, kLengthDelimited, &pending);
+    AppendVarint(p.size, &pending);
+    slices.emplace_back(pending);
+    pending.clear();
+    // The slice refers to the payload and holds a reference to its owner until gRPC drops it.
+    auto* hold = new std::shared_ptr<const void>(owner);
+    slices.emplace_back(
+        const_cast<void*>(p.data), p.size,
+        [](void* h) { delete static_cast<std::shared_ptr<const void>*>(h); }, hold);
+  }
+  if (!pending.empty()) slices.emplace_back(pending);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status IncomingMessage::Decode(grpc::ByteBuffer* buffer, absl::Span<const int> tensor_fields,
+                                     google::protobuf::MessageLite* header,
+                                     absl::string_view what) {
+  slices_.clear();
+  payloads_.clear();
+  small_fields_.clear();
+  wire_bytes_ = buffer->Length();
+  auto malformed = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": not a valid message (", why, "; ", wire_bytes_, " bytes)"));
+  };
+  if (buffer->Valid() && !buffer->Dump(&slices_).ok()) return malformed("unreadable buffer");
+  buffer->Clear();
+  SliceReader in(slices_);
+  while (!in.at_end()) {
+    uint64_t tag;
+    if (!in.ReadVarint(&tag) || (tag >> 3) == 0) return malformed("bad field tag");
+    const int field = static_cast<int>(std::min<uint64_t>(tag >> 3, INT32_MAX));
+    const bool is_tensor =
+        (tag & 7) == kLengthDelimited &&
+        std::find(tensor_fields.begin(), tensor_fields.end(), field) != tensor_fields.end();
+    if (!is_tensor) {
+      if (!CopyField(in, tag, &small_fields_)) return malformed("truncated or unknown field");
+      continue;
+    }
+    // A tensor: its fields but `data` go to the small fields, re-framed with their new length.
+    uint64_t length;
+    if (!in.ReadVarint(&length)) return malformed("truncated tensor length");
+    const size_t end = in.position() + length;
+    std::string tensor_fields_bytes;
+    while (in.position() < end) {
+      uint64_t inner_tag;
+      if (!in.ReadVarint(&inner_tag) || (inner_tag >> 3) == 0) return malformed("bad tensor tag");
+      if (inner_tag == ((kTensorDataField << 3) | kLengthDelimited)) {
+        uint64_t n;
+        if (!in.ReadVarint(&n)) return malformed("truncated tensor data length");
+        auto it = std::find_if(payloads_.begin(), payloads_.end(),
+                               [&](const Payload& p) { return p.field == field; });
+        if (it == payloads_.end()) it = payloads_.insert(payloads_.end(), Payload{field, {}});
+        it->pieces.clear();  // the last `data` wins, as when protobuf merges
+        if (!in.Take(n, &it->pieces)) return malformed("truncated tensor data");
+      } else if (!CopyField(in, inner_tag, &tensor_fields_bytes)) {
+        return malformed("truncated or unknown tensor field");
+      }
+    }
+    if (in.position() != end) return malformed("tensor overruns its length");
+    AppendTag(field, kLengthDelimited, &small_fields_);
+    AppendVarint(tensor_fields_bytes.size(), &small_fields_);
+    small_fields_ += tensor_fields_bytes;
+  }
+  if (!header->ParseFromString(small_fields_)) return malformed("bad small fields");
+  return absl::OkStatus();
+}
+
+absl::Span<const absl::string_view> IncomingMessage::payload(int field) const {
+  for (const Payload& p : payloads_) {
+    if (p.field == field) return p.pieces;
+  }
+  return {};
+}
+
+}  // namespace moe::wire

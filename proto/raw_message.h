@@ -1,0 +1,133 @@
+// Forward and Backward messages on the wire without copying their tensors' bytes.
+//
+// Why: on the H100 a sonic-7b-shaped micro-batch's tensors are 75 MB each, and every copy of one
+// on the host costs about 10 ms, against 3.6 ms for the whole layer on the GPU. Through protobuf
+// each tensor was copied twice on the way out (into the message, then by gRPC's serializer) and
+// twice on the way in (by the parser, then into the assembled tensor). Here a message is
+// encoded as its small fields, serialized by protobuf, followed by each tensor's bytes as a
+// grpc::Slice over the sender's own buffer; and a received message is split into its small
+// fields (parsed by protobuf) and the pieces of gRPC's receive buffers that hold each tensor's
+// bytes, which the receiver copies once, straight into the assembled tensor.
+//
+// The encoding is plain protobuf: a tensor field appears twice, first with its dtype and shape
+// (inside the serialized small fields) and then with only its `data`; every protobuf parser
+// merges the two occurrences into one Tensor. So any client or server that speaks moe.proto
+// (Python's grpcio, grpcurl) reads and writes these messages unchanged, and the decoder here
+// accepts any valid encoding, including protobuf's own.
+#ifndef MOE_PROTO_RAW_MESSAGE_H_
+#define MOE_PROTO_RAW_MESSAGE_H_
+
+#include <google/protobuf/message_lite.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "engine/tensor.h"
+#include "moe/v1/moe.pb.h"
+#include "proto/wire.h"
+
+namespace moe::wire {
+
+// One tensor's bytes to send by reference: the `data` of the moe.v1.Tensor in top-level field
+// `field` of the message.
+struct OutgoingPayload {
+  int field = 0;
+  const void* data = nullptr;
+  size_t size = 0;
+};
+
+// `header` serialized, then each non-empty payload as a second occurrence of its tensor field
+// holding only `data` (header's own tensors carry dtype and shape and no data). The payloads'
+// bytes are not copied: the buffer's slices hold a reference to `owner`, which must keep them
+// alive and unchanged, until gRPC has sent them and released the slices.
+grpc::ByteBuffer EncodeMessage(const google::protobuf::MessageLite& header,
+                               absl::Span<const OutgoingPayload> payloads,
+                               std::shared_ptr<const void> owner);
+
+// A received message, split into its small fields and the pieces of the receive buffer that hold
+// the `data` of its tensor fields (no copy of those bytes is made).
+class IncomingMessage {
+ public:
+  // Takes `buffer`'s slices. Every field except the `data` of the moe.v1.Tensor fields listed
+  // in `tensor_fields` (top-level field numbers) is parsed into `header`; each such tensor's data
+  // stays in the slices, as payload(field). Protobuf's merge rules hold: a tensor field that
+  // appears more than once is one tensor, and its last `data` wins. A buffer protobuf could not
+  // parse gives InvalidArgument naming `what` (the message type).
+  absl::Status Decode(grpc::ByteBuffer* buffer, absl::Span<const int> tensor_fields,
+                      google::protobuf::MessageLite* header, absl::string_view what);
+  // The data of tensor field `field`, in order; empty when it carried none. Valid until the
+  // next Decode or this object's destruction.
+  absl::Span<const absl::string_view> payload(int field) const;
+  // Bytes of the whole message on the wire.
+  size_t wire_bytes() const { return wire_bytes_; }
+
+ private:
+  struct Payload {
+    int field;
+    std::vector<absl::string_view> pieces;
+  };
+  std::vector<grpc::Slice> slices_;
+  std::vector<Payload> payloads_;
+  std::string small_fields_;
+  size_t wire_bytes_ = 0;
+};
+
+// A micro-batch's tensors cut into messages of at most `chunk` payload bytes (PlanChunks), each
+// encoded only when it is about to be written, by reference to the tensors, which this object
+// owns and shares with the encoded messages' slices. `header` prepares an empty message (its
+// small fields) and returns the proto tensors of the present tensors in the order of `fields`
+// (nullptr for an absent one; an empty tensor is absent on the wire).
+template <typename Msg>
+class ChunkedMessages {
+ public:
+  using Header = std::function<std::vector<v1::Tensor*>(Msg*)>;
+
+  ChunkedMessages() = default;
+  ChunkedMessages(std::vector<Tensor> tensors, std::vector<int> fields, int64_t chunk,
+                  Header header)
+      : tensors_(std::make_shared<const std::vector<Tensor>>(std::move(tensors))),
+        fields_(std::move(fields)),
+        header_(std::move(header)) {
+    std::vector<size_t> sizes;
+    for (const Tensor& t : *tensors_) sizes.push_back(t.bytes.size());
+    plan_ = PlanChunks(sizes, static_cast<size_t>(chunk));
+  }
+
+  size_t size() const { return plan_.size(); }
+
+  // Message m of size(); it sets last_chunk on the last one.
+  grpc::ByteBuffer Build(size_t m) const {
+    Msg msg;
+    std::vector<v1::Tensor*> protos = header_(&msg);
+    for (size_t i = 0; i < tensors_->size(); ++i) {
+      const Tensor& t = (*tensors_)[i];
+      if (!t.empty() && protos[i]) SetTensorHeader(t.dtype, t.shape, protos[i]);
+    }
+    msg.set_last_chunk(m + 1 == plan_.size());
+    std::vector<OutgoingPayload> payloads;
+    for (const Piece& p : plan_[m]) {
+      if (!protos[p.tensor]) continue;
+      payloads.push_back(
+          {fields_[p.tensor], (*tensors_)[p.tensor].bytes.data() + p.offset, p.size});
+    }
+    return EncodeMessage(msg, payloads, tensors_);
+  }
+
+ private:
+  std::shared_ptr<const std::vector<Tensor>> tensors_;
+  std::vector<int> fields_;
+  Header header_;
+  std::vector<std::vector<Piece>> plan_;
+};
+
+}  // namespace moe::wire
+
+#endif  // MOE_PROTO_RAW_MESSAGE_H_
