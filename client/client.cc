@@ -203,6 +203,7 @@ class Connection::SessionCall final : public grpc::ClientReadReactor<v1::Session
 absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::string& target,
                                                                 ClientOptions options) {
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
+  if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
   std::shared_ptr<Connection> c(new Connection());
   c->target_ = target;
   c->options_ = options;
@@ -216,8 +217,21 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
         absl::StrCat("could not connect to ", target, " within ", options.timeout.count(), " ms"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
-  c->raw_stub_ =
-      std::make_unique<grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>>(c->channel_);
+  c->raw_stubs_.push_back(std::make_unique<RawStub>(c->channel_));
+  // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
+  // further channel gets a pool of its own, hence its own connection.
+  grpc::ChannelArguments own_pool = args;
+  own_pool.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (int i = 1; i < options.connections; ++i) {
+    auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), own_pool);
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout)) {
+      return absl::UnavailableError(absl::StrCat("could not open connection ", i + 1, " of ",
+                                                 options.connections, " to ", target, " within ",
+                                                 options.timeout.count(), " ms"));
+    }
+    c->raw_stubs_.push_back(std::make_unique<RawStub>(channel));
+    c->extra_channels_.push_back(std::move(channel));
+  }
   std::random_device rd;
   c->context_prefix_ = (static_cast<uint64_t>(rd()) << 32) & 0xFFFFFFFF00000000ull;
   if (options.open_session) {
@@ -370,7 +384,8 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
       });
   Prepare(call->context());
   auto fut = call->future();
-  raw_stub_->PrepareBidiStreamingCall(call->context(), kForwardMethod, grpc::StubOptions(), call);
+  NextRawStub().PrepareBidiStreamingCall(call->context(), kForwardMethod, grpc::StubOptions(),
+                                         call);
   call->Start();
   return fut;
 }
@@ -418,7 +433,8 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
       });
   Prepare(call->context());
   auto fut = call->future();
-  raw_stub_->PrepareBidiStreamingCall(call->context(), kBackwardMethod, grpc::StubOptions(), call);
+  NextRawStub().PrepareBidiStreamingCall(call->context(), kBackwardMethod, grpc::StubOptions(),
+                                         call);
   call->Start();
   return fut;
 }

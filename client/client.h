@@ -48,6 +48,11 @@ struct ClientOptions {
   int64_t chunk_bytes = int64_t{1} << 20;    // tensor payload per request message
   int64_t max_receive_bytes = int64_t{256} << 20;
   bool open_session = true;  // tie saved contexts to this connection
+  // TCP connections to the server that Forward and Backward calls take in turn (unary calls and
+  // the session use the first). One connection carries a large tensor at a few GB/s on loopback
+  // whatever the host, and every call on it shares that; micro-batches in flight on different
+  // connections move their tensors side by side (docs/SERVICE_PERFORMANCE.md).
+  int connections = 4;
 };
 
 // grpc::Status -> absl::Status, code and message unchanged.
@@ -126,8 +131,13 @@ class Connection {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
-  // Forward and Backward as raw buffers (proto/raw_message.h), on the same channel.
-  std::unique_ptr<grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>> raw_stub_;
+  // Forward and Backward as raw buffers (proto/raw_message.h), one stub per connection (the
+  // first on channel_), taken in turn.
+  using RawStub = grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>;
+  std::vector<std::unique_ptr<RawStub>> raw_stubs_;
+  std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
+  std::atomic<uint64_t> next_raw_stub_{0};
+  RawStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
   std::string session_id_;
   SessionCall* session_ = nullptr;
   uint64_t context_prefix_ = 0;

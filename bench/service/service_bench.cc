@@ -444,6 +444,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   }
   if (options.warmup_steps < 0) return absl::InvalidArgumentError("warmup_steps: must be >= 0");
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be positive");
+  if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
 
   // The server: a running one, or one started here on loopback with free ports.
   std::unique_ptr<server::Server> own_server;
@@ -470,6 +471,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   client::ClientOptions co;
   co.timeout = std::chrono::seconds(options.timeout_seconds);
   co.chunk_bytes = options.chunk_bytes;
+  co.connections = options.connections;
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <future>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -95,6 +98,62 @@ TEST(ClientTest, CreateAttachesOnlyToAnIdenticalLayer) {
   EXPECT_EQ(list->at(0).config().d_hidden(), 64);
   EXPECT_TRUE((*c)->DeleteLayer("l").ok());
   EXPECT_EQ((*c)->DeleteLayer("l").code(), absl::StatusCode::kNotFound);
+}
+
+// Established TCP connections to local port `port`, counted at the client's end: both ends of a
+// loopback connection are listed, and the client's has the server's port as its remote. gRPC
+// may use IPv6 sockets with v4-mapped addresses, so both tables count.
+int ConnectionsTo(int port) {
+  int n = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const size_t colon = remote.find(':');
+      if (state == "01" && colon != std::string::npos &&
+          std::stoi(remote.substr(colon + 1), nullptr, 16) == port) {
+        ++n;
+      }
+    }
+  }
+  return n;
+}
+
+// ClientOptions::connections: Forward and Backward calls take that many TCP connections in turn
+// (one gRPC channel's calls would all share one), and every one gives the same bits.
+TEST(ClientTest, MicroBatchesTakeTheConnectionsInTurn) {
+  for (int connections : {1, 3}) {
+    auto s = StartServer();
+    ASSERT_TRUE(s);
+    client::ClientOptions options;
+    options.connections = connections;
+    auto c = client::Connection::Connect(Target(*s), options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto layer = client::RemoteLayer::Create(*c, "l", Config());
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    std::mt19937 rng(7);
+    Tensor x = RandomFloat(rng, {33, Config().d_model});
+    std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> calls;
+    for (int i = 0; i < 2 * connections; ++i) {
+      calls.push_back((*layer)->Forward(x.view(), {}, {}, /*training=*/false));
+    }
+    std::vector<Tensor> outs;
+    for (auto& f : calls) {
+      auto r = f.get();
+      ASSERT_TRUE(r.ok()) << r.status();
+      outs.push_back(std::move(r->out));
+    }
+    for (const Tensor& out : outs) EXPECT_TRUE(out.bytes == outs[0].bytes);
+    EXPECT_EQ(ConnectionsTo(s->port()), connections) << "connections = " << connections;
+  }
+  client::ClientOptions bad;
+  bad.connections = 0;
+  EXPECT_EQ(client::Connection::Connect("127.0.0.1:1", bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(WireTest, PlanChunksCoversEveryByteOnceWithinTheLimit) {
