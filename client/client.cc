@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "engine/host_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/raw_message.h"
 #include "proto/wire.h"
@@ -159,7 +160,7 @@ Tensor ToTensor(const TensorView& view) {
   t.dtype = view.dtype;
   t.shape = view.shape;
   t.bytes.resize(view.size_bytes);
-  if (view.size_bytes) std::memcpy(t.bytes.data(), view.data, view.size_bytes);
+  ParallelMemcpy(t.bytes.data(), view.data, view.size_bytes);
   return t;
 }
 

@@ -11,10 +11,24 @@
 // (bench/results/2026-11-22-h100-dc452e4-trainer-malloc). The price: the process keeps its
 // peak heap. The same settings without code: GLIBC_TUNABLES=glibc.malloc.mmap_max=0:
 // glibc.malloc.trim_threshold=2147483647:glibc.malloc.arena_max=1 (one string, no spaces).
+//
+// Also here: the copy used wherever a large host tensor is copied whole on the hot path (the
+// CUDA engine's pinned staging, the client's copy of a caller's tensors). One thread copies a
+// warm 75 MB buffer in about 10 ms on the H100 machine; split over 8 threads the same bytes take
+// about 3 (bench/results/2026-11-22-h100-e794a38-host-staging).
 #ifndef MOE_ENGINE_HOST_MEMORY_H_
 #define MOE_ENGINE_HOST_MEMORY_H_
 
+#include <cstddef>
+
 namespace moe {
+
+// Copies of at least this many bytes are split over threads.
+inline constexpr size_t kParallelCopyMinBytes = size_t{4} << 20;
+
+// memcpy split over up to 8 threads (at most the machine's cores) from kParallelCopyMinBytes
+// on; one thread below it. Returns when every byte is copied.
+void ParallelMemcpy(void* dst, const void* src, size_t bytes);
 
 // Applies the settings above. Call it before the process starts any thread (the arena limit
 // applies to arenas created afterwards). False when the C library refused one of them (not

@@ -4,14 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
-#include <vector>
 
 #include "engine/cuda/device.h"
+#include "engine/host_memory.h"
 
 namespace moe::cuda {
 namespace {
@@ -30,30 +28,6 @@ Staging& StagingFor(int device) {
   if (!s) s = std::make_unique<Staging>();
   return *s;
 }
-
-}  // namespace
-
-void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const size_t threads = bytes < kMinStagedBytes ? 1 : std::min<size_t>(8, cores);
-  if (threads <= 1) {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-    return;
-  }
-  // Equal pieces rounded up to 4 KiB; the caller's thread copies the first.
-  const size_t piece = (bytes / threads + 4095) / 4096 * 4096;
-  std::vector<std::thread> workers;
-  for (size_t off = piece; off < bytes; off += piece) {
-    const size_t len = std::min(piece, bytes - off);
-    workers.emplace_back([=] {
-      std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, len);
-    });
-  }
-  std::memcpy(dst, src, std::min(piece, bytes));
-  for (std::thread& w : workers) w.join();
-}
-
-namespace {
 
 // Runs piece(staging, offset, length) over `bytes` in pieces of at most one staging buffer, with
 // the device's staging reserved and held for the whole transfer.

@@ -4,7 +4,7 @@
 // dout, the result's out or dx). cudaMemcpy from or to pageable memory runs through the
 // driver's own small staging at ~7-9 GB/s on the H100 machine (75 MB: 10.8 ms up, 8.5 ms
 // down), while a copy between pageable and pinned memory split over 8 threads plus a DMA from
-// pinned memory take 3.3-3.5 ms for the same bytes
+// pinned memory (ParallelMemcpy, engine/host_memory.h) take 3.3-3.5 ms for the same bytes
 // (bench/results/2026-11-22-h100-e794a38-host-staging).
 // So transfers of at least kMinStagedBytes go through one pinned buffer per device, at most
 // kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
@@ -32,9 +32,6 @@ absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
 // Copies `bytes` from device `src` to host `dst` after the work already on `stream`; returns
 // once `dst` holds them.
 absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cudaStream_t stream);
-
-// memcpy split over up to 8 threads for large copies (one thread below kMinStagedBytes).
-void ParallelMemcpy(void* dst, const void* src, size_t bytes);
 
 }  // namespace moe::cuda
 

@@ -1,6 +1,7 @@
-// moe::RetainFreedHeapMemory (engine/host_memory.h): before it, glibc maps a 64 MiB block
-// afresh; after it, such blocks come from the heap, and the heap keeps them once freed. Its own
-// binary: the settings are the whole process's.
+// engine/host_memory.h. moe::RetainFreedHeapMemory: before it, glibc maps a 64 MiB block
+// afresh; after it, such blocks come from the heap, and the heap keeps them once freed (its own
+// binary: the settings are the whole process's). ParallelMemcpy: every byte, and none past the
+// end, on sizes around its thread and page splits.
 #include "engine/host_memory.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +9,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
+#include <vector>
 
 namespace moe {
 namespace {
@@ -31,6 +34,23 @@ TEST(HostMemoryTest, LargeBlocksComeFromTheHeapAndStayThere) {
   EXPECT_EQ(MappedBy64MiB(), 0u);
   // The freed block stayed in the heap (not trimmed): at least its size is free there.
   EXPECT_GE(mallinfo2().fordblks, kBlock);
+}
+
+TEST(HostMemoryTest, ParallelMemcpyCopiesEveryByteAndNoMore) {
+  constexpr size_t kGuard = 4096;
+  constexpr unsigned char kPoison = 0xA5;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{4095}, kParallelCopyMinBytes - 1,
+                   kParallelCopyMinBytes, kParallelCopyMinBytes + 4097, (size_t{37} << 20) + 13}) {
+    std::mt19937 rng(static_cast<uint32_t>(n + 1));
+    std::vector<unsigned char> src(n);
+    for (unsigned char& b : src) b = static_cast<unsigned char>(rng());
+    std::vector<unsigned char> dst(n + kGuard, kPoison);
+    ParallelMemcpy(dst.data(), src.data(), n);
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), n), 0) << n << " bytes differ";
+    for (size_t i = n; i < n + kGuard; ++i) {
+      ASSERT_EQ(dst[i], kPoison) << "guard byte " << i - n << " written after " << n << " bytes";
+    }
+  }
 }
 
 }  // namespace
