@@ -121,12 +121,11 @@ int main(int argc, char** argv) {
   const moe::bench::CopyPathCost p = moe::bench::MeasureCopyPath(rows, cols, options.chunk_bytes);
   std::printf(
       "\nData path of one [%lld, %lld] fp32 tensor (%.1f MiB, %lld-byte chunks), ms, best of 3:\n"
-      "memcpy warm %.2f | memcpy into new buffer %.2f | build chunk messages %.2f | "
-      "serialize %.2f | parse %.2f | TensorAssembler: the server's Adds (reserve once an eighth "
-      "arrived) %.2f, growing Add+Finish %.2f, the client's Add+Finish (reserve at once) %.2f\n",
+      "memcpy warm %.2f | memcpy into new buffer %.2f | the client's copy (8 threads) %.2f | "
+      "encode the messages (by reference) %.2f | the server's decode + Add %.2f | the client's "
+      "decode + Add + Finish %.2f\n",
       static_cast<long long>(rows), static_cast<long long>(cols), p.bytes / 1048576.0,
       static_cast<long long>(options.chunk_bytes), p.memcpy_warm_ms, p.memcpy_fresh_ms,
-      p.build_chunks_ms, p.serialize_ms, p.parse_ms, p.assemble_add_only_ms, p.assemble_ms,
-      p.assemble_trusted_ms);
+      p.client_copy_ms, p.encode_ms, p.server_receive_ms, p.client_receive_ms);
   return 0;
 }

@@ -23,6 +23,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "engine/host_memory.h"
+#include "proto/raw_message.h"
 #include "proto/wire.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -350,60 +352,47 @@ CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
     std::memcpy(fresh.data(), src.bytes.data(), fresh.size());  // Tensor::Zeros does
     if (fresh[1] != src.bytes[1]) std::abort();
   });
-  // The same cutting the client and the server do (client.cc ChunkRequest, service.cc
-  // ChunkResponse): plan the pieces, one message per piece, header repeated, payload appended.
-  std::vector<v1::ForwardRequest> chunks;
-  best(&c.build_chunks_ms, [&] {
-    auto plan = wire::PlanChunks({src.bytes.size()}, static_cast<size_t>(chunk_bytes));
-    chunks.assign(plan.size(), v1::ForwardRequest());
-    for (size_t m = 0; m < plan.size(); ++m) {
-      chunks[m].set_layer("bench");
-      wire::SetTensorHeader(src.dtype, src.shape, chunks[m].mutable_x());
-      for (const wire::Piece& p : plan[m]) {
-        chunks[m].mutable_x()->mutable_data()->append(
-            reinterpret_cast<const char*>(src.bytes.data()) + p.offset, p.size);
-      }
-      chunks[m].set_last_chunk(m + 1 == plan.size());
+  // The client's copy of a caller's tensor (client.cc ToTensor), into a warm buffer.
+  best(&c.client_copy_ms, [&] { ParallelMemcpy(warm.data(), src.bytes.data(), warm.size()); });
+  // The same messages the client and the server write (proto/raw_message.h ChunkedMessages):
+  // header repeated, the payload by reference.
+  std::vector<Tensor> tensors;
+  tensors.push_back(src);
+  const wire::ChunkedMessages<v1::ForwardRequest> messages(
+      std::move(tensors), {v1::ForwardRequest::kXFieldNumber}, chunk_bytes,
+      [](v1::ForwardRequest* r) {
+        r->set_layer("bench");
+        return std::vector<v1::Tensor*>{r->mutable_x()};
+      });
+  std::vector<grpc::ByteBuffer> encoded(messages.size());
+  best(&c.encode_ms, [&] {
+    for (size_t m = 0; m < messages.size(); ++m) encoded[m] = messages.Build(m);
+  });
+  // Decoding each message and adding its bytes, as a receiver does: the server's Forward
+  // (claimed size reserved once an eighth has arrived; it stops there) and the client's
+  // receivers (claimed size reserved at once, then Finish).
+  const std::vector<int> fields = {v1::ForwardRequest::kXFieldNumber};
+  auto receive = [&](wire::TensorAssembler& x) {
+    wire::IncomingMessage in;
+    v1::ForwardRequest header;
+    for (const grpc::ByteBuffer& e : encoded) {
+      grpc::ByteBuffer buffer = e;  // more references, no bytes: Decode takes the buffer
+      if (!in.Decode(&buffer, fields, &header, "bench").ok()) std::abort();
+      if (!x.Add(header.x(), in.payload(v1::ForwardRequest::kXFieldNumber)).ok()) std::abort();
     }
-  });
-  std::vector<std::string> wire_bytes(chunks.size());
-  best(&c.serialize_ms, [&] {
-    for (size_t m = 0; m < chunks.size(); ++m) wire_bytes[m] = chunks[m].SerializeAsString();
-  });
-  std::vector<v1::ForwardRequest> parsed(chunks.size());
-  best(&c.parse_ms, [&] {
-    for (size_t m = 0; m < chunks.size(); ++m) {
-      if (!parsed[m].ParseFromString(wire_bytes[m])) std::abort();
-    }
-  });
-  // The server's Forward receivers: the claimed size reserved once an eighth has arrived.
-  best(&c.assemble_add_only_ms, [&] {
+  };
+  best(&c.server_receive_ms, [&] {
     wire::TensorAssembler x("x", wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived);
-    for (const auto& m : parsed) {
-      if (!x.Add(m.x()).ok()) std::abort();
-    }
+    receive(x);
   });
   absl::StatusOr<Tensor> out;
-  // Growing as the bytes come (kGrow).
-  best(&c.assemble_ms, [&] {
+  best(&c.client_receive_ms, [&] {
     out = absl::StatusOr<Tensor>();  // freed outside the timed region, as the caller would
-    wire::TensorAssembler x("x");
-    for (const auto& m : parsed) {
-      if (!x.Add(m.x()).ok()) std::abort();
-    }
+    wire::TensorAssembler x("x", wire::TensorAssembler::Sizing::kClaimedAtOnce);
+    receive(x);
     out = x.Finish();
   });
   if (!out.ok() || out->bytes != src.bytes) std::abort();  // the round trip must be exact
-  // The client's receivers: the claimed size reserved on the first chunk.
-  best(&c.assemble_trusted_ms, [&] {
-    out = absl::StatusOr<Tensor>();
-    wire::TensorAssembler x("x", wire::TensorAssembler::Sizing::kClaimedAtOnce);
-    for (const auto& m : parsed) {
-      if (!x.Add(m.x()).ok()) std::abort();
-    }
-    out = x.Finish();
-  });
-  if (!out.ok() || out->bytes != src.bytes) std::abort();
   return c;
 }
 

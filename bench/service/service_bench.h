@@ -68,20 +68,18 @@ struct CaseResult {
 absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
                                                         std::string* server_description);
 
-// What each hop of the service's data path costs for one [rows, cols] fp32 tensor cut into
-// `chunk_bytes` messages, timed on the real code (protobuf, proto/wire.h); milliseconds, best
-// of a few runs. Read the server's receive/send stages and the client's share against these.
+// What each hop of the service's data path costs on the host for one [rows, cols] fp32 tensor
+// cut into `chunk_bytes` messages, timed on the real code (proto/raw_message.h, proto/wire.h);
+// milliseconds, best of a few runs. Read the server's receive/send stages and the client's share
+// against these (the transfer itself is not in them).
 struct CopyPathCost {
   int64_t bytes = 0;
-  double memcpy_warm_ms = 0;        // memcpy into a buffer already touched
-  double memcpy_fresh_ms = 0;       // memcpy into a new allocation (page faults included)
-  double build_chunks_ms = 0;       // tensor -> chunk messages (what both sides do before sending)
-  double serialize_ms = 0;          // chunk messages -> wire bytes (gRPC's SerializeToZeroCopy)
-  double parse_ms = 0;              // wire bytes -> chunk messages
-  double assemble_ms = 0;           // wire::TensorAssembler::Add (kGrow) over the chunks, Finish()
-  double assemble_add_only_ms = 0;  // the Add()s alone as the server's Forward takes x
-                                    // (kClaimedOnceAnEighthArrived; the server stops there)
-  double assemble_trusted_ms = 0;   // Add()s + Finish() as the client takes out/dx (kClaimedAtOnce)
+  double memcpy_warm_ms = 0;     // memcpy into a buffer already touched
+  double memcpy_fresh_ms = 0;    // memcpy into a new allocation (page faults included)
+  double client_copy_ms = 0;     // the client's copy of a caller's tensor (ParallelMemcpy, warm)
+  double encode_ms = 0;          // every message of the tensor encoded, by reference
+  double server_receive_ms = 0;  // every message decoded and added as the server's Forward does
+  double client_receive_ms = 0;  // the same as the client takes out/dx, and Finish()
 };
 CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes);
 
