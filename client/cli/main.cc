@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
   options.open_session = false;  // the CLI keeps no training contexts
+  options.connections = 1;        // and makes one call at a time
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Fail(conn.status());
   auto& c = **conn;
