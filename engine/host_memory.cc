@@ -20,6 +20,18 @@ bool RetainFreedHeapMemory() {
   return arenas && no_mmap && no_trim;
 }
 
+void ParallelForInterleaved(size_t n, const std::function<void(size_t)>& work) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = std::min<size_t>({8, cores, n});
+  auto run = [&](size_t t) {
+    for (size_t i = t; i < n; i += threads) work(i);
+  };
+  std::vector<std::thread> workers;
+  for (size_t t = 1; t < threads; ++t) workers.emplace_back(run, t);
+  if (threads > 0) run(0);
+  for (std::thread& w : workers) w.join();
+}
+
 void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const size_t threads = bytes < kParallelCopyMinBytes ? 1 : std::min<size_t>(8, cores);
@@ -27,17 +39,13 @@ void ParallelMemcpy(void* dst, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return;
   }
-  // Equal pieces rounded up to 4 KiB; the caller's thread copies the first.
+  // Equal pieces rounded up to 4 KiB, one a thread.
   const size_t piece = (bytes / threads + 4095) / 4096 * 4096;
-  std::vector<std::thread> workers;
-  for (size_t off = piece; off < bytes; off += piece) {
-    const size_t len = std::min(piece, bytes - off);
-    workers.emplace_back([=] {
-      std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, len);
-    });
-  }
-  std::memcpy(dst, src, std::min(piece, bytes));
-  for (std::thread& w : workers) w.join();
+  ParallelForInterleaved((bytes + piece - 1) / piece, [=](size_t i) {
+    const size_t off = i * piece;
+    std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
+                std::min(piece, bytes - off));
+  });
 }
 
 }  // namespace moe

@@ -20,6 +20,7 @@
 #define MOE_ENGINE_HOST_MEMORY_H_
 
 #include <cstddef>
+#include <functional>
 
 namespace moe {
 
@@ -29,6 +30,12 @@ inline constexpr size_t kParallelCopyMinBytes = size_t{4} << 20;
 // memcpy split over up to 8 threads (at most the machine's cores) from kParallelCopyMinBytes
 // on; one thread below it. Returns when every byte is copied.
 void ParallelMemcpy(void* dst, const void* src, size_t bytes);
+
+// Runs work(i) for every i in [0, n) on up to 8 threads (at most the machine's cores and n),
+// the caller's thread among them: thread t takes i = t, t + threads, ..., so the calls finish
+// roughly in the order of i (a consumer of piece i, such as a DMA, can start on the first pieces
+// while later ones are still being produced). Returns when every call has.
+void ParallelForInterleaved(size_t n, const std::function<void(size_t)>& work);
 
 // Applies the settings above. Call it before the process starts any thread (the arena limit
 // applies to arenas created afterwards). False when the C library refused one of them (not

@@ -4,9 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "engine/cuda/device.h"
 #include "engine/host_memory.h"
@@ -14,10 +16,12 @@
 namespace moe::cuda {
 namespace {
 
-// One device's pinned buffer, grown on demand up to kMaxStagingBytes, and its lock.
+// One device's pinned buffer, grown on demand up to kMaxStagingBytes, its lock, and the events
+// that mark each kPipelineBytes piece of a device-to-host copy as landed (made on first use, kept).
 struct Staging {
   std::mutex mu;
   PinnedHostBuffer buffer;
+  std::vector<Event> landed;
 };
 
 Staging& StagingFor(int device) {
@@ -44,6 +48,32 @@ absl::Status ForEachStagedPiece(int device, size_t bytes, Piece piece) {
   return absl::OkStatus();
 }
 
+// A CUDA call's status where it cannot return at once (on a copying thread).
+absl::Status Checked(cudaError_t err, const char* what, int line) {
+  return err == cudaSuccess ? absl::OkStatus() : CudaStatus(err, what, __FILE__, line);
+}
+#define MOE_CUDA_STATUS(expr) Checked((expr), #expr, __LINE__)
+
+// The first error any of a transfer's threads met (they all run to the end regardless).
+class FirstError {
+ public:
+  void Record(const absl::Status& status) {
+    if (status.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_.ok()) first_ = status;
+  }
+  absl::Status Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return first_;
+  }
+
+ private:
+  std::mutex mu_;
+  absl::Status first_;
+};
+
+size_t PieceCount(size_t len) { return (len + kPipelineBytes - 1) / kPipelineBytes; }
+
 }  // namespace
 
 absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
@@ -56,13 +86,22 @@ absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
     }
     return absl::OkStatus();
   }
+  // Each thread copies its pieces into the staging and enqueues each one's DMA at once, so the
+  // DMA of the first pieces runs while later ones are still being copied.
   return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
-    ParallelMemcpy(staging, static_cast<const char*>(src) + off, len);
-    MOE_CUDA_RETURN(cudaMemcpyAsync(static_cast<char*>(dst) + off, staging, len,
-                                    cudaMemcpyHostToDevice, stream));
-    // The staging is rewritten (next piece, another layer) only after the DMA has read it.
-    MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-    return absl::OkStatus();
+    FirstError error;
+    ParallelForInterleaved(PieceCount(len), [&](size_t i) {
+      const size_t at = i * kPipelineBytes, n = std::min(kPipelineBytes, len - at);
+      char* pinned = static_cast<char*>(staging) + at;
+      std::memcpy(pinned, static_cast<const char*>(src) + off + at, n);
+      // The copying threads other than the caller's need the device made current.
+      error.Record(MOE_CUDA_STATUS(cudaSetDevice(device)));
+      error.Record(MOE_CUDA_STATUS(cudaMemcpyAsync(static_cast<char*>(dst) + off + at, pinned, n,
+                                                   cudaMemcpyHostToDevice, stream)));
+    });
+    // The staging is rewritten (next piece, another layer) only after the DMAs have read it.
+    error.Record(MOE_CUDA_STATUS(cudaStreamSynchronize(stream)));
+    return error.Get();
   });
 }
 
@@ -74,12 +113,38 @@ absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cu
     MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
     return absl::OkStatus();
   }
+  // Every piece's DMA is enqueued first, each followed by its event; the threads then copy each
+  // piece out of the staging as soon as its event has fired.
   return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
-    MOE_CUDA_RETURN(cudaMemcpyAsync(staging, static_cast<const char*>(src) + off, len,
-                                    cudaMemcpyDeviceToHost, stream));
-    MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
-    ParallelMemcpy(static_cast<char*>(dst) + off, staging, len);
-    return absl::OkStatus();
+    Staging& s = StagingFor(device);  // its lock is held by ForEachStagedPiece
+    const size_t pieces = PieceCount(len);
+    while (s.landed.size() < pieces) {
+      absl::StatusOr<Event> e = Event::Create(device);
+      if (!e.ok()) return e.status();
+      s.landed.push_back(std::move(*e));
+    }
+    FirstError error;
+    for (size_t i = 0; i < pieces; ++i) {
+      const size_t at = i * kPipelineBytes, n = std::min(kPipelineBytes, len - at);
+      error.Record(MOE_CUDA_STATUS(cudaMemcpyAsync(static_cast<char*>(staging) + at,
+                                                   static_cast<const char*>(src) + off + at, n,
+                                                   cudaMemcpyDeviceToHost, stream)));
+      error.Record(MOE_CUDA_STATUS(cudaEventRecord(s.landed[i].get(), stream)));
+    }
+    if (!error.Get().ok()) {
+      // Nothing may still write into the staging once its lock is released.
+      cudaStreamSynchronize(stream);
+      return error.Get();
+    }
+    ParallelForInterleaved(pieces, [&](size_t i) {
+      const size_t at = i * kPipelineBytes, n = std::min(kPipelineBytes, len - at);
+      const absl::Status landed = MOE_CUDA_STATUS(cudaEventSynchronize(s.landed[i].get()));
+      error.Record(landed);
+      if (landed.ok()) {
+        std::memcpy(static_cast<char*>(dst) + off + at, static_cast<const char*>(staging) + at, n);
+      }
+    });
+    return error.Get();
   });
 }
 

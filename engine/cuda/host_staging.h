@@ -8,7 +8,8 @@
 // (bench/results/2026-11-22-h100-e794a38-host-staging).
 // So transfers of at least kMinStagedBytes go through one pinned buffer per device, at most
 // kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
-// that device under a mutex and kept for the life of the process.
+// that device under a mutex and kept for the life of the process. Within a transfer the copies
+// between pageable and pinned memory and the DMAs overlap, piece by piece (kPipelineBytes).
 #ifndef MOE_ENGINE_CUDA_HOST_STAGING_H_
 #define MOE_ENGINE_CUDA_HOST_STAGING_H_
 
@@ -22,6 +23,10 @@ namespace moe::cuda {
 
 inline constexpr size_t kMinStagedBytes = size_t{4} << 20;
 inline constexpr size_t kMaxStagingBytes = size_t{256} << 20;
+// Pieces in which a staged transfer's host copies and DMAs overlap: the DMA of one piece runs
+// while the threads copy later ones (host to device), or the threads copy a piece out while
+// later pieces' DMAs run (device to host).
+inline constexpr size_t kPipelineBytes = size_t{2} << 20;
 
 // Copies `bytes` from host `src` to device `dst`, stream-ordered on `stream`; returns once `src`
 // may be reused (staged copies have also landed by then). `device` is the current device, whose

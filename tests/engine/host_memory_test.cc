@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <malloc.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -50,6 +51,14 @@ TEST(HostMemoryTest, ParallelMemcpyCopiesEveryByteAndNoMore) {
     for (size_t i = n; i < n + kGuard; ++i) {
       ASSERT_EQ(dst[i], kPoison) << "guard byte " << i - n << " written after " << n << " bytes";
     }
+  }
+}
+
+TEST(HostMemoryTest, ParallelForInterleavedRunsEveryIndexOnce) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{100}}) {
+    std::vector<std::atomic<int>> runs(n);
+    ParallelForInterleaved(n, [&](size_t i) { runs[i].fetch_add(1); });
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(runs[i].load(), 1) << "index " << i << " of " << n;
   }
 }
 
