@@ -43,6 +43,17 @@ absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file
     if (absl::Status moe_st_ = (expr); !moe_st_.ok()) return moe_st_; \
   } while (0)
 
+// lhs = the value of absl::StatusOr `expr`, or return its status (a statement, not an
+// expression; lhs may declare a variable).
+#define MOE_ASSIGN_OR_RETURN(lhs, expr) \
+  MOE_ASSIGN_OR_RETURN_IMPL_(MOE_CONCAT_(moe_statusor_, __LINE__), lhs, expr)
+#define MOE_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
+  auto statusor = (expr);                               \
+  if (!statusor.ok()) return statusor.status();         \
+  lhs = std::move(*statusor)
+#define MOE_CONCAT_(a, b) MOE_CONCAT_INNER_(a, b)
+#define MOE_CONCAT_INNER_(a, b) a##b
+
 // Test hook: when on, every DeviceBuffer::Allocate fills its memory with 0xFF bytes (NaN for
 // fp32 and bf16) so that an output element a kernel forgot to write shows up in comparisons.
 void SetPoisonAllocationsForTesting(bool on);

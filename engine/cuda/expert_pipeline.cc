@@ -204,9 +204,7 @@ absl::StatusOr<ExpertPipeline::SideLane*> ExpertPipeline::Lane() {
   lane->gemm = std::move(*gemm);
   lane->gemm->set_mode(gemm_->mode());
   for (Event* e : {&lane->start, &lane->done}) {
-    absl::StatusOr<Event> made = Event::Create(stream_->device());
-    if (!made.ok()) return made.status();
-    *e = std::move(*made);
+    MOE_ASSIGN_OR_RETURN(*e, Event::Create(stream_->device()));
   }
   lane_ = std::move(lane);
   return lane_.get();

@@ -26,10 +26,10 @@ absl::Status GemmRunner::Init() {
   // Default math: fp32 GEMMs with CUBLAS_COMPUTE_32F stay true fp32 (no TF32), matching the
   // CPU engine; bf16 GEMMs use the tensor cores with fp32 accumulation.
   MOE_CUBLAS_RETURN(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
-  MOE_CUDA_RETURN(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  MOE_ASSIGN_OR_RETURN(fork_, Event::Create(stream_->device()));
   for (int i = 0; i < kSideStreams; ++i) {
     MOE_CUDA_RETURN(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
-    MOE_CUDA_RETURN(cudaEventCreateWithFlags(&join_[i], cudaEventDisableTiming));
+    MOE_ASSIGN_OR_RETURN(join_[i], Event::Create(stream_->device()));
     MOE_CUBLAS_RETURN(cublasCreate(&side_handle_[i]));
     MOE_CUBLAS_RETURN(cublasSetStream(side_handle_[i], side_[i]));
     MOE_CUBLAS_RETURN(cublasSetMathMode(side_handle_[i], CUBLAS_DEFAULT_MATH));
@@ -46,9 +46,7 @@ GemmRunner::~GemmRunner() {
       cudaStreamSynchronize(side_[i]);
       cudaStreamDestroy(side_[i]);
     }
-    if (join_[i] != nullptr) cudaEventDestroy(join_[i]);
   }
-  if (fork_ != nullptr) cudaEventDestroy(fork_);
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
@@ -86,19 +84,15 @@ absl::Status GemmRunner::Gemm(cublasHandle_t h, const GemmKind& kind, const Gemm
 absl::Status GemmRunner::RunStreams(const GemmKind& kind, const std::vector<GemmProblem>& p) {
   // Fork: the side streams start after everything already on the layer's stream.
   cudaStream_t main = stream_->get();
-  MOE_CUDA_RETURN(cudaEventRecord(fork_, main));
   const int lanes = static_cast<int>(std::min<size_t>(p.size(), kSideStreams + 1));
-  for (int i = 0; i + 1 < lanes; ++i) MOE_CUDA_RETURN(cudaStreamWaitEvent(side_[i], fork_, 0));
+  for (int i = 0; i + 1 < lanes; ++i) MOE_RETURN_IF_ERROR(StreamWaitFor(side_[i], main, fork_));
   absl::Status status;
   for (size_t j = 0; j < p.size() && status.ok(); ++j) {
     const int lane = static_cast<int>(j % lanes);
     status = Gemm(lane == 0 ? handle_ : side_handle_[lane - 1], kind, p[j]);
   }
   // Join, also after an error, so the layer's stream never runs ahead of the side streams.
-  for (int i = 0; i + 1 < lanes; ++i) {
-    MOE_CUDA_RETURN(cudaEventRecord(join_[i], side_[i]));
-    MOE_CUDA_RETURN(cudaStreamWaitEvent(main, join_[i], 0));
-  }
+  for (int i = 0; i + 1 < lanes; ++i) MOE_RETURN_IF_ERROR(StreamWaitFor(main, side_[i], join_[i]));
   return status;
 }
 

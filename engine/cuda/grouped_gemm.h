@@ -78,8 +78,8 @@ class GemmRunner {
   cublasHandle_t handle_ = nullptr;
   cudaStream_t side_[kSideStreams] = {};
   cublasHandle_t side_handle_[kSideStreams] = {};
-  cudaEvent_t fork_ = nullptr;
-  cudaEvent_t join_[kSideStreams] = {};
+  Event fork_;
+  Event join_[kSideStreams];
   GemmMode mode_ = GemmMode::kAuto;
   std::vector<int> unsupported_;  // GemmKind keys the grouped call refused
 };

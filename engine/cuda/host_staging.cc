@@ -119,9 +119,8 @@ absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cu
     Staging& s = StagingFor(device);  // its lock is held by ForEachStagedPiece
     const size_t pieces = PieceCount(len);
     while (s.landed.size() < pieces) {
-      absl::StatusOr<Event> e = Event::Create(device);
-      if (!e.ok()) return e.status();
-      s.landed.push_back(std::move(*e));
+      MOE_ASSIGN_OR_RETURN(Event e, Event::Create(device));
+      s.landed.push_back(std::move(e));
     }
     FirstError error;
     for (size_t i = 0; i < pieces; ++i) {
