@@ -102,6 +102,9 @@ class Connection {
   absl::StatusOr<v1::StatsResponse> GetStats();
 
   // `ids`, `weights` empty for server routing. `training` keeps a context under `context_id`.
+  // Forward and Backward copy the tensors they are given before they return (so the caller may
+  // reuse them at once) and send that copy by reference; the call runs on one of the
+  // connection's `connections` TCP connections.
   std::future<absl::StatusOr<ForwardOutput>> Forward(const std::string& layer, uint64_t context_id,
                                                      bool training, const TensorView& x,
                                                      const TensorView& ids,
