@@ -12,10 +12,11 @@
 // peak heap. The same settings without code: GLIBC_TUNABLES=glibc.malloc.mmap_max=0:
 // glibc.malloc.trim_threshold=2147483647:glibc.malloc.arena_max=1 (one string, no spaces).
 //
-// Also here: the copy used wherever a large host tensor is copied whole on the hot path (the
-// CUDA engine's pinned staging, the client's copy of a caller's tensors). One thread copies a
-// warm 75 MB buffer in about 10 ms on the H100 machine; split over 8 threads the same bytes take
-// about 3 (bench/results/2026-11-22-h100-e794a38-host-staging).
+// Also here: the threads that copy large host tensors on the hot path (the client's copy of a
+// caller's tensors by ParallelMemcpy, the CUDA engine's pinned staging piece by piece by
+// ParallelForInterleaved). One thread copies a warm 75 MB buffer in about 10 ms on the H100
+// machine; split over 8 threads the same bytes take about 3
+// (bench/results/2026-11-22-h100-e794a38-host-staging).
 #ifndef MOE_ENGINE_HOST_MEMORY_H_
 #define MOE_ENGINE_HOST_MEMORY_H_
 

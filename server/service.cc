@@ -108,7 +108,6 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       in_batch_ = true;
       receive_start_ = Clock::now();
     }
-    request_.Clear();
     absl::Status st =
         incoming_.Decode(&buffer_, tensor_fields_, &request_, Req::descriptor()->full_name());
     service_->metrics().BytesIn(method_, static_cast<int64_t>(incoming_.wire_bytes()));

@@ -196,12 +196,8 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::Alloc(int64_t bytes, const char* wh
 absl::StatusOr<ExpertPipeline::SideLane*> ExpertPipeline::Lane() {
   if (lane_ != nullptr) return lane_.get();
   auto lane = std::make_unique<SideLane>();
-  absl::StatusOr<std::shared_ptr<Stream>> stream = Stream::Create(stream_->device());
-  if (!stream.ok()) return stream.status();
-  lane->stream = std::move(*stream);
-  absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create(lane->stream);
-  if (!gemm.ok()) return gemm.status();
-  lane->gemm = std::move(*gemm);
+  MOE_ASSIGN_OR_RETURN(lane->stream, Stream::Create(stream_->device()));
+  MOE_ASSIGN_OR_RETURN(lane->gemm, GemmRunner::Create(lane->stream));
   lane->gemm->set_mode(gemm_->mode());
   for (Event* e : {&lane->start, &lane->done}) {
     MOE_ASSIGN_OR_RETURN(*e, Event::Create(stream_->device()));

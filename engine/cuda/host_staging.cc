@@ -34,7 +34,7 @@ Staging& StagingFor(int device) {
 }
 
 // Runs piece(staging, offset, length) over `bytes` in pieces of at most one staging buffer, with
-// the device's staging reserved and held for the whole transfer.
+// the device's staging reserved and its lock held for the whole transfer.
 template <typename Piece>
 absl::Status ForEachStagedPiece(int device, size_t bytes, Piece piece) {
   Staging& s = StagingFor(device);
@@ -43,7 +43,7 @@ absl::Status ForEachStagedPiece(int device, size_t bytes, Piece piece) {
   MOE_RETURN_IF_ERROR(s.buffer.Reserve(std::min(bytes, kMaxStagingBytes)));
   const size_t step = s.buffer.bytes();
   for (size_t off = 0; off < bytes; off += step) {
-    MOE_RETURN_IF_ERROR(piece(s.buffer.get(), off, std::min(step, bytes - off)));
+    MOE_RETURN_IF_ERROR(piece(s, off, std::min(step, bytes - off)));
   }
   return absl::OkStatus();
 }
@@ -88,7 +88,8 @@ absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
   }
   // Each thread copies its pieces into the staging and enqueues each one's DMA at once, so the
   // DMA of the first pieces runs while later ones are still being copied.
-  return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
+  return ForEachStagedPiece(device, bytes, [&](Staging& s, size_t off, size_t len) {
+    void* staging = s.buffer.get();
     FirstError error;
     ParallelForInterleaved(PieceCount(len), [&](size_t i) {
       const size_t at = i * kPipelineBytes, n = std::min(kPipelineBytes, len - at);
@@ -115,8 +116,8 @@ absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cu
   }
   // Every piece's DMA is enqueued first, each followed by its event; the threads then copy each
   // piece out of the staging as soon as its event has fired.
-  return ForEachStagedPiece(device, bytes, [&](void* staging, size_t off, size_t len) {
-    Staging& s = StagingFor(device);  // its lock is held by ForEachStagedPiece
+  return ForEachStagedPiece(device, bytes, [&](Staging& s, size_t off, size_t len) {
+    void* staging = s.buffer.get();
     const size_t pieces = PieceCount(len);
     while (s.landed.size() < pieces) {
       MOE_ASSIGN_OR_RETURN(Event e, Event::Create(device));

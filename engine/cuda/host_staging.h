@@ -4,8 +4,10 @@
 // dout, the result's out or dx). cudaMemcpy from or to pageable memory runs through the
 // driver's own small staging at ~7-9 GB/s on the H100 machine (75 MB: 10.8 ms up, 8.5 ms
 // down), while a copy between pageable and pinned memory split over 8 threads plus a DMA from
-// pinned memory (ParallelMemcpy, engine/host_memory.h) take 3.3-3.5 ms for the same bytes
-// (bench/results/2026-11-22-h100-e794a38-host-staging).
+// pinned memory took 3.3-3.5 ms for the same bytes one after the other
+// (bench/results/2026-11-22-h100-e794a38-host-staging); overlapping the two piece by piece then
+// took a training Forward's host work from 11-12 to 8.3-8.8 ms
+// (bench/results/2026-11-22-h100-a3054f7-staging).
 // So transfers of at least kMinStagedBytes go through one pinned buffer per device, at most
 // kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
 // that device under a mutex and kept for the life of the process. Within a transfer the copies
