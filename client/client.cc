@@ -58,24 +58,27 @@ absl::Status AddIfPresent(bool present, const v1::Tensor& proto, int field,
 constexpr char kForwardMethod[] = "/moe.v1.ExpertService/Forward";
 constexpr char kBackwardMethod[] = "/moe.v1.ExpertService/Backward";
 
-// One micro-batch on its own bidi stream, on raw buffers (proto/raw_message.h): the requests are
-// encoded by reference to the call's own copy of the caller's tensors, one message at a time as
-// it is written; each response's tensor bytes are copied once, as it arrives, by `accept` into
-// the assembled outputs, and `finish` makes the result from the first response's small fields.
+// One micro-batch (or one stream of a striped one) on its own bidi stream, on raw buffers
+// (proto/raw_message.h): the requests are encoded by reference to the call's own copy of the
+// caller's tensors, one message at a time as it is written; each response's tensor bytes are
+// copied once, as it arrives, by `accept` into the assembled outputs, `finish` makes the result
+// from the first response's small fields, and `done` receives it (or the call's error) just
+// before the call deletes itself.
 template <typename Req, typename Resp, typename Out>
 class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   using Accept = std::function<absl::Status(const Resp&, const wire::IncomingMessage&)>;
   using Finish = std::function<absl::StatusOr<Out>(const Resp& first)>;
+  using Done = std::function<void(absl::StatusOr<Out>)>;
   StreamCall(wire::ChunkedMessages<Req> requests, std::vector<int> response_tensor_fields,
-             Accept accept, Finish finish)
+             Accept accept, Finish finish, Done done)
       : requests_(std::move(requests)),
         response_tensor_fields_(std::move(response_tensor_fields)),
         accept_(std::move(accept)),
-        finish_(std::move(finish)) {}
+        finish_(std::move(finish)),
+        done_(std::move(done)) {}
 
   grpc::ClientContext* context() { return &ctx_; }
-  std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
 
   void Start() {
     message_ = requests_.Build(0);
@@ -112,14 +115,13 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   }
   void OnDone(const grpc::Status& status) override {
     if (!error_.ok()) {
-      promise_.set_value(error_);
+      done_(error_);
     } else if (!status.ok()) {
-      promise_.set_value(FromGrpcStatus(status));
+      done_(FromGrpcStatus(status));
     } else if (responses_ == 0 || !last_seen_) {
-      promise_.set_value(
-          absl::DataLossError("the server ended the stream without a complete response"));
+      done_(absl::DataLossError("the server ended the stream without a complete response"));
     } else {
-      promise_.set_value(finish_(first_));
+      done_(finish_(first_));
     }
     delete this;
   }
@@ -138,8 +140,112 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   absl::Status error_;
   Accept accept_;
   Finish finish_;
+  Done done_;
+};
+
+// The streams of one striped micro-batch (moe.proto `Stripe`) on the client: each stream's
+// result arrives in Done; the first error cancels the streams still running (the server fails
+// them all anyway; this ends them without waiting for it), and the last stream to finish
+// merges the results in row order, or reports the error, through the promise.
+template <typename Out>
+class StripedCall {
+ public:
+  using Merge = std::function<absl::StatusOr<Out>(std::vector<Out>&)>;
+  StripedCall(size_t streams, Merge merge)
+      : contexts_(streams, nullptr),
+        results_(streams),
+        remaining_(streams),
+        merge_(std::move(merge)) {}
+
+  std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
+  // Before stream i starts.
+  void Track(size_t i, grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_[i] = ctx;
+  }
+  void Done(size_t i, absl::StatusOr<Out> result) {
+    bool last;
+    {
+      // Under the lock: a stream's context lives until its Done returns, which needs the lock.
+      std::lock_guard<std::mutex> lock(mu_);
+      contexts_[i] = nullptr;
+      if (result.ok()) {
+        results_[i] = std::move(*result);
+      } else {
+        // Keep the first error that says why; the streams this cancels report CANCELLED.
+        if (error_.ok() || (absl::IsCancelled(error_) && !absl::IsCancelled(result.status()))) {
+          error_ = result.status();
+        }
+        for (grpc::ClientContext* c : contexts_) {
+          if (c != nullptr) c->TryCancel();
+        }
+      }
+      last = --remaining_ == 0;
+    }
+    if (!last) return;
+    promise_.set_value(error_.ok() ? merge_(results_) : absl::StatusOr<Out>(error_));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<grpc::ClientContext*> contexts_;  // of the streams still running
+  std::vector<Out> results_;
+  size_t remaining_;
+  absl::Status error_;
+  Merge merge_;
   std::promise<absl::StatusOr<Out>> promise_;
 };
+
+// Rows [begin, end) of a [T, ...] view (the whole view when it is empty).
+TensorView Rows(const TensorView& v, int64_t begin, int64_t end) {
+  if (v.empty() || v.shape.empty() || v.shape[0] == 0) return v;
+  const size_t row_bytes = v.size_bytes / static_cast<size_t>(v.shape[0]);
+  TensorView r = v;
+  r.shape[0] = end - begin;
+  r.data = static_cast<const std::byte*>(v.data) + static_cast<size_t>(begin) * row_bytes;
+  r.size_bytes = static_cast<size_t>(end - begin) * row_bytes;
+  return r;
+}
+
+// The parts' tensors one after another along the rows; `field` names the tensor in errors.
+// Part i must have `rows[i]` rows; all parts empty gives an empty tensor.
+absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor*>& parts,
+                                  const std::vector<int64_t>& rows, const char* field) {
+  const Tensor& lead = *parts[0];
+  Tensor t;
+  size_t bytes = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Tensor& p = *parts[i];
+    if (p.empty() != lead.empty() ||
+        (!p.empty() && (p.shape.empty() || p.shape[0] != rows[i] || p.dtype != lead.dtype ||
+                        p.shape.size() != lead.shape.size() ||
+                        !std::equal(p.shape.begin() + 1, p.shape.end(), lead.shape.begin() + 1)))) {
+      return absl::DataLossError(absl::StrCat(field, ": stripe ", i, " of the response is not ",
+                                              rows[i], " rows like the others'"));
+    }
+    bytes += p.bytes.size();
+  }
+  if (lead.empty()) return t;
+  t.dtype = lead.dtype;
+  t.shape = lead.shape;
+  t.shape[0] = 0;
+  for (int64_t r : rows) t.shape[0] += r;
+  t.bytes.resize(bytes);
+  size_t offset = 0;
+  for (const Tensor* p : parts) {
+    ParallelMemcpy(t.bytes.data() + offset, p->bytes.data(), p->bytes.size());
+    offset += p->bytes.size();
+  }
+  return t;
+}
+
+// How many streams carry a micro-batch of `rows` rows and `bytes` request bytes (1: unstriped).
+int StripesFor(const ClientOptions& options, int64_t rows, int64_t bytes) {
+  if (options.stripe_bytes <= 0 || options.connections < 2) return 1;
+  const int64_t n = std::min<int64_t>(
+      {options.connections, rows, bytes / options.stripe_bytes, kMaxStripesPerMicroBatch});
+  return static_cast<int>(std::max<int64_t>(n, 1));
+}
 
 template <typename T>
 std::future<absl::StatusOr<T>> Ready(absl::Status status) {
@@ -317,16 +423,77 @@ absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::GetStats, v1::GetStatsRequest());
 }
 
-// The caller's tensors are copied once, into the call's own buffers, so the caller may reuse
-// them as soon as this returns; the messages refer to those copies.
+// The caller's tensors are copied once, into the calls' own buffers, so the caller may reuse
+// them as soon as this returns; the messages refer to those copies. A micro-batch above
+// `stripe_bytes` goes as several streams (StripedCall), each with its rows of every tensor.
 std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
                                                                uint64_t context_id, bool training,
                                                                const TensorView& x,
                                                                const TensorView& ids,
                                                                const TensorView& weights) {
+  const int64_t rows = x.shape.empty() ? 0 : x.shape[0];
+  const int stripes = StripesFor(
+      options_, rows, static_cast<int64_t>(x.size_bytes + ids.size_bytes + weights.size_bytes));
+  if (stripes == 1) {
+    auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardOutput>>>();
+    StartForward(layer, context_id, training, x, ids, weights, nullptr,
+                 [promise](absl::StatusOr<ForwardOutput> r) { promise->set_value(std::move(r)); });
+    return promise->get_future();
+  }
+  // The server joins the streams by context id: an inference micro-batch gets one for that.
+  const uint64_t join_id = context_id != 0 ? context_id : NextContextId();
+  std::vector<int64_t> part_rows;
+  for (int i = 0; i < stripes; ++i) part_rows.push_back(rows / stripes + (i < rows % stripes));
+  auto striped = std::make_shared<StripedCall<ForwardOutput>>(
+      stripes,
+      [part_rows, context_id](std::vector<ForwardOutput>& parts) -> absl::StatusOr<ForwardOutput> {
+        ForwardOutput o;
+        o.context_id = context_id;
+        o.aux_loss = parts[0].aux_loss;
+        o.z_loss = parts[0].z_loss;
+        std::vector<Tensor*> out, ids, weights;
+        for (ForwardOutput& p : parts) {
+          out.push_back(&p.out);
+          ids.push_back(&p.expert_ids);
+          weights.push_back(&p.weights);
+        }
+        absl::StatusOr<Tensor> t = ConcatRows(out, part_rows, "out");
+        if (!t.ok()) return t.status();
+        o.out = std::move(*t);
+        if (t = ConcatRows(ids, part_rows, "expert_ids"); !t.ok()) return t.status();
+        o.expert_ids = std::move(*t);
+        if (t = ConcatRows(weights, part_rows, "weights"); !t.ok()) return t.status();
+        o.weights = std::move(*t);
+        return o;
+      });
+  auto fut = striped->future();
+  int64_t begin = 0;
+  for (int i = 0; i < stripes; ++i) {
+    const int64_t end = begin + part_rows[i];
+    v1::Stripe stripe;
+    stripe.set_index(i);
+    stripe.set_count(stripes);
+    stripe.set_row_begin(begin);
+    stripe.set_total_rows(rows);
+    StartForward(
+        layer, join_id, training, Rows(x, begin, end), Rows(ids, begin, end),
+        Rows(weights, begin, end), &stripe,
+        [striped, i](absl::StatusOr<ForwardOutput> r) { striped->Done(i, std::move(r)); },
+        [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
+    begin = end;
+  }
+  return fut;
+}
+
+void Connection::StartForward(const std::string& layer, uint64_t context_id, bool training,
+                              const TensorView& x, const TensorView& ids, const TensorView& weights,
+                              const v1::Stripe* stripe,
+                              std::function<void(absl::StatusOr<ForwardOutput>)> done,
+                              std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
   const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
   const bool has_ids = !ids.empty(), has_weights = !weights.empty();
+  const v1::Stripe stripe_fields = stripe ? *stripe : v1::Stripe();
   std::vector<Tensor> tensors;
   tensors.push_back(ToTensor(x));
   tensors.push_back(has_ids ? ToTensor(ids) : Tensor());
@@ -340,6 +507,7 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
         r->set_context_id(context_id);
         r->set_training(training);
         r->set_max_response_chunk_bytes(response_chunk);
+        if (stripe_fields.count() != 0) *r->mutable_stripe() = stripe_fields;
         // Absent tensors stay unset (server routing sends no ids or weights).
         return std::vector<v1::Tensor*>{r->mutable_x(), has_ids ? r->mutable_expert_ids() : nullptr,
                                         has_weights ? r->mutable_weights() : nullptr};
@@ -382,21 +550,70 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
           return s;
         }
         return o;
-      });
+      },
+      std::move(done));
   Prepare(call->context());
-  auto fut = call->future();
+  if (track) track(call->context());
   NextRawStub().PrepareBidiStreamingCall(call->context(), kForwardMethod, grpc::StubOptions(),
                                          call);
   call->Start();
-  return fut;
 }
 
-// As Forward: `dout` is copied once into the call's own buffer.
+// As Forward: `dout` is copied once into the calls' own buffers, striped above `stripe_bytes`.
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  const TensorView& dout) {
+  const int64_t rows = dout.shape.empty() ? 0 : dout.shape[0];
+  const int stripes = StripesFor(options_, rows, static_cast<int64_t>(dout.size_bytes));
+  if (stripes == 1) {
+    auto promise = std::make_shared<std::promise<absl::StatusOr<BackwardOutput>>>();
+    StartBackward(layer, context_id, dout, nullptr, [promise](absl::StatusOr<BackwardOutput> r) {
+      promise->set_value(std::move(r));
+    });
+    return promise->get_future();
+  }
+  std::vector<int64_t> part_rows;
+  for (int i = 0; i < stripes; ++i) part_rows.push_back(rows / stripes + (i < rows % stripes));
+  auto striped = std::make_shared<StripedCall<BackwardOutput>>(
+      stripes, [part_rows](std::vector<BackwardOutput>& parts) -> absl::StatusOr<BackwardOutput> {
+        BackwardOutput o;
+        std::vector<Tensor*> dx, dweights;
+        for (BackwardOutput& p : parts) {
+          dx.push_back(&p.dx);
+          dweights.push_back(&p.dweights);
+        }
+        absl::StatusOr<Tensor> t = ConcatRows(dx, part_rows, "dx");
+        if (!t.ok()) return t.status();
+        o.dx = std::move(*t);
+        if (t = ConcatRows(dweights, part_rows, "dweights"); !t.ok()) return t.status();
+        o.dweights = std::move(*t);
+        return o;
+      });
+  auto fut = striped->future();
+  int64_t begin = 0;
+  for (int i = 0; i < stripes; ++i) {
+    const int64_t end = begin + part_rows[i];
+    v1::Stripe stripe;
+    stripe.set_index(i);
+    stripe.set_count(stripes);
+    stripe.set_row_begin(begin);
+    stripe.set_total_rows(rows);
+    StartBackward(
+        layer, context_id, Rows(dout, begin, end), &stripe,
+        [striped, i](absl::StatusOr<BackwardOutput> r) { striped->Done(i, std::move(r)); },
+        [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
+    begin = end;
+  }
+  return fut;
+}
+
+void Connection::StartBackward(const std::string& layer, uint64_t context_id,
+                               const TensorView& dout, const v1::Stripe* stripe,
+                               std::function<void(absl::StatusOr<BackwardOutput>)> done,
+                               std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
   const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
+  const v1::Stripe stripe_fields = stripe ? *stripe : v1::Stripe();
   std::vector<Tensor> tensors;
   tensors.push_back(ToTensor(dout));
   wire::ChunkedMessages<v1::BackwardRequest> requests(
@@ -405,6 +622,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
         r->set_layer(layer);
         r->set_context_id(context_id);
         r->set_max_response_chunk_bytes(response_chunk);
+        if (stripe_fields.count() != 0) *r->mutable_stripe() = stripe_fields;
         return std::vector<v1::Tensor*>{r->mutable_dout()};
       });
   struct Outputs {
@@ -431,13 +649,13 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
           return s;
         }
         return o;
-      });
+      },
+      std::move(done));
   Prepare(call->context());
-  auto fut = call->future();
+  if (track) track(call->context());
   NextRawStub().PrepareBidiStreamingCall(call->context(), kBackwardMethod, grpc::StubOptions(),
                                          call);
   call->Start();
-  return fut;
 }
 
 absl::StatusOr<StepOutput> Connection::Step(const std::string& layer) {

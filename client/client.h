@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -53,7 +54,16 @@ struct ClientOptions {
   // whatever the host, and every call on it shares that; micro-batches in flight on different
   // connections move their tensors side by side (docs/SERVICE_PERFORMANCE.md).
   int connections = 4;
+  // A Forward or Backward whose request tensors hold at least twice this many bytes is striped:
+  // sent as up to `connections` streams at once, one per connection, each with a contiguous
+  // range of the micro-batch's rows and at least this many bytes (moe.proto `Stripe`); the
+  // server runs the micro-batch once, so results and gradients are those of one call. 0 never
+  // stripes.
+  int64_t stripe_bytes = int64_t{8} << 20;
 };
+
+// Streams one striped micro-batch may use (the server's limit, moe.proto).
+inline constexpr int kMaxStripesPerMicroBatch = 64;
 
 // grpc::Status -> absl::Status, code and message unchanged.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -141,6 +151,18 @@ class Connection {
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
   std::atomic<uint64_t> next_raw_stub_{0};
   RawStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
+  // One stream of a Forward or Backward (`stripe` null: the whole micro-batch): copies the
+  // tensors, starts the call, and reports its result to `done`; `track` sees the call's context
+  // before it starts (a StripedCall cancels the others' when one fails).
+  void StartForward(const std::string& layer, uint64_t context_id, bool training,
+                    const TensorView& x, const TensorView& ids, const TensorView& weights,
+                    const v1::Stripe* stripe,
+                    std::function<void(absl::StatusOr<ForwardOutput>)> done,
+                    std::function<void(grpc::ClientContext*)> track = nullptr);
+  void StartBackward(const std::string& layer, uint64_t context_id, const TensorView& dout,
+                     const v1::Stripe* stripe,
+                     std::function<void(absl::StatusOr<BackwardOutput>)> done,
+                     std::function<void(grpc::ClientContext*)> track = nullptr);
   std::string session_id_;
   SessionCall* session_ = nullptr;
   uint64_t context_prefix_ = 0;

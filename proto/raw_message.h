@@ -82,22 +82,39 @@ class IncomingMessage {
 
 // A micro-batch's tensors cut into messages of at most `chunk` payload bytes (PlanChunks), each
 // encoded only when it is about to be written, by reference to the tensors, which this object
-// owns and shares with the encoded messages' slices. `header` prepares an empty message (its
-// small fields) and returns the proto tensors of the present tensors in the order of `fields`
-// (nullptr for an absent one; an empty tensor is absent on the wire).
+// shares with the encoded messages' slices. `header` prepares an empty message (its small fields)
+// and returns the proto tensors of the present tensors in the order of `fields` (nullptr for an
+// absent one; an empty tensor is absent on the wire).
 template <typename Msg>
 class ChunkedMessages {
  public:
   using Header = std::function<std::vector<v1::Tensor*>(Msg*)>;
 
   ChunkedMessages() = default;
+  // All of each tensor.
   ChunkedMessages(std::vector<Tensor> tensors, std::vector<int> fields, int64_t chunk,
                   Header header)
-      : tensors_(std::make_shared<const std::vector<Tensor>>(std::move(tensors))),
-        fields_(std::move(fields)),
-        header_(std::move(header)) {
+      : ChunkedMessages(std::make_shared<const std::vector<Tensor>>(std::move(tensors)),
+                        /*row_begin=*/0, /*row_end=*/-1, std::move(fields), chunk,
+                        std::move(header)) {}
+  // Rows [row_begin, row_end) of every non-empty tensor, each of which is [T, ...] with
+  // T >= row_end (row_end -1: all rows); each is sent with shape [row_end - row_begin, ...]. A
+  // striped micro-batch's response (moe.proto, Stripe): each stream gets its rows of the results.
+  ChunkedMessages(std::shared_ptr<const std::vector<Tensor>> tensors, int64_t row_begin,
+                  int64_t row_end, std::vector<int> fields, int64_t chunk, Header header)
+      : tensors_(std::move(tensors)), fields_(std::move(fields)), header_(std::move(header)) {
     std::vector<size_t> sizes;
-    for (const Tensor& t : *tensors_) sizes.push_back(t.bytes.size());
+    for (const Tensor& t : *tensors_) {
+      Slice s{0, t.bytes.size(), t.shape};
+      if (row_end >= 0 && !t.empty() && !t.shape.empty() && t.shape[0] > 0) {
+        const size_t row_bytes = t.bytes.size() / static_cast<size_t>(t.shape[0]);
+        s.offset = static_cast<size_t>(row_begin) * row_bytes;
+        s.size = static_cast<size_t>(row_end - row_begin) * row_bytes;
+        s.shape[0] = row_end - row_begin;
+      }
+      sizes.push_back(s.size);
+      slices_.push_back(std::move(s));
+    }
     plan_ = PlanChunks(sizes, static_cast<size_t>(chunk));
   }
 
@@ -109,20 +126,27 @@ class ChunkedMessages {
     std::vector<v1::Tensor*> protos = header_(&msg);
     for (size_t i = 0; i < tensors_->size(); ++i) {
       const Tensor& t = (*tensors_)[i];
-      if (!t.empty() && protos[i]) SetTensorHeader(t.dtype, t.shape, protos[i]);
+      if (!t.empty() && protos[i]) SetTensorHeader(t.dtype, slices_[i].shape, protos[i]);
     }
     msg.set_last_chunk(m + 1 == plan_.size());
     std::vector<OutgoingPayload> payloads;
     for (const Piece& p : plan_[m]) {
       if (!protos[p.tensor]) continue;
-      payloads.push_back(
-          {fields_[p.tensor], (*tensors_)[p.tensor].bytes.data() + p.offset, p.size});
+      payloads.push_back({fields_[p.tensor],
+                          (*tensors_)[p.tensor].bytes.data() + slices_[p.tensor].offset + p.offset,
+                          p.size});
     }
     return EncodeMessage(msg, payloads, tensors_);
   }
 
  private:
+  struct Slice {
+    size_t offset;  // of the first byte sent
+    size_t size;
+    std::vector<int64_t> shape;  // as sent
+  };
   std::shared_ptr<const std::vector<Tensor>> tensors_;
+  std::vector<Slice> slices_;
   std::vector<int> fields_;
   Header header_;
   std::vector<std::vector<Piece>> plan_;

@@ -97,6 +97,10 @@ Metrics::Metrics(std::string device)
                   .Name("moe_active_streams")
                   .Help("Open streams by method")
                   .Register(r);
+  striped_ = &prometheus::BuildCounter()
+                  .Name("moe_striped_micro_batches_total")
+                  .Help("Micro-batches that arrived striped over several streams, by method")
+                  .Register(r);
   sessions_ = &prometheus::BuildGauge()
                    .Name("moe_sessions")
                    .Help("Open client sessions")
@@ -148,6 +152,9 @@ void Metrics::LayerResident(const std::string& layer, int64_t bytes) {
 void Metrics::DeviceMemory(int64_t used, int64_t total) {
   memory_used_->Set(static_cast<double>(used));
   memory_total_->Set(static_cast<double>(total));
+}
+void Metrics::StripedMicroBatch(const std::string& method) {
+  striped_->Add({{"method", method}}).Increment();
 }
 void Metrics::StreamOpened(const std::string& method) {
   streams_->Add({{"method", method}}).Increment();

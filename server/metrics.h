@@ -42,6 +42,7 @@ class Metrics {
   void DeviceMemory(int64_t used, int64_t total);
   void StreamOpened(const std::string& method);
   void StreamClosed(const std::string& method);
+  void StripedMicroBatch(const std::string& method);
   void Sessions(int64_t n);
   // Drops every series labelled with `layer` (num_experts: how many expert series it may have).
   void RemoveLayer(const std::string& layer, int64_t num_experts);
@@ -67,6 +68,7 @@ class Metrics {
   prometheus::Gauge* memory_used_;
   prometheus::Gauge* memory_total_;
   prometheus::Family<prometheus::Gauge>* streams_;
+  prometheus::Family<prometheus::Counter>* striped_;
   prometheus::Gauge* sessions_;
 };
 

@@ -15,10 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engine/host_memory.h"
 #include "proto/raw_message.h"
 #include "proto/wire.h"
 #include "server/checkpoint.h"
 #include "server/status_map.h"
+#include "server/stripe_join.h"
 
 namespace moe::server {
 namespace {
@@ -75,26 +77,56 @@ int64_t ChunkSize(int64_t requested) {
 }
 
 // --- Forward / Backward -------------------------------------------------------------------
+// What a micro-batch computed: its result tensors (each [T, ...] or empty) and the response's
+// small fields; shared by the streams of a striped micro-batch, each of which sends its rows.
+template <typename Resp>
+struct Computed {
+  std::shared_ptr<const std::vector<Tensor>> tensors;
+  typename ChunkedResponse<Resp>::Header header;
+};
+
 // Reads and writes raw buffers (the service registers Forward and Backward as raw methods):
 // each request is split into its small fields, parsed as `Req`, and its tensors' bytes, which
-// Accept copies once into the assembled tensors; responses are encoded by reference.
+// are copied once into the assembled inputs; responses are encoded by reference.
+//
+// A striped micro-batch (moe.proto `Stripe`, stripe_join.h) is one reactor per stream: each
+// assembles its own rows, and the stream that arrives last concatenates every stream's rows, runs
+// the micro-batch on the executor once, and hands each stream its rows of the result to send.
 template <typename Req, typename Resp>
-class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                          public StripeJoin::Part {
  public:
-  // `tensor_fields`: Req's moe.v1.Tensor fields.
+  // An input tensor of Req: its field number and name, whether a micro-batch must carry it, and
+  // how its buffer is sized.
+  struct Input {
+    int field;
+    const char* name;
+    bool required;
+    wire::TensorAssembler::Sizing sizing;
+  };
+
   MicroBatchReactor(ExpertServiceImpl* service, grpc::CallbackServerContext* ctx,
-                    const char* method, std::vector<int> tensor_fields)
-      : service_(service), ctx_(ctx), method_(method), tensor_fields_(std::move(tensor_fields)) {
+                    const char* method, std::vector<Input> inputs, std::vector<int> output_fields)
+      : service_(service),
+        ctx_(ctx),
+        method_(method),
+        session_(SessionOf(ctx)),
+        inputs_(std::move(inputs)),
+        output_fields_(std::move(output_fields)) {
+    for (const Input& in : inputs_) {
+      input_fields_.push_back(in.field);
+      assemblers_.emplace_back(in.name, in.sizing);
+    }
     service_->metrics().StreamOpened(method_);
   }
 
-  void Begin() { this->StartRead(&buffer_); }
+  void Start() { this->StartRead(&buffer_); }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
       // The client half-closed (clean end) or the call is cancelled/broken.
       if (ctx_->IsCancelled()) {
-        Fail(absl::CancelledError("stream cancelled"));
+        Fail(Cancelled());
       } else if (in_batch_) {
         Fail(absl::InvalidArgumentError(
             "last_chunk: the stream ended in the middle of a micro-batch"));
@@ -109,9 +141,10 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       receive_start_ = Clock::now();
     }
     absl::Status st =
-        incoming_.Decode(&buffer_, tensor_fields_, &request_, Req::descriptor()->full_name());
+        incoming_.Decode(&buffer_, input_fields_, &request_, Req::descriptor()->full_name());
     service_->metrics().BytesIn(method_, static_cast<int64_t>(incoming_.wire_bytes()));
-    if (st.ok()) st = Accept(request_, incoming_, first);
+    if (st.ok()) st = first ? BeginBatch() : CheckSameBatch();
+    if (st.ok()) st = AddInputs();
     if (!st.ok()) {
       Fail(st);
       return;
@@ -121,28 +154,16 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       return;
     }
     service_->metrics().Stage(method_, "receive", SecondsSince(receive_start_));
-    service_->executor().Submit([this](double queued) {
-      service_->metrics().Stage(method_, "queue", queued);
-      absl::Status status = CallAlive(ctx_);
-      if (status.ok()) {
-        const Clock::time_point t0 = Clock::now();
-        absl::StatusOr<ChunkedResponse<Resp>> computed = Compute();
-        service_->metrics().Stage(method_, "compute", SecondsSince(t0));
-        if (computed.ok()) {
-          response_ = std::move(*computed);
-        } else {
-          status = computed.status();
-        }
-      }
-      if (!status.ok()) {
-        Fail(status);
-        return;
-      }
-      send_start_ = Clock::now();
-      next_ = 0;
-      message_ = response_.Build(0);
-      this->StartWrite(&message_);
-    });
+    st = FinishInputs();
+    if (!st.ok()) {
+      Fail(st);
+      return;
+    }
+    if (join_ == nullptr) {
+      RunAlone();
+    } else {
+      ArriveStriped();
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -161,8 +182,20 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     response_ = ChunkedResponse<Resp>();
     message_.Clear();
     in_batch_ = false;
-    ResetBatch();
+    LeaveJoin();
+    ResetInputs();
     this->StartRead(&buffer_);
+  }
+
+  // A stream of a striped micro-batch cancelled while it waits for the others is answered by
+  // the join (nothing else would wake it); the streams still reading see their reads fail.
+  void OnCancel() override {
+    std::shared_ptr<StripeJoin> join;
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      join = join_;
+    }
+    if (join) join->Fail(Cancelled());
   }
 
   void OnDone() override {
@@ -170,76 +203,335 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     delete this;
   }
 
- protected:
-  // Takes one chunk (`first`: it opens a micro-batch): its small fields, and its tensors' bytes
-  // in `in`. Reaction thread.
-  virtual absl::Status Accept(const Req& chunk, const wire::IncomingMessage& in, bool first) = 0;
-  // Runs the micro-batch on the executor; returns its response (at least one message).
-  virtual absl::StatusOr<ChunkedResponse<Resp>> Compute() = 0;
-  virtual void ResetBatch() = 0;
+  void AbortStripe(const absl::Status& status) override { Fail(status); }
 
+ protected:
+  // The first message of a micro-batch: the derived reactor's own small fields.
+  virtual absl::Status ReadHeader(const Req& first) = 0;
+  // A later message: those fields must not change.
+  virtual absl::Status CheckSame(const Req& chunk) const = 0;
+  // Input i's proto tensor in `chunk`, or nullptr when the message does not carry it.
+  virtual const v1::Tensor* InputOf(const Req& chunk, size_t i) const = 0;
+  // The fields every stream of a striped micro-batch must repeat: their names (for the error)
+  // and values.
+  virtual std::pair<std::string, std::string> StripeHeader() const = 0;
+  // Runs the micro-batch on the executor: `inputs` in the order of the Inputs (empty views for
+  // absent ones), `calls` every stream that carried it (one unless striped).
+  virtual absl::StatusOr<Computed<Resp>> Compute(
+      const std::vector<TensorView>& inputs,
+      const std::vector<grpc::CallbackServerContext*>& calls) = 0;
+
+  bool striped() const { return stripe_.count() != 0; }
+  wire::TensorAssembler& assembler(size_t i) { return assemblers_[i]; }
+
+  ExpertServiceImpl* service_;
+  grpc::CallbackServerContext* ctx_;
+  const std::string method_;
+  const std::string session_;
+  std::string layer_;
+  uint64_t context_id_ = 0;
+
+ private:
+  using Self = MicroBatchReactor<Req, Resp>;
+
+  // Finishes the stream with `status`; a striped micro-batch still collecting fails with it on
+  // every stream.
   void Fail(const absl::Status& status) {
+    if (std::shared_ptr<StripeJoin> join = LeaveJoin()) join->Fail(status);
     service_->metrics().Request(method_, GrpcCodeName(ToGrpcStatus(status).error_code()));
     this->Finish(ToGrpcStatus(status));
   }
 
-  ExpertServiceImpl* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::string method_;
+  // This stream's call was cancelled; the message says which stripe, for the other streams.
+  absl::Status Cancelled() {
+    std::lock_guard<std::mutex> lock(join_mu_);
+    if (stripe_.count() == 0) return absl::CancelledError("stream cancelled");
+    return absl::CancelledError(absl::StrCat("stripe ", stripe_.index(), " of ", stripe_.count(),
+                                             ": the call was cancelled"));
+  }
 
- private:
-  const std::vector<int> tensor_fields_;
-  grpc::ByteBuffer buffer_;  // the request being read
+  absl::Status BeginBatch() {
+    layer_ = request_.layer();
+    context_id_ = request_.context_id();
+    chunk_ = ChunkSize(request_.max_response_chunk_bytes());
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      stripe_ = request_.stripe();
+    }
+    absl::Status st = ReadHeader(request_);
+    if (!st.ok() || !striped()) return st;
+    if (context_id_ == 0) {
+      return absl::InvalidArgumentError(
+          "context_id: a striped micro-batch needs a nonzero context_id, which joins its streams");
+    }
+    const std::string key = StripeJoins::Key(method_, layer_, session_, context_id_);
+    std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key);
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      join_ = join;
+      join_key_ = key;
+    }
+    auto [names, values] = StripeHeader();
+    return join->Register(stripe_.index(), {stripe_.count(), stripe_.total_rows(), names, values});
+  }
+
+  absl::Status CheckSameBatch() const {
+    if (request_.layer() != layer_ || request_.context_id() != context_id_) {
+      return absl::InvalidArgumentError(
+          "layer and context_id must be the same in every chunk of a micro-batch");
+    }
+    const v1::Stripe& s = request_.stripe();
+    if (s.index() != stripe_.index() || s.count() != stripe_.count() ||
+        s.row_begin() != stripe_.row_begin() || s.total_rows() != stripe_.total_rows()) {
+      return absl::InvalidArgumentError("stripe: must be the same in every chunk of a micro-batch");
+    }
+    return CheckSame(request_);
+  }
+
+  absl::Status AddInputs() {
+    for (size_t i = 0; i < assemblers_.size(); ++i) {
+      const v1::Tensor* t = InputOf(request_, i);
+      if (t == nullptr) continue;
+      absl::Status st = assemblers_[i].Add(*t, incoming_.payload(input_fields_[i]));
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status FinishInputs() {
+    views_.assign(assemblers_.size(), TensorView{});
+    for (size_t i = 0; i < assemblers_.size(); ++i) {
+      if (!inputs_[i].required && !assemblers_[i].seen()) continue;
+      absl::StatusOr<TensorView> v = assemblers_[i].FinishView();
+      if (!v.ok()) return v.status();
+      views_[i] = *v;
+    }
+    return absl::OkStatus();
+  }
+
+  void ResetInputs() {
+    views_.clear();
+    for (wire::TensorAssembler& a : assemblers_) a.Reset();
+  }
+
+  // Counts this stream out of its join; returns the join (null when not striped).
+  std::shared_ptr<StripeJoin> LeaveJoin() {
+    std::shared_ptr<StripeJoin> join;
+    std::string key;
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      join = std::move(join_);
+      join_ = nullptr;
+      key = std::move(join_key_);
+      stripe_.Clear();
+    }
+    if (join) service_->stripes().Leave(key, join);
+    return join;
+  }
+
+  // Starts sending this stream's rows of `computed` (all of it unless striped).
+  void Send(const Computed<Resp>& computed) {
+    const int64_t row_end = striped() ? row_begin_ + rows_ : -1;
+    response_ = ChunkedResponse<Resp>(computed.tensors, striped() ? row_begin_ : 0, row_end,
+                                      output_fields_, chunk_, computed.header);
+    send_start_ = Clock::now();
+    next_ = 0;
+    message_ = response_.Build(0);
+    this->StartWrite(&message_);
+  }
+
+  void RunAlone() {
+    service_->executor().Submit([this](double queued) {
+      service_->metrics().Stage(method_, "queue", queued);
+      absl::Status alive = CallAlive(ctx_);
+      absl::StatusOr<Computed<Resp>> computed = absl::UnknownError("not run");
+      if (alive.ok()) {
+        const Clock::time_point t0 = Clock::now();
+        computed = Compute(views_, {ctx_});
+        service_->metrics().Stage(method_, "compute", SecondsSince(t0));
+      } else {
+        computed = alive;
+      }
+      if (!computed.ok()) {
+        Fail(computed.status());
+        return;
+      }
+      Send(*computed);
+    });
+  }
+
+  void ArriveStriped() {
+    if (views_[0].shape.empty()) {
+      Fail(absl::InvalidArgumentError(absl::StrCat(
+          inputs_[0].name, ": a striped micro-batch's tensors need a row (first) dimension")));
+      return;
+    }
+    row_begin_ = stripe_.row_begin();
+    rows_ = views_[0].shape[0];
+    absl::StatusOr<std::vector<StripeJoin::Part*>> arrived =
+        join_->Arrive(stripe_.index(), row_begin_, rows_, this);
+    if (!arrived.ok()) {
+      Fail(arrived.status());
+      return;
+    }
+    if (arrived->empty()) return;  // the last stream to arrive runs it, or the join aborts this
+    // Every stream is here and waits: this reaction owns them until it answers each.
+    std::vector<Self*> streams;
+    for (StripeJoin::Part* p : *arrived) streams.push_back(static_cast<Self*>(p));
+    absl::StatusOr<std::vector<Tensor>> inputs = Concatenate(streams);
+    if (!inputs.ok()) {
+      for (Self* s : streams) s->Fail(inputs.status());
+      return;
+    }
+    for (Self* s : streams) s->ResetInputs();
+    auto shared = std::make_shared<const std::vector<Tensor>>(std::move(*inputs));
+    ExpertServiceImpl* service = service_;
+    const std::string method = method_;
+    service_->executor().Submit([this, service, method, streams, shared](double queued) {
+      service->metrics().Stage(method, "queue", queued);
+      service->metrics().StripedMicroBatch(method);
+      std::vector<grpc::CallbackServerContext*> calls;
+      absl::Status alive;
+      for (Self* s : streams) {
+        calls.push_back(s->ctx_);
+        if (alive.ok()) alive = CallAlive(s->ctx_);
+      }
+      absl::StatusOr<Computed<Resp>> computed = absl::UnknownError("not run");
+      if (alive.ok()) {
+        std::vector<TensorView> views;
+        for (const Tensor& t : *shared) views.push_back(t.empty() ? TensorView{} : t.view());
+        const Clock::time_point t0 = Clock::now();
+        computed = Compute(views, calls);  // `this` is one of `streams`, all still open
+        service->metrics().Stage(method, "compute", SecondsSince(t0));
+      } else {
+        computed = alive;
+      }
+      // Each stream may finish and go away as soon as it is answered: only `streams` is used.
+      for (Self* s : streams) {
+        if (computed.ok()) {
+          s->Send(*computed);
+        } else {
+          s->Fail(computed.status());
+        }
+      }
+    });
+  }
+
+  // The micro-batch's inputs: each input's rows from every stream, in row order.
+  absl::StatusOr<std::vector<Tensor>> Concatenate(const std::vector<Self*>& streams) const {
+    std::vector<Tensor> out(inputs_.size());
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      const TensorView& lead = streams[0]->views_[i];
+      int64_t rows = 0;
+      size_t bytes = 0;
+      for (const Self* s : streams) {
+        const TensorView& v = s->views_[i];
+        if (v.empty() != lead.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              inputs_[i].name, ": carried by some streams of a striped micro-batch, not all"));
+        }
+        if (v.empty()) continue;
+        if (v.dtype != lead.dtype || v.shape.size() != lead.shape.size() ||
+            !std::equal(v.shape.begin() + 1, v.shape.end(), lead.shape.begin() + 1)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              inputs_[i].name,
+              ": every stream of a striped micro-batch must send the same dtype and extents "
+              "past the first"));
+        }
+        if (v.shape[0] != s->rows_) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(inputs_[i].name, ": stripe ", s->stripe_.index(), " sends ", v.shape[0],
+                           " rows of it and ", s->rows_, " of ", inputs_[0].name));
+        }
+        rows += v.shape[0];
+        bytes += v.size_bytes;
+      }
+      if (lead.empty()) continue;
+      Tensor& t = out[i];
+      t.dtype = lead.dtype;
+      t.shape = lead.shape;
+      t.shape[0] = rows;
+      t.bytes.resize(bytes);
+      size_t offset = 0;
+      for (const Self* s : streams) {
+        ParallelMemcpy(t.bytes.data() + offset, s->views_[i].data, s->views_[i].size_bytes);
+        offset += s->views_[i].size_bytes;
+      }
+    }
+    return out;
+  }
+
+  const std::vector<Input> inputs_;
+  std::vector<int> input_fields_;
+  const std::vector<int> output_fields_;
+  std::vector<wire::TensorAssembler> assemblers_;
+  std::vector<TensorView> views_;  // the assembled inputs, from the last message to the compute
+  grpc::ByteBuffer buffer_;        // the request being read
   wire::IncomingMessage incoming_;
   Req request_;  // its small fields
+  int64_t chunk_ = kDefaultResponseChunkBytes;
   ChunkedResponse<Resp> response_;
   grpc::ByteBuffer message_;  // the message being written: response_'s message next_
   size_t next_ = 0;
   bool in_batch_ = false;
   Clock::time_point receive_start_;
   Clock::time_point send_start_;
+  // Striping: this stream's rows, and its join (read by OnCancel on any thread).
+  int64_t row_begin_ = 0;
+  int64_t rows_ = 0;
+  std::mutex join_mu_;
+  v1::Stripe stripe_;
+  std::shared_ptr<StripeJoin> join_;
+  std::string join_key_;
 };
 
 class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::ForwardResponse> {
+  using Sizing = wire::TensorAssembler::Sizing;
+
  public:
+  // The client's claimed shapes are reserved only once an eighth of each tensor has arrived.
   ForwardReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx)
       : MicroBatchReactor(
             s, ctx, "Forward",
-            {v1::ForwardRequest::kXFieldNumber, v1::ForwardRequest::kExpertIdsFieldNumber,
-             v1::ForwardRequest::kWeightsFieldNumber}),
-        session_(SessionOf(ctx)) {
-    Begin();
+            {{v1::ForwardRequest::kXFieldNumber, "x", true, Sizing::kClaimedOnceAnEighthArrived},
+             {v1::ForwardRequest::kExpertIdsFieldNumber, "expert_ids", false,
+              Sizing::kClaimedOnceAnEighthArrived},
+             {v1::ForwardRequest::kWeightsFieldNumber, "weights", false,
+              Sizing::kClaimedOnceAnEighthArrived}},
+            {v1::ForwardResponse::kOutFieldNumber, v1::ForwardResponse::kExpertIdsFieldNumber,
+             v1::ForwardResponse::kWeightsFieldNumber}) {
+    Start();
   }
 
  protected:
-  absl::Status Accept(const v1::ForwardRequest& c, const wire::IncomingMessage& in,
-                      bool first) override {
-    if (first) {
-      layer_ = c.layer();
-      context_id_ = c.context_id();
-      training_ = c.training();
-      chunk_ = ChunkSize(c.max_response_chunk_bytes());
-    } else if (c.layer() != layer_ || c.context_id() != context_id_ || c.training() != training_) {
+  absl::Status ReadHeader(const v1::ForwardRequest& first) override {
+    training_ = first.training();
+    return absl::OkStatus();
+  }
+  absl::Status CheckSame(const v1::ForwardRequest& c) const override {
+    if (c.training() != training_) {
       return absl::InvalidArgumentError(
-          "layer, context_id and training must be the same in every chunk of a micro-batch");
-    }
-    if (c.has_x()) {
-      if (auto st = x_.Add(c.x(), in.payload(v1::ForwardRequest::kXFieldNumber)); !st.ok()) {
-        return st;
-      }
-    }
-    if (c.has_expert_ids()) {
-      auto st = ids_.Add(c.expert_ids(), in.payload(v1::ForwardRequest::kExpertIdsFieldNumber));
-      if (!st.ok()) return st;
-    }
-    if (c.has_weights()) {
-      auto st = weights_.Add(c.weights(), in.payload(v1::ForwardRequest::kWeightsFieldNumber));
-      if (!st.ok()) return st;
+          "training: must be the same in every chunk of a micro-batch");
     }
     return absl::OkStatus();
   }
+  const v1::Tensor* InputOf(const v1::ForwardRequest& c, size_t i) const override {
+    switch (i) {
+      case 0:
+        return c.has_x() ? &c.x() : nullptr;
+      case 1:
+        return c.has_expert_ids() ? &c.expert_ids() : nullptr;
+      default:
+        return c.has_weights() ? &c.weights() : nullptr;
+    }
+  }
+  std::pair<std::string, std::string> StripeHeader() const override {
+    return {"training", training_ ? "true" : "false"};
+  }
 
-  absl::StatusOr<ChunkedResponse<v1::ForwardResponse>> Compute() override {
+  absl::StatusOr<Computed<v1::ForwardResponse>> Compute(
+      const std::vector<TensorView>& inputs,
+      const std::vector<grpc::CallbackServerContext*>& calls) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     if (training_ && !session_.empty() && !service_->contexts().SessionOpen(session_)) {
@@ -248,26 +540,18 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     }
     ForwardRequest request;
     request.training = training_;
-    auto x = x_.FinishView();
-    if (!x.ok()) return x.status();
-    request.x = *x;
-    if (ids_.seen()) {
-      auto v = ids_.FinishView();
-      if (!v.ok()) return v.status();
-      request.expert_ids = *v;
-    }
-    if (weights_.seen()) {
-      auto v = weights_.FinishView();
-      if (!v.ok()) return v.status();
-      request.weights = *v;
-    }
+    request.x = inputs[0];
+    request.expert_ids = inputs[1];
+    request.weights = inputs[2];
     LayerEntry& e = **entry;
     auto result = e.layer->Forward(request);
     if (!result.ok()) return result.status();
     const int64_t tokens = request.x.shape.empty() ? 0 : request.x.shape[0];
     if (training_) {
       if (!result->context) return absl::InternalError("engine returned no training context");
-      if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+      for (grpc::CallbackServerContext* call : calls) {
+        if (call->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+      }
       absl::Status put =
           service_->contexts().Put(layer_, context_id_, session_, std::move(result->context));
       if (!put.ok()) return put;
@@ -278,114 +562,85 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     const double aux = result->aux_loss, z = result->z_loss;
     const uint64_t id = context_id_;
     const bool has_ids = !result->expert_ids.empty(), has_weights = !result->weights.empty();
-    std::vector<Tensor> tensors;
-    tensors.push_back(std::move(result->out));
-    tensors.push_back(std::move(result->expert_ids));
-    tensors.push_back(std::move(result->weights));
-    return ChunkedResponse<v1::ForwardResponse>(
-        std::move(tensors),
-        {v1::ForwardResponse::kOutFieldNumber, v1::ForwardResponse::kExpertIdsFieldNumber,
-         v1::ForwardResponse::kWeightsFieldNumber},
-        chunk_, [=](v1::ForwardResponse* r) {
-          r->set_context_id(id);
-          r->set_aux_loss(aux);
-          r->set_z_loss(z);
-          return std::vector<v1::Tensor*>{r->mutable_out(),
-                                          has_ids ? r->mutable_expert_ids() : nullptr,
-                                          has_weights ? r->mutable_weights() : nullptr};
-        });
-  }
-
-  void ResetBatch() override {
-    x_.Reset();
-    ids_.Reset();
-    weights_.Reset();
+    auto tensors = std::make_shared<std::vector<Tensor>>();
+    tensors->push_back(std::move(result->out));
+    tensors->push_back(std::move(result->expert_ids));
+    tensors->push_back(std::move(result->weights));
+    return Computed<v1::ForwardResponse>{std::move(tensors), [=](v1::ForwardResponse* r) {
+                                           r->set_context_id(id);
+                                           r->set_aux_loss(aux);
+                                           r->set_z_loss(z);
+                                           return std::vector<v1::Tensor*>{
+                                               r->mutable_out(),
+                                               has_ids ? r->mutable_expert_ids() : nullptr,
+                                               has_weights ? r->mutable_weights() : nullptr};
+                                         }};
   }
 
  private:
-  const std::string session_;
-  std::string layer_;
-  uint64_t context_id_ = 0;
   bool training_ = false;
-  int64_t chunk_ = kDefaultResponseChunkBytes;
-  // The client's claimed shapes are reserved only once an eighth of each tensor has arrived.
-  wire::TensorAssembler x_{"x", wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
-  wire::TensorAssembler ids_{"expert_ids",
-                             wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
-  wire::TensorAssembler weights_{"weights",
-                                 wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived};
 };
 
 class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::BackwardResponse> {
  public:
   BackwardReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx)
-      : MicroBatchReactor(s, ctx, "Backward", {v1::BackwardRequest::kDoutFieldNumber}) {
-    Begin();
+      : MicroBatchReactor(
+            s, ctx, "Backward",
+            {{v1::BackwardRequest::kDoutFieldNumber, "dout", true,
+              wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived}},
+            {v1::BackwardResponse::kDxFieldNumber, v1::BackwardResponse::kDweightsFieldNumber}) {
+    Start();
   }
 
  protected:
-  absl::Status Accept(const v1::BackwardRequest& c, const wire::IncomingMessage& in,
-                      bool first) override {
-    if (first) {
-      layer_ = c.layer();
-      context_id_ = c.context_id();
-      chunk_ = ChunkSize(c.max_response_chunk_bytes());
-      // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
-      // own numbers, not the client's claim (Compute still checks the shape).
-      auto entry = service_->FindLayer(layer_);
-      auto tokens = service_->contexts().NumTokens(layer_, context_id_);
-      if (entry.ok() && tokens.ok()) {
-        dout_.Reserve(static_cast<size_t>(*tokens) * static_cast<size_t>((*entry)->config.d_model) *
-                      DTypeSize((*entry)->config.dtype));
-      }
-    } else if (c.layer() != layer_ || c.context_id() != context_id_) {
-      return absl::InvalidArgumentError(
-          "layer and context_id must be the same in every chunk of a micro-batch");
-    }
-    if (c.has_dout()) {
-      return dout_.Add(c.dout(), in.payload(v1::BackwardRequest::kDoutFieldNumber));
+  absl::Status ReadHeader(const v1::BackwardRequest&) override {
+    if (striped()) return absl::OkStatus();  // each stream's share is its own claim
+    // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
+    // own numbers, not the client's claim (Compute still checks the shape).
+    auto entry = service_->FindLayer(layer_);
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_);
+    if (entry.ok() && tokens.ok()) {
+      assembler(0).Reserve(static_cast<size_t>(*tokens) *
+                           static_cast<size_t>((*entry)->config.d_model) *
+                           DTypeSize((*entry)->config.dtype));
     }
     return absl::OkStatus();
   }
+  absl::Status CheckSame(const v1::BackwardRequest&) const override { return absl::OkStatus(); }
+  const v1::Tensor* InputOf(const v1::BackwardRequest& c, size_t) const override {
+    return c.has_dout() ? &c.dout() : nullptr;
+  }
+  std::pair<std::string, std::string> StripeHeader() const override { return {"", ""}; }
 
-  absl::StatusOr<ChunkedResponse<v1::BackwardResponse>> Compute() override {
+  absl::StatusOr<Computed<v1::BackwardResponse>> Compute(
+      const std::vector<TensorView>& inputs,
+      const std::vector<grpc::CallbackServerContext*>&) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     LayerEntry& e = **entry;
     auto tokens = service_->contexts().NumTokens(layer_, context_id_);
     if (!tokens.ok()) return tokens.status();
-    auto dout = dout_.FinishView();
-    if (!dout.ok()) return dout.status();
+    const TensorView& dout = inputs[0];
     // Checked here, before the context is consumed, so a bad dout does not lose it.
-    absl::Status shape = CheckTensor(*dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
+    absl::Status shape = CheckTensor(dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
     if (!shape.ok()) return shape;
     auto context = service_->contexts().Take(layer_, context_id_);
     if (!context.ok()) return context.status();
-    auto result = e.layer->Backward(std::move(*context), *dout);
+    auto result = e.layer->Backward(std::move(*context), dout);
     if (!result.ok()) return result.status();
     service_->metrics().Tokens(layer_, "backward", *tokens);
     const uint64_t id = context_id_;
     const bool has_dweights = !result->dweights.empty();
-    std::vector<Tensor> tensors;
-    tensors.push_back(std::move(result->dx));
-    tensors.push_back(std::move(result->dweights));
-    return ChunkedResponse<v1::BackwardResponse>(
-        std::move(tensors),
-        {v1::BackwardResponse::kDxFieldNumber, v1::BackwardResponse::kDweightsFieldNumber}, chunk_,
-        [=](v1::BackwardResponse* m) {
-          m->set_context_id(id);
-          return std::vector<v1::Tensor*>{m->mutable_dx(),
-                                          has_dweights ? m->mutable_dweights() : nullptr};
-        });
+    auto tensors = std::make_shared<std::vector<Tensor>>();
+    tensors->push_back(std::move(result->dx));
+    tensors->push_back(std::move(result->dweights));
+    return Computed<v1::BackwardResponse>{std::move(tensors), [=](v1::BackwardResponse* m) {
+                                            m->set_context_id(id);
+                                            return std::vector<v1::Tensor*>{
+                                                m->mutable_dx(),
+                                                has_dweights ? m->mutable_dweights() : nullptr};
+                                          }};
   }
-
-  void ResetBatch() override { dout_.Reset(); }
-
- private:
-  std::string layer_;
-  uint64_t context_id_ = 0;
-  int64_t chunk_ = kDefaultResponseChunkBytes;
-  wire::TensorAssembler dout_{"dout"};
 };
 
 // --- Weight export / import ---------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include "server/executor.h"
 #include "server/metrics.h"
 #include "server/options.h"
+#include "server/stripe_join.h"
 
 namespace moe::server {
 
@@ -106,6 +107,7 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   Metrics& metrics() { return *metrics_; }
   ContextStore& contexts() { return contexts_; }
   DeviceExecutor& executor() { return executor_; }
+  StripeJoins& stripes() { return stripes_; }
   const ServerOptions& options() const { return options_; }
   // NotFound naming the layer.
   absl::StatusOr<std::shared_ptr<LayerEntry>> FindLayer(const std::string& name) const;
@@ -134,6 +136,7 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   std::atomic<int64_t> memory_used_{0};
   std::atomic<int64_t> memory_total_{0};
   ContextStore contexts_;
+  StripeJoins stripes_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<LayerEntry>> layers_;  // written on the executor only
   // Last members: destroyed first, so no task or sweep runs once the rest starts going away.

@@ -39,6 +39,9 @@ ABSL_FLAG(int, warmup, 1, "Untimed steps and rounds before timing");
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "Client chunk size (tensor bytes per message)");
 ABSL_FLAG(int, connections, moe::client::ClientOptions().connections,
           "TCP connections the client spreads Forward and Backward calls over");
+ABSL_FLAG(int64_t, stripe_bytes, moe::client::ClientOptions().stripe_bytes,
+          "micro-batches of at least twice this many request bytes travel striped over several "
+          "connections (ClientOptions::stripe_bytes; 0: never)");
 ABSL_FLAG(int, timeout_seconds, 300, "Deadline of every call");
 ABSL_FLAG(uint64_t, seed, 1, "Layer initialisation and input seed");
 
@@ -67,6 +70,7 @@ int main(int argc, char** argv) {
   options.warmup_steps = absl::GetFlag(FLAGS_warmup);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.connections = absl::GetFlag(FLAGS_connections);
+  options.stripe_bytes = absl::GetFlag(FLAGS_stripe_bytes);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   if (options.timeout_seconds <= 0) return Fail("timeout_seconds: must be positive");
 
@@ -108,10 +112,11 @@ int main(int argc, char** argv) {
   if (!results.ok()) return Fail(results.status().ToString());
   std::printf(
       "moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
-      "rounds, %d warmup, chunk %lld bytes, %d connections\n\n",
+      "rounds, %d warmup, chunk %lld bytes, %d connections, stripes of >= %lld bytes\n\n",
       where.c_str(), static_cast<long long>(layer.num_experts), static_cast<long long>(layer.top_k),
       dtype.c_str(), routing.c_str(), act.c_str(), options.steps, options.inference_rounds,
-      options.warmup_steps, static_cast<long long>(options.chunk_bytes), options.connections);
+      options.warmup_steps, static_cast<long long>(options.chunk_bytes), options.connections,
+      static_cast<long long>(options.stripe_bytes));
   std::printf("%s", moe::bench::FormatResults(*results).c_str());
   // The data path's hops for the largest x of the sweep, on the real wire code.
   int64_t rows = 0, cols = 0;

@@ -434,6 +434,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   if (options.warmup_steps < 0) return absl::InvalidArgumentError("warmup_steps: must be >= 0");
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be positive");
   if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
+  if (options.stripe_bytes < 0) return absl::InvalidArgumentError("stripe_bytes: must be >= 0");
 
   // The server: a running one, or one started here on loopback with free ports.
   std::unique_ptr<server::Server> own_server;
@@ -461,6 +462,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   co.timeout = std::chrono::seconds(options.timeout_seconds);
   co.chunk_bytes = options.chunk_bytes;
   co.connections = options.connections;
+  co.stripe_bytes = options.stripe_bytes;
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);

@@ -40,8 +40,9 @@ struct BenchOptions {
   int steps = 3;             // timed training steps
   int inference_rounds = 3;  // timed inference rounds (N Forwards each)
   int64_t chunk_bytes = int64_t{1} << 20;  // client chunk size (ClientOptions::chunk_bytes)
-  int connections = client::ClientOptions().connections;  // ClientOptions::connections
-  int timeout_seconds = 300;                              // deadline of every call
+  int connections = client::ClientOptions().connections;        // ClientOptions::connections
+  int64_t stripe_bytes = client::ClientOptions().stripe_bytes;  // ClientOptions::stripe_bytes
+  int timeout_seconds = 300;                                    // deadline of every call
 };
 
 // Per-call latencies in seconds, and what went over the wire.

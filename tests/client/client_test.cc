@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "proto/wire.h"
+#include "server/metrics.h"
 #include "tests/client/test_util.h"
 
 namespace moe {
@@ -154,6 +155,82 @@ TEST(ClientTest, MicroBatchesTakeTheConnectionsInTurn) {
   bad.connections = 0;
   EXPECT_EQ(client::Connection::Connect("127.0.0.1:1", bad).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Value of counter `name` with label method=`method` on the server, 0 when absent.
+double MethodCounter(server::Server& s, const std::string& name, const std::string& method) {
+  for (const auto& family : s.metrics().registry()->Collect()) {
+    if (family.name != name) continue;
+    for (const auto& m : family.metric) {
+      for (const auto& label : m.label) {
+        if (label.name == "method" && label.value == method) return m.counter.value;
+      }
+    }
+  }
+  return 0;
+}
+
+// ClientOptions::stripe_bytes: a micro-batch that large travels as several streams on several
+// connections and the server runs it once, so training through striped calls gives the bits of
+// whole ones, and errors are the server's, not the cancellations of the sibling streams.
+TEST(ClientTest, StripedMicroBatchesGiveTheBitsOfWholeOnes) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  client::ClientOptions whole_options, striped_options;
+  whole_options.stripe_bytes = 0;
+  striped_options.connections = 3;
+  striped_options.stripe_bytes = 4096;
+  striped_options.chunk_bytes = 3000;  // several messages per stream
+  auto whole_conn = client::Connection::Connect(Target(*s), whole_options);
+  auto striped_conn = client::Connection::Connect(Target(*s), striped_options);
+  ASSERT_TRUE(whole_conn.ok() && striped_conn.ok());
+  LayerConfig config = Config();
+  config.routing = RoutingMode::kClient;
+  config.seed = 21;
+  auto whole = client::RemoteLayer::Create(*whole_conn, "whole", config);
+  auto striped = client::RemoteLayer::Create(*striped_conn, "striped", config);
+  ASSERT_TRUE(whole.ok() && striped.ok());
+  std::mt19937 rng(17);
+  for (int step = 0; step < 2; ++step) {
+    // 53 rows of 1 KiB: 3 streams of 18, 18 and 17 rows.
+    Tensor x = RandomFloat(rng, {53, config.d_model}), ids, w;
+    testing_util::RandomRouting(rng, 53, config.top_k, 0, static_cast<int32_t>(config.num_experts),
+                                &ids, &w);
+    Tensor dout = RandomFloat(rng, {53, config.d_model});
+    auto wf = (*whole)->Forward(x.view(), ids.view(), w.view()).get();
+    auto sf = (*striped)->Forward(x.view(), ids.view(), w.view()).get();
+    ASSERT_TRUE(wf.ok() && sf.ok()) << wf.status() << " " << sf.status();
+    EXPECT_EQ(sf->out.shape, wf->out.shape);
+    EXPECT_TRUE(sf->out.bytes == wf->out.bytes) << "step " << step;
+    EXPECT_TRUE(sf->expert_ids.bytes == wf->expert_ids.bytes);
+    EXPECT_TRUE(sf->weights.bytes == wf->weights.bytes);
+    EXPECT_EQ(sf->aux_loss, wf->aux_loss);
+    auto wi = (*whole)->Forward(x.view(), ids.view(), w.view(), /*training=*/false).get();
+    auto si = (*striped)->Forward(x.view(), ids.view(), w.view(), /*training=*/false).get();
+    ASSERT_TRUE(wi.ok() && si.ok()) << wi.status() << " " << si.status();
+    EXPECT_TRUE(si->out.bytes == wi->out.bytes);
+    EXPECT_EQ(si->context_id, 0u);
+    auto wb = (*whole)->Backward(wf->context_id, dout.view()).get();
+    auto sb = (*striped)->Backward(sf->context_id, dout.view()).get();
+    ASSERT_TRUE(wb.ok() && sb.ok()) << wb.status() << " " << sb.status();
+    EXPECT_EQ(sb->dx.shape, wb->dx.shape);
+    EXPECT_TRUE(sb->dx.bytes == wb->dx.bytes) << "step " << step;
+    EXPECT_TRUE(sb->dweights.bytes == wb->dweights.bytes) << "step " << step;
+    auto ws = (*whole)->Step(), ss = (*striped)->Step();
+    ASSERT_TRUE(ws.ok() && ss.ok());
+    EXPECT_EQ(ss->grad_norm, ws->grad_norm);
+    EXPECT_EQ(ss->tokens_per_expert, ws->tokens_per_expert);
+  }
+  auto ww = (*whole)->ExportWeights(true), sw = (*striped)->ExportWeights(true);
+  ASSERT_TRUE(ww.ok() && sw.ok());
+  for (const auto& [name, t] : *ww) EXPECT_TRUE(sw->at(name).bytes == t.bytes) << name;
+  EXPECT_EQ(MethodCounter(*s, "moe_striped_micro_batches_total", "Forward"), 4);
+  EXPECT_EQ(MethodCounter(*s, "moe_striped_micro_batches_total", "Backward"), 2);
+  // A striped Backward of an unknown context fails on every stream with the server's NotFound.
+  Tensor dout = RandomFloat(rng, {53, config.d_model});
+  absl::Status st = (*striped)->Backward(12345, dout.view()).get().status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_NE(st.message().find("context_id"), std::string::npos) << st;
 }
 
 TEST(WireTest, PlanChunksCoversEveryByteOnceWithinTheLimit) {

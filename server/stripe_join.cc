@@ -1,0 +1,153 @@
+// StripeJoin and StripeJoins (see stripe_join.h).
+#include "server/stripe_join.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::server {
+
+absl::Status StripeJoin::Register(uint32_t index, const Shape& shape) {
+  if (shape.count < 2 || shape.count > kMaxStripes) {
+    return absl::InvalidArgumentError(absl::StrCat("stripe.count: must be 2 to ", kMaxStripes,
+                                                   " (0: not striped), got ", shape.count));
+  }
+  if (index >= shape.count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.index: ", index, " is not below stripe.count ", shape.count));
+  }
+  if (shape.total_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.total_rows: must be positive, got ", shape.total_rows));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ == State::kFailed) return failure_;
+  if (state_ == State::kRunning) {
+    return absl::AlreadyExistsError(
+        "context_id: a striped micro-batch with this id is still being answered");
+  }
+  if (streams_.empty()) {
+    shape_ = shape;
+    streams_.resize(shape.count);
+  } else if (shape.count != shape_.count) {
+    return absl::InvalidArgumentError(absl::StrCat("stripe.count: ", shape.count,
+                                                   ", but another stream of the micro-batch said ",
+                                                   shape_.count));
+  } else if (shape.total_rows != shape_.total_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("stripe.total_rows: ", shape.total_rows,
+                                                   ", but another stream of the micro-batch said ",
+                                                   shape_.total_rows));
+  } else if (shape.header_values != shape_.header_values) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shape.header_fields,
+                     ": must be the same on every stream of a striped "
+                     "micro-batch (",
+                     shape.header_values, " here, ", shape_.header_values, " on another)"));
+  }
+  if (streams_[index].registered) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.index: ", index, " is carried by two streams"));
+  }
+  streams_[index].registered = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StripeJoin::Part*>> StripeJoin::Arrive(uint32_t index, int64_t row_begin,
+                                                                  int64_t rows, Part* part) {
+  std::vector<Part*> abort;
+  absl::Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != State::kCollecting) return failure_;
+    Stream& s = streams_[index];
+    s.row_begin = row_begin;
+    s.rows = rows;
+    if (row_begin < 0 || rows < 0 || row_begin > shape_.total_rows - rows) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("stripe.row_begin: rows [", row_begin, ", ", row_begin + rows,
+                       ") of stream ", index, " are outside [0, ", shape_.total_rows, ")"));
+    } else {
+      s.waiting = part;
+      if (++arrived_ < shape_.count) return std::vector<Part*>();
+      // Every stream is here: their rows must tile [0, total_rows).
+      std::vector<const Stream*> order;
+      for (const Stream& t : streams_) order.push_back(&t);
+      std::sort(order.begin(), order.end(),
+                [](const Stream* a, const Stream* b) { return a->row_begin < b->row_begin; });
+      int64_t next = 0;
+      for (const Stream* t : order) {
+        if (t->row_begin != next) break;
+        next += t->rows;
+      }
+      if (next == shape_.total_rows) {
+        state_ = State::kRunning;
+        std::vector<Part*> parts;
+        for (const Stream* t : order) parts.push_back(t->waiting);
+        for (Stream& t : streams_) t.waiting = nullptr;
+        return parts;
+      }
+      s.waiting = nullptr;  // the caller finishes its own stream
+      status = absl::InvalidArgumentError(
+          absl::StrCat("stripe.row_begin: the streams' rows do not tile [0, ", shape_.total_rows,
+                       ") exactly once (a gap or an overlap at row ", next, ")"));
+    }
+    abort = FailLocked(status);
+  }
+  AbortAll(abort, status);
+  return status;
+}
+
+void StripeJoin::Fail(const absl::Status& status) {
+  std::vector<Part*> abort;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != State::kCollecting) return;
+    abort = FailLocked(status);
+  }
+  AbortAll(abort, status);
+}
+
+std::vector<StripeJoin::Part*> StripeJoin::FailLocked(const absl::Status& status) {
+  state_ = State::kFailed;
+  failure_ = status;
+  std::vector<Part*> parts;
+  for (Stream& s : streams_) {
+    if (s.waiting != nullptr) parts.push_back(s.waiting);
+    s.waiting = nullptr;
+  }
+  return parts;
+}
+
+void StripeJoin::AbortAll(const std::vector<Part*>& parts, const absl::Status& status) {
+  for (Part* p : parts) p->AbortStripe(status);
+}
+
+std::string StripeJoins::Key(const std::string& method, const std::string& layer,
+                             const std::string& session, uint64_t context_id) {
+  // Length-prefixed, so no choice of names makes two keys equal.
+  return absl::StrCat(method.size(), ":", method, layer.size(), ":", layer, session.size(), ":",
+                      session, context_id);
+}
+
+std::shared_ptr<StripeJoin> StripeJoins::Enter(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = joins_[key];
+  if (!e.join) e.join = std::make_shared<StripeJoin>();
+  ++e.streams;
+  return e.join;
+}
+
+void StripeJoins::Leave(const std::string& key, const std::shared_ptr<StripeJoin>& join) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = joins_.find(key);
+  if (it == joins_.end() || it->second.join != join) return;
+  if (--it->second.streams == 0) joins_.erase(it);
+}
+
+size_t StripeJoins::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return joins_.size();
+}
+
+}  // namespace moe::server

@@ -1,0 +1,117 @@
+// Where the streams of one striped micro-batch meet (moe.proto, `Stripe`).
+//
+// Why: one TCP connection carries a large tensor at about 3 GB/s however many calls share it
+// (docs/SERVICE_PERFORMANCE.md), so a trainer with one large micro-batch in flight waited on one
+// connection while the others sat idle. A striped micro-batch travels as several streams on
+// several connections, each carrying a contiguous range of its rows; the server runs it once.
+//
+// How: each stream's reactor enters the join on its first message (StripeJoins::Enter), then
+// registers the shape every stream must agree on, and arrives once it holds all its rows. The
+// arrival that completes the micro-batch gets every stream's part back, in row order, and runs
+// it for all of them. Until then the join is the only place that knows which streams are
+// waiting, so it is where one stream's failure (bad input, a cancelled call) reaches the
+// others: every waiting stream is aborted with that status, and a stream that registers or
+// arrives later gets it too. Nothing runs, and so no state changes, unless every stream arrived.
+#ifndef MOE_SERVER_STRIPE_JOIN_H_
+#define MOE_SERVER_STRIPE_JOIN_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace moe::server {
+
+// Streams per striped micro-batch, at most (moe.proto).
+inline constexpr uint32_t kMaxStripes = 64;
+
+class StripeJoin {
+ public:
+  // A stream's side of the join: its reactor.
+  class Part {
+   public:
+    virtual ~Part() = default;
+    // The micro-batch failed on another stream, or this stream was cancelled while it waited:
+    // finish this stream with `status`. Called at most once per arrival, from any thread, never
+    // under the join's lock.
+    virtual void AbortStripe(const absl::Status& status) = 0;
+  };
+
+  // What every stream of the micro-batch must agree on: besides the stripe's own fields, the
+  // request fields each stream repeats (Forward's `training`), named for the error message and
+  // in a form that compares equal when they agree.
+  struct Shape {
+    uint32_t count = 0;
+    int64_t total_rows = 0;
+    std::string header_fields;
+    std::string header_values;
+  };
+
+  // Stream `index`'s first message. InvalidArgument naming the stripe field that is out of range
+  // or disagrees with an earlier stream, or that repeats an index; AlreadyExists once the
+  // micro-batch has run (an id reused too early); the join's failure once it has failed.
+  absl::Status Register(uint32_t index, const Shape& shape);
+
+  // Stream `index` holds all its rows, [row_begin, row_begin + rows), and `part` waits for the
+  // result. Returns every stream's part in row order when this arrival completes the micro-batch
+  // (the caller runs it and answers each part), or an empty vector when others are still to
+  // come. On error (the rows leave a gap or overlap: InvalidArgument naming stripe.row_begin; or
+  // the join had failed) the join is failed, the waiting parts are aborted, and the caller
+  // finishes its own stream with the returned status.
+  absl::StatusOr<std::vector<Part*>> Arrive(uint32_t index, int64_t row_begin, int64_t rows,
+                                            Part* part);
+
+  // A stream failed, or its call was cancelled, before the micro-batch ran: the join fails with
+  // `status` and every waiting part is aborted with it, the failing stream's own included if it
+  // was waiting (one still reading finishes itself). No effect once the micro-batch runs.
+  void Fail(const absl::Status& status);
+
+ private:
+  enum class State { kCollecting, kRunning, kFailed };
+  struct Stream {
+    bool registered = false;
+    Part* waiting = nullptr;  // set from Arrive until the micro-batch runs or fails
+    int64_t row_begin = 0;
+    int64_t rows = 0;
+  };
+  // Fails the join and returns the parts to abort; the caller aborts them after unlocking.
+  std::vector<Part*> FailLocked(const absl::Status& status);
+  static void AbortAll(const std::vector<Part*>& parts, const absl::Status& status);
+
+  std::mutex mu_;
+  State state_ = State::kCollecting;
+  absl::Status failure_;
+  Shape shape_;  // from the first Register
+  std::vector<Stream> streams_;
+  uint32_t arrived_ = 0;
+};
+
+// The joins in progress, by key (method, layer, session, context id). A join lives while any of
+// its streams is between its first message and the end of its response.
+class StripeJoins {
+ public:
+  static std::string Key(const std::string& method, const std::string& layer,
+                         const std::string& session, uint64_t context_id);
+  // The join of `key`, made on first use; counts one stream in.
+  std::shared_ptr<StripeJoin> Enter(const std::string& key);
+  // Counts one stream of `join` out; the join is forgotten when none is left.
+  void Leave(const std::string& key, const std::shared_ptr<StripeJoin>& join);
+  size_t size() const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<StripeJoin> join;
+    int streams = 0;
+  };
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> joins_;
+};
+
+}  // namespace moe::server
+
+#endif  // MOE_SERVER_STRIPE_JOIN_H_

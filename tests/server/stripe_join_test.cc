@@ -1,0 +1,126 @@
+// StripeJoin and StripeJoins on their own: which stream runs a striped micro-batch, what the
+// streams must agree on, and that one stream's failure reaches every waiting stream exactly once.
+#include "server/stripe_join.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace moe::server {
+namespace {
+
+// A stream that records the statuses it was aborted with.
+struct FakePart : StripeJoin::Part {
+  void AbortStripe(const absl::Status& status) override { aborts.push_back(status); }
+  std::vector<absl::Status> aborts;
+};
+
+StripeJoin::Shape ShapeOf(uint32_t count, int64_t total_rows, std::string training = "true") {
+  return {count, total_rows, "training", std::move(training)};
+}
+
+void ExpectInvalidNaming(const absl::Status& st, const std::string& field) {
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(field), std::string::npos) << "should name " << field << ": " << st;
+}
+
+TEST(StripeJoinTest, TheLastArrivalGetsEveryPartInRowOrder) {
+  StripeJoin join;
+  FakePart a, b, c;
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(join.Register(i, ShapeOf(3, 10)).ok());
+  // Stream 2 holds rows [0, 3), stream 0 rows [3, 7), stream 1 rows [7, 10).
+  auto r = join.Arrive(0, 3, 4, &a);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->empty());
+  r = join.Arrive(2, 0, 3, &c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->empty());
+  r = join.Arrive(1, 7, 3, &b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, (std::vector<StripeJoin::Part*>{&c, &a, &b}));
+  // Once it runs, a failure of one stream no longer touches the others, and the id is taken.
+  join.Fail(absl::CancelledError("late"));
+  EXPECT_TRUE(a.aborts.empty() && b.aborts.empty() && c.aborts.empty());
+  EXPECT_EQ(join.Register(0, ShapeOf(3, 10)).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(StripeJoinTest, RegisterNamesTheFieldThatIsWrong) {
+  StripeJoin join;
+  ExpectInvalidNaming(join.Register(0, ShapeOf(1, 10)), "stripe.count");
+  ExpectInvalidNaming(join.Register(0, ShapeOf(kMaxStripes + 1, 10)), "stripe.count");
+  ExpectInvalidNaming(join.Register(2, ShapeOf(2, 10)), "stripe.index");
+  ExpectInvalidNaming(join.Register(0, ShapeOf(2, 0)), "stripe.total_rows");
+  ASSERT_TRUE(join.Register(0, ShapeOf(2, 10)).ok());
+  ExpectInvalidNaming(join.Register(1, ShapeOf(3, 10)), "stripe.count");
+  ExpectInvalidNaming(join.Register(1, ShapeOf(2, 11)), "stripe.total_rows");
+  ExpectInvalidNaming(join.Register(1, ShapeOf(2, 10, "false")), "training");
+  ExpectInvalidNaming(join.Register(0, ShapeOf(2, 10)), "stripe.index");
+  EXPECT_TRUE(join.Register(1, ShapeOf(2, 10)).ok());
+}
+
+TEST(StripeJoinTest, RowsThatDoNotTileFailEveryStream) {
+  for (auto [second_begin, second_rows] : {std::pair<int64_t, int64_t>{5, 5},  // gap at 4
+                                           {3, 6},                             // overlap at 3
+                                           {4, 5}}) {                          // short
+    StripeJoin join;
+    FakePart a, b;
+    ASSERT_TRUE(join.Register(0, ShapeOf(2, 10)).ok());
+    ASSERT_TRUE(join.Register(1, ShapeOf(2, 10)).ok());
+    ASSERT_TRUE(join.Arrive(0, 0, 4, &a).ok());
+    auto r = join.Arrive(1, second_begin, second_rows, &b);
+    ExpectInvalidNaming(r.status(), "stripe.row_begin");
+    ASSERT_EQ(a.aborts.size(), 1u);  // the waiting stream is told
+    EXPECT_EQ(a.aborts[0], r.status());
+    EXPECT_TRUE(b.aborts.empty());  // the arriving one finishes itself with the returned status
+  }
+  StripeJoin join;
+  FakePart a;
+  ASSERT_TRUE(join.Register(0, ShapeOf(2, 10)).ok());
+  ExpectInvalidNaming(join.Arrive(0, 8, 4, &a).status(), "stripe.row_begin");  // past the end
+}
+
+TEST(StripeJoinTest, OneStreamsFailureAbortsTheWaitingOnesOnceAndSticks) {
+  StripeJoin join;
+  FakePart a, b, c;
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(join.Register(i, ShapeOf(3, 9)).ok());
+  ASSERT_TRUE(join.Arrive(0, 0, 3, &a).ok());
+  ASSERT_TRUE(join.Arrive(1, 3, 3, &b).ok());
+  const absl::Status bad = absl::InvalidArgumentError("x: 12 bytes do not match shape");
+  join.Fail(bad);
+  join.Fail(absl::CancelledError("second failure"));
+  ASSERT_EQ(a.aborts.size(), 1u);
+  ASSERT_EQ(b.aborts.size(), 1u);
+  EXPECT_EQ(a.aborts[0], bad);
+  EXPECT_EQ(b.aborts[0], bad);
+  // The stream still reading learns it when it arrives.
+  EXPECT_EQ(join.Arrive(2, 6, 3, &c).status(), bad);
+  EXPECT_TRUE(c.aborts.empty());
+  EXPECT_EQ(join.Register(0, ShapeOf(3, 9)), bad);
+}
+
+TEST(StripeJoinsTest, AJoinLivesWhileAnyOfItsStreamsDoes) {
+  StripeJoins joins;
+  const std::string key = StripeJoins::Key("Forward", "layer", "session", 7);
+  EXPECT_NE(key, StripeJoins::Key("Backward", "layer", "session", 7));
+  EXPECT_NE(key, StripeJoins::Key("Forward", "layer", "session", 8));
+  EXPECT_NE(StripeJoins::Key("F", "ab", "", 1), StripeJoins::Key("F", "a", "b", 1));
+  auto first = joins.Enter(key);
+  auto second = joins.Enter(key);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(joins.size(), 1u);
+  joins.Leave(key, first);
+  EXPECT_EQ(joins.size(), 1u);
+  joins.Leave(key, second);
+  EXPECT_EQ(joins.size(), 0u);
+  // A new micro-batch under the same key gets a fresh join; leaving the old one does not end it.
+  auto third = joins.Enter(key);
+  EXPECT_NE(third, first);
+  joins.Leave(key, first);
+  EXPECT_EQ(joins.size(), 1u);
+  joins.Leave(key, third);
+  EXPECT_EQ(joins.size(), 0u);
+}
+
+}  // namespace
+}  // namespace moe::server
