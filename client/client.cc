@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <thread>
 #include <utility>
@@ -45,13 +46,6 @@ absl::Status FinishInto(wire::TensorAssembler& assembler, bool required, Tensor*
   if (!t.ok()) return t.status();
   *out = std::move(*t);
   return absl::OkStatus();
-}
-
-// Adds response tensor `proto` (top-level field `field`, bytes in `in`) to `assembler` if the
-// message carries it.
-absl::Status AddIfPresent(bool present, const v1::Tensor& proto, int field,
-                          const wire::IncomingMessage& in, wire::TensorAssembler& assembler) {
-  return present ? assembler.Add(proto, in.payload(field)) : absl::OkStatus();
 }
 
 // The full names of the raw methods (gRPC keeps a pointer to them for the call's lifetime).
@@ -196,6 +190,15 @@ class StripedCall {
   std::promise<absl::StatusOr<Out>> promise_;
 };
 
+v1::Stripe StripeFields(int index, int count, int64_t row_begin, int64_t total_rows) {
+  v1::Stripe s;
+  s.set_index(static_cast<uint32_t>(index));
+  s.set_count(static_cast<uint32_t>(count));
+  s.set_row_begin(row_begin);
+  s.set_total_rows(total_rows);
+  return s;
+}
+
 // Rows [begin, end) of a [T, ...] view (the whole view when it is empty).
 TensorView Rows(const TensorView& v, int64_t begin, int64_t end) {
   if (v.empty() || v.shape.empty() || v.shape[0] == 0) return v;
@@ -207,36 +210,71 @@ TensorView Rows(const TensorView& v, int64_t begin, int64_t end) {
   return r;
 }
 
-// The parts' tensors one after another along the rows; `field` names the tensor in errors.
-// Part i must have `rows[i]` rows; all parts empty gives an empty tensor.
-absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor*>& parts,
-                                  const std::vector<int64_t>& rows, const char* field) {
-  const Tensor& lead = *parts[0];
-  Tensor t;
-  size_t bytes = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const Tensor& p = *parts[i];
-    if (p.empty() != lead.empty() ||
-        (!p.empty() && (p.shape.empty() || p.shape[0] != rows[i] || p.dtype != lead.dtype ||
-                        p.shape.size() != lead.shape.size() ||
-                        !std::equal(p.shape.begin() + 1, p.shape.end(), lead.shape.begin() + 1)))) {
-      return absl::DataLossError(absl::StrCat(field, ": stripe ", i, " of the response is not ",
-                                              rows[i], " rows like the others'"));
+}  // namespace
+
+// Where one stream's response tensors go: the call's own assemblers (a whole micro-batch), or
+// its rows of a striped micro-batch's outputs, which its streams share and assemble in place
+// (wire::StripedAssembler), so no stream's rows are copied again to join them.
+struct ResponseTensors {
+  std::vector<wire::TensorAssembler> whole;
+  std::shared_ptr<std::deque<wire::StripedAssembler>> striped;
+  uint32_t stream = 0;
+  int64_t row_begin = 0;
+
+  // For a whole micro-batch: the server answers for shapes this call set, so each tensor is
+  // reserved on its first chunk.
+  static std::shared_ptr<ResponseTensors> Whole(const std::vector<const char*>& names) {
+    auto r = std::make_shared<ResponseTensors>();
+    for (const char* n : names) {
+      r->whole.emplace_back(n, wire::TensorAssembler::Sizing::kClaimedAtOnce);
     }
-    bytes += p.bytes.size();
+    return r;
   }
-  if (lead.empty()) return t;
-  t.dtype = lead.dtype;
-  t.shape = lead.shape;
-  t.shape[0] = 0;
-  for (int64_t r : rows) t.shape[0] += r;
-  t.bytes.resize(bytes);
-  size_t offset = 0;
-  for (const Tensor* p : parts) {
-    ParallelMemcpy(t.bytes.data() + offset, p->bytes.data(), p->bytes.size());
-    offset += p->bytes.size();
+  // For stream `stream` of a striped micro-batch, whose rows start at `row_begin`.
+  static std::shared_ptr<ResponseTensors> Stripe(
+      std::shared_ptr<std::deque<wire::StripedAssembler>> outputs, uint32_t stream,
+      int64_t row_begin) {
+    auto r = std::make_shared<ResponseTensors>();
+    r->striped = std::move(outputs);
+    r->stream = stream;
+    r->row_begin = row_begin;
+    return r;
   }
-  return t;
+  // The outputs a striped micro-batch's streams share.
+  static std::shared_ptr<std::deque<wire::StripedAssembler>> Shared(
+      const std::vector<const char*>& names, int64_t total_rows) {
+    auto d = std::make_shared<std::deque<wire::StripedAssembler>>();
+    for (const char* n : names) {
+      d->emplace_back(n, wire::TensorAssembler::Sizing::kClaimedAtOnce, total_rows);
+    }
+    return d;
+  }
+
+  // Response tensor `i`, top-level field `field`, if the message carries it.
+  absl::Status AddIfPresent(size_t i, bool present, const v1::Tensor& proto, int field,
+                            const wire::IncomingMessage& in) {
+    if (!present) return absl::OkStatus();
+    return striped ? (*striped)[i].Add(stream, row_begin, proto, in.payload(field))
+                   : whole[i].Add(proto, in.payload(field));
+  }
+  // Moves whole tensor `i` into `*out` (a striped stream's rows are finished by the merge). A
+  // tensor no response carried is an error when `required`, and leaves `*out` empty otherwise.
+  absl::Status FinishInto(size_t i, bool required, Tensor* out) {
+    if (striped) return absl::OkStatus();
+    return moe::client::FinishInto(whole[i], required, out);
+  }
+};
+
+namespace {
+
+// Finishes a striped micro-batch's shared output `i` into `*out`, as FinishInto does.
+absl::Status FinishStriped(std::deque<wire::StripedAssembler>& outputs, size_t i, uint32_t streams,
+                           bool required, Tensor* out) {
+  if (!required && !outputs[i].seen()) return absl::OkStatus();
+  absl::StatusOr<Tensor> t = outputs[i].Finish(streams);
+  if (!t.ok()) return t.status();
+  *out = std::move(*t);
+  return absl::OkStatus();
 }
 
 // How many streams carry a micro-batch of `rows` rows and `bytes` request bytes (1: unstriped).
@@ -431,53 +469,42 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
                                                                const TensorView& x,
                                                                const TensorView& ids,
                                                                const TensorView& weights) {
+  const std::vector<const char*> names = {"out", "expert_ids", "weights"};
   const int64_t rows = x.shape.empty() ? 0 : x.shape[0];
   const int stripes = StripesFor(
       options_, rows, static_cast<int64_t>(x.size_bytes + ids.size_bytes + weights.size_bytes));
   if (stripes == 1) {
     auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardOutput>>>();
     StartForward(layer, context_id, training, x, ids, weights, nullptr,
+                 ResponseTensors::Whole(names),
                  [promise](absl::StatusOr<ForwardOutput> r) { promise->set_value(std::move(r)); });
     return promise->get_future();
   }
   // The server joins the streams by context id: an inference micro-batch gets one for that.
   const uint64_t join_id = context_id != 0 ? context_id : NextContextId();
-  std::vector<int64_t> part_rows;
-  for (int i = 0; i < stripes; ++i) part_rows.push_back(rows / stripes + (i < rows % stripes));
+  auto outputs = ResponseTensors::Shared(names, rows);
   auto striped = std::make_shared<StripedCall<ForwardOutput>>(
       stripes,
-      [part_rows, context_id](std::vector<ForwardOutput>& parts) -> absl::StatusOr<ForwardOutput> {
+      [outputs, stripes,
+       context_id](std::vector<ForwardOutput>& parts) -> absl::StatusOr<ForwardOutput> {
         ForwardOutput o;
         o.context_id = context_id;
         o.aux_loss = parts[0].aux_loss;
         o.z_loss = parts[0].z_loss;
-        std::vector<Tensor*> out, ids, weights;
-        for (ForwardOutput& p : parts) {
-          out.push_back(&p.out);
-          ids.push_back(&p.expert_ids);
-          weights.push_back(&p.weights);
-        }
-        absl::StatusOr<Tensor> t = ConcatRows(out, part_rows, "out");
-        if (!t.ok()) return t.status();
-        o.out = std::move(*t);
-        if (t = ConcatRows(ids, part_rows, "expert_ids"); !t.ok()) return t.status();
-        o.expert_ids = std::move(*t);
-        if (t = ConcatRows(weights, part_rows, "weights"); !t.ok()) return t.status();
-        o.weights = std::move(*t);
+        const uint32_t n = static_cast<uint32_t>(stripes);
+        if (auto s = FinishStriped(*outputs, 0, n, /*required=*/true, &o.out); !s.ok()) return s;
+        if (auto s = FinishStriped(*outputs, 1, n, false, &o.expert_ids); !s.ok()) return s;
+        if (auto s = FinishStriped(*outputs, 2, n, false, &o.weights); !s.ok()) return s;
         return o;
       });
   auto fut = striped->future();
   int64_t begin = 0;
   for (int i = 0; i < stripes; ++i) {
-    const int64_t end = begin + part_rows[i];
-    v1::Stripe stripe;
-    stripe.set_index(i);
-    stripe.set_count(stripes);
-    stripe.set_row_begin(begin);
-    stripe.set_total_rows(rows);
+    const int64_t end = begin + rows / stripes + (i < rows % stripes);
+    const v1::Stripe stripe = StripeFields(i, stripes, begin, rows);
     StartForward(
         layer, join_id, training, Rows(x, begin, end), Rows(ids, begin, end),
-        Rows(weights, begin, end), &stripe,
+        Rows(weights, begin, end), &stripe, ResponseTensors::Stripe(outputs, i, begin),
         [striped, i](absl::StatusOr<ForwardOutput> r) { striped->Done(i, std::move(r)); },
         [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
     begin = end;
@@ -487,7 +514,7 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
 
 void Connection::StartForward(const std::string& layer, uint64_t context_id, bool training,
                               const TensorView& x, const TensorView& ids, const TensorView& weights,
-                              const v1::Stripe* stripe,
+                              const v1::Stripe* stripe, std::shared_ptr<ResponseTensors> outputs,
                               std::function<void(absl::StatusOr<ForwardOutput>)> done,
                               std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
@@ -512,43 +539,32 @@ void Connection::StartForward(const std::string& layer, uint64_t context_id, boo
         return std::vector<v1::Tensor*>{r->mutable_x(), has_ids ? r->mutable_expert_ids() : nullptr,
                                         has_weights ? r->mutable_weights() : nullptr};
       });
-  // The server answers for shapes this call set: reserve each tensor on its first chunk.
-  struct Outputs {
-    wire::TensorAssembler out{"out", wire::TensorAssembler::Sizing::kClaimedAtOnce};
-    wire::TensorAssembler ids{"expert_ids", wire::TensorAssembler::Sizing::kClaimedAtOnce};
-    wire::TensorAssembler weights{"weights", wire::TensorAssembler::Sizing::kClaimedAtOnce};
-  };
-  auto outputs = std::make_shared<Outputs>();
   auto* call = new StreamCall<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput>(
       std::move(requests),
       {v1::ForwardResponse::kOutFieldNumber, v1::ForwardResponse::kExpertIdsFieldNumber,
        v1::ForwardResponse::kWeightsFieldNumber},
       [outputs](const v1::ForwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
-        if (auto s = AddIfPresent(r.has_out(), r.out(), v1::ForwardResponse::kOutFieldNumber, in,
-                                  outputs->out);
+        if (auto s = outputs->AddIfPresent(0, r.has_out(), r.out(),
+                                           v1::ForwardResponse::kOutFieldNumber, in);
             !s.ok()) {
           return s;
         }
-        if (auto s = AddIfPresent(r.has_expert_ids(), r.expert_ids(),
-                                  v1::ForwardResponse::kExpertIdsFieldNumber, in, outputs->ids);
+        if (auto s = outputs->AddIfPresent(1, r.has_expert_ids(), r.expert_ids(),
+                                           v1::ForwardResponse::kExpertIdsFieldNumber, in);
             !s.ok()) {
           return s;
         }
-        return AddIfPresent(r.has_weights(), r.weights(), v1::ForwardResponse::kWeightsFieldNumber,
-                            in, outputs->weights);
+        return outputs->AddIfPresent(2, r.has_weights(), r.weights(),
+                                     v1::ForwardResponse::kWeightsFieldNumber, in);
       },
       [outputs](const v1::ForwardResponse& first) -> absl::StatusOr<ForwardOutput> {
         ForwardOutput o;
         o.context_id = first.context_id();
         o.aux_loss = first.aux_loss();
         o.z_loss = first.z_loss();
-        if (auto s = FinishInto(outputs->out, /*required=*/true, &o.out); !s.ok()) return s;
-        if (auto s = FinishInto(outputs->ids, /*required=*/false, &o.expert_ids); !s.ok()) {
-          return s;
-        }
-        if (auto s = FinishInto(outputs->weights, /*required=*/false, &o.weights); !s.ok()) {
-          return s;
-        }
+        if (auto s = outputs->FinishInto(0, /*required=*/true, &o.out); !s.ok()) return s;
+        if (auto s = outputs->FinishInto(1, /*required=*/false, &o.expert_ids); !s.ok()) return s;
+        if (auto s = outputs->FinishInto(2, /*required=*/false, &o.weights); !s.ok()) return s;
         return o;
       },
       std::move(done));
@@ -563,43 +579,33 @@ void Connection::StartForward(const std::string& layer, uint64_t context_id, boo
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  const TensorView& dout) {
+  const std::vector<const char*> names = {"dx", "dweights"};
   const int64_t rows = dout.shape.empty() ? 0 : dout.shape[0];
   const int stripes = StripesFor(options_, rows, static_cast<int64_t>(dout.size_bytes));
   if (stripes == 1) {
     auto promise = std::make_shared<std::promise<absl::StatusOr<BackwardOutput>>>();
-    StartBackward(layer, context_id, dout, nullptr, [promise](absl::StatusOr<BackwardOutput> r) {
-      promise->set_value(std::move(r));
-    });
+    StartBackward(
+        layer, context_id, dout, nullptr, ResponseTensors::Whole(names),
+        [promise](absl::StatusOr<BackwardOutput> r) { promise->set_value(std::move(r)); });
     return promise->get_future();
   }
-  std::vector<int64_t> part_rows;
-  for (int i = 0; i < stripes; ++i) part_rows.push_back(rows / stripes + (i < rows % stripes));
+  auto outputs = ResponseTensors::Shared(names, rows);
   auto striped = std::make_shared<StripedCall<BackwardOutput>>(
-      stripes, [part_rows](std::vector<BackwardOutput>& parts) -> absl::StatusOr<BackwardOutput> {
+      stripes, [outputs, stripes](std::vector<BackwardOutput>&) -> absl::StatusOr<BackwardOutput> {
         BackwardOutput o;
-        std::vector<Tensor*> dx, dweights;
-        for (BackwardOutput& p : parts) {
-          dx.push_back(&p.dx);
-          dweights.push_back(&p.dweights);
-        }
-        absl::StatusOr<Tensor> t = ConcatRows(dx, part_rows, "dx");
-        if (!t.ok()) return t.status();
-        o.dx = std::move(*t);
-        if (t = ConcatRows(dweights, part_rows, "dweights"); !t.ok()) return t.status();
-        o.dweights = std::move(*t);
+        const uint32_t n = static_cast<uint32_t>(stripes);
+        if (auto s = FinishStriped(*outputs, 0, n, /*required=*/true, &o.dx); !s.ok()) return s;
+        if (auto s = FinishStriped(*outputs, 1, n, false, &o.dweights); !s.ok()) return s;
         return o;
       });
   auto fut = striped->future();
   int64_t begin = 0;
   for (int i = 0; i < stripes; ++i) {
-    const int64_t end = begin + part_rows[i];
-    v1::Stripe stripe;
-    stripe.set_index(i);
-    stripe.set_count(stripes);
-    stripe.set_row_begin(begin);
-    stripe.set_total_rows(rows);
+    const int64_t end = begin + rows / stripes + (i < rows % stripes);
+    const v1::Stripe stripe = StripeFields(i, stripes, begin, rows);
     StartBackward(
         layer, context_id, Rows(dout, begin, end), &stripe,
+        ResponseTensors::Stripe(outputs, i, begin),
         [striped, i](absl::StatusOr<BackwardOutput> r) { striped->Done(i, std::move(r)); },
         [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
     begin = end;
@@ -609,6 +615,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
 
 void Connection::StartBackward(const std::string& layer, uint64_t context_id,
                                const TensorView& dout, const v1::Stripe* stripe,
+                               std::shared_ptr<ResponseTensors> outputs,
                                std::function<void(absl::StatusOr<BackwardOutput>)> done,
                                std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
@@ -625,29 +632,22 @@ void Connection::StartBackward(const std::string& layer, uint64_t context_id,
         if (stripe_fields.count() != 0) *r->mutable_stripe() = stripe_fields;
         return std::vector<v1::Tensor*>{r->mutable_dout()};
       });
-  struct Outputs {
-    wire::TensorAssembler dx{"dx", wire::TensorAssembler::Sizing::kClaimedAtOnce};
-    wire::TensorAssembler dweights{"dweights", wire::TensorAssembler::Sizing::kClaimedAtOnce};
-  };
-  auto outputs = std::make_shared<Outputs>();
   auto* call = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
       std::move(requests),
       {v1::BackwardResponse::kDxFieldNumber, v1::BackwardResponse::kDweightsFieldNumber},
       [outputs](const v1::BackwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
-        if (auto s = AddIfPresent(r.has_dx(), r.dx(), v1::BackwardResponse::kDxFieldNumber, in,
-                                  outputs->dx);
+        if (auto s = outputs->AddIfPresent(0, r.has_dx(), r.dx(),
+                                           v1::BackwardResponse::kDxFieldNumber, in);
             !s.ok()) {
           return s;
         }
-        return AddIfPresent(r.has_dweights(), r.dweights(),
-                            v1::BackwardResponse::kDweightsFieldNumber, in, outputs->dweights);
+        return outputs->AddIfPresent(1, r.has_dweights(), r.dweights(),
+                                     v1::BackwardResponse::kDweightsFieldNumber, in);
       },
       [outputs](const v1::BackwardResponse&) -> absl::StatusOr<BackwardOutput> {
         BackwardOutput o;
-        if (auto s = FinishInto(outputs->dx, /*required=*/true, &o.dx); !s.ok()) return s;
-        if (auto s = FinishInto(outputs->dweights, /*required=*/false, &o.dweights); !s.ok()) {
-          return s;
-        }
+        if (auto s = outputs->FinishInto(0, /*required=*/true, &o.dx); !s.ok()) return s;
+        if (auto s = outputs->FinishInto(1, /*required=*/false, &o.dweights); !s.ok()) return s;
         return o;
       },
       std::move(done));

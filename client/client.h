@@ -44,6 +44,8 @@
 
 namespace moe::client {
 
+struct ResponseTensors;  // client.cc: where one call's response tensors are assembled
+
 struct ClientOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of every call
   int64_t chunk_bytes = int64_t{1} << 20;    // tensor payload per request message
@@ -152,15 +154,16 @@ class Connection {
   std::atomic<uint64_t> next_raw_stub_{0};
   RawStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
   // One stream of a Forward or Backward (`stripe` null: the whole micro-batch): copies the
-  // tensors, starts the call, and reports its result to `done`; `track` sees the call's context
-  // before it starts (a StripedCall cancels the others' when one fails).
+  // tensors, starts the call, puts the response's tensors into `outputs` and reports the result
+  // to `done`; `track` sees the call's context before it starts (a striped call cancels the
+  // other streams when one fails).
   void StartForward(const std::string& layer, uint64_t context_id, bool training,
                     const TensorView& x, const TensorView& ids, const TensorView& weights,
-                    const v1::Stripe* stripe,
+                    const v1::Stripe* stripe, std::shared_ptr<ResponseTensors> outputs,
                     std::function<void(absl::StatusOr<ForwardOutput>)> done,
                     std::function<void(grpc::ClientContext*)> track = nullptr);
   void StartBackward(const std::string& layer, uint64_t context_id, const TensorView& dout,
-                     const v1::Stripe* stripe,
+                     const v1::Stripe* stripe, std::shared_ptr<ResponseTensors> outputs,
                      std::function<void(absl::StatusOr<BackwardOutput>)> done,
                      std::function<void(grpc::ClientContext*)> track = nullptr);
   std::string session_id_;

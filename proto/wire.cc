@@ -3,6 +3,7 @@
 #include "proto/wire.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -264,6 +265,152 @@ void TensorAssembler::Reset() {
   dtype_ = 0;
   shape_.clear();
   bytes_.clear();
+}
+
+absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
+                                   absl::Span<const absl::string_view> pieces) {
+  const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+  if (shape.empty() || shape[0] < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ": a striped micro-batch's tensors need a row (first) dimension"));
+  }
+  size_t n = 0;
+  for (absl::string_view p : pieces) n += p.size();
+  std::byte* dst = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!seen_) {
+      absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), field_);
+      if (!dtype.ok()) return dtype.status();
+      // One row, and the whole tensor, within 1 TiB: a larger claim is a peer's bug.
+      constexpr int64_t kMaxBytes = int64_t{1} << 40;
+      int64_t row = static_cast<int64_t>(DTypeSize(*dtype));
+      for (size_t i = 1; i < shape.size(); ++i) {
+        if (shape[i] < 0 || (shape[i] > 0 && row > kMaxBytes / shape[i])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field_, ": extent ", shape[i], " is negative or too large"));
+        }
+        row *= shape[i];
+      }
+      if (row > 0 && total_rows_ > kMaxBytes / row) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field_, ": ", total_rows_, " rows of ", row, " bytes are too large"));
+      }
+      seen_ = true;
+      dtype_ = *dtype;
+      shape_ = shape;
+      row_bytes_ = static_cast<size_t>(row);
+    } else if (chunk.dtype() != DTypeToProto(dtype_) || shape.size() != shape_.size() ||
+               !std::equal(shape.begin() + 1, shape.end(), shape_.begin() + 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_,
+                       ": every stream of a striped micro-batch must send the same dtype and "
+                       "extents past the first"));
+    }
+    auto [it, fresh] = streams_.try_emplace(stream);
+    Stream& s = it->second;
+    if (fresh) {
+      const int64_t end = row_begin + shape[0];
+      bool overlaps = row_begin < 0 || shape[0] > total_rows_ - row_begin;
+      for (const auto& [other, o] : streams_) {
+        if (other != stream && row_begin < o.row_begin + o.rows && o.row_begin < end) {
+          overlaps = true;
+        }
+      }
+      if (overlaps) {
+        streams_.erase(it);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "stripe.row_begin: ", field_, " rows [", row_begin, ", ", end, ") of stream ", stream,
+            " leave [0, ", total_rows_, ") or overlap another stream's"));
+      }
+      s.row_begin = row_begin;
+      s.rows = shape[0];
+    } else if (row_begin != s.row_begin || shape[0] != s.rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
+    }
+    const size_t capacity = static_cast<size_t>(s.rows) * row_bytes_;
+    if (n > capacity - s.received) {
+      return absl::InvalidArgumentError(absl::StrCat(field_, ": stream ", stream,
+                                                     " sent more bytes than its ", s.rows,
+                                                     " rows hold (", capacity, ")"));
+    }
+    const size_t whole = static_cast<size_t>(total_rows_) * row_bytes_;
+    if (!allocated_ && (sizing_ == Sizing::kClaimedAtOnce || arrived_ + n >= whole / 8)) {
+      AllocateLocked();
+    }
+    if (allocated_) {
+      dst = whole_.data() + static_cast<size_t>(s.row_begin) * row_bytes_ + s.received;
+    } else {
+      for (absl::string_view p : pieces) {
+        const auto* data = reinterpret_cast<const std::byte*>(p.data());
+        s.pending.insert(s.pending.end(), data, data + p.size());
+      }
+    }
+    s.received += n;
+    arrived_ += n;
+  }
+  // Outside the lock: the streams' rows are disjoint and the buffer never moves once allocated.
+  for (absl::string_view p : pieces) {
+    if (dst == nullptr) break;
+    std::memcpy(dst, p.data(), p.size());
+    dst += p.size();
+  }
+  return absl::OkStatus();
+}
+
+void StripedAssembler::AllocateLocked() {
+  whole_.resize(static_cast<size_t>(total_rows_) * row_bytes_);
+  for (auto& [id, s] : streams_) {
+    std::memcpy(whole_.data() + static_cast<size_t>(s.row_begin) * row_bytes_, s.pending.data(),
+                s.pending.size());
+    TensorBytes().swap(s.pending);
+  }
+  allocated_ = true;
+}
+
+bool StripedAssembler::seen() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_;
+}
+
+absl::StatusOr<Tensor> StripedAssembler::Finish(uint32_t streams) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (streams_.size() != streams) {
+    return absl::InvalidArgumentError(absl::StrCat(field_, ": carried by ", streams_.size(),
+                                                   " of the ", streams,
+                                                   " streams of a striped micro-batch"));
+  }
+  std::vector<const Stream*> order;
+  for (const auto& [id, s] : streams_) {
+    if (s.received != static_cast<size_t>(s.rows) * row_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(field_, ": stream ", id, " sent ", s.received,
+                                                     " bytes for its ", s.rows, " rows (",
+                                                     s.rows * row_bytes_, ")"));
+    }
+    order.push_back(&s);
+  }
+  std::sort(order.begin(), order.end(),
+            [](const Stream* a, const Stream* b) { return a->row_begin < b->row_begin; });
+  int64_t next = 0;
+  for (const Stream* s : order) {
+    if (s->row_begin != next) break;
+    next += s->rows;
+  }
+  if (next != total_rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("stripe.row_begin: the streams' rows of ",
+                                                   field_, " do not cover [0, ", total_rows_, ")"));
+  }
+  if (!allocated_) AllocateLocked();
+  Tensor t;
+  t.dtype = dtype_;
+  t.shape = shape_;
+  t.shape[0] = total_rows_;
+  t.bytes = std::move(whole_);
+  whole_.clear();
+  streams_.clear();
+  allocated_ = false;
+  return t;
 }
 
 std::vector<std::vector<Piece>> PlanChunks(const std::vector<size_t>& sizes,

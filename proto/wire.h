@@ -12,6 +12,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,58 @@ class TensorAssembler {
   int dtype_ = 0;
   std::vector<int64_t> shape_;
   TensorBytes bytes_;  // Tensor's own byte type, so Finish() can move it out
+};
+
+// One tensor of a striped micro-batch (moe.proto `Stripe`): each stream carries a contiguous range
+// of its rows, and they are assembled in place into one buffer of all `total_rows` rows, so no
+// stream's rows are copied a second time to join them. Streams call Add from their own threads;
+// Finish runs once every stream is done adding (the caller orders the two).
+//
+// Sizing, as TensorAssembler's: kClaimedAtOnce allocates the whole tensor on the first chunk of
+// any stream (the client, whose server answers for shapes it asked for); with
+// kClaimedOnceAnEighthArrived each stream keeps its bytes until an eighth of the whole has
+// arrived on all streams together, then they move into place and later bytes go straight there
+// (the server: at most 8x what its peers have sent is ever reserved). kGrow is not supported.
+class StripedAssembler {
+ public:
+  using Sizing = TensorAssembler::Sizing;
+  StripedAssembler(std::string field, Sizing sizing, int64_t total_rows)
+      : field_(std::move(field)), sizing_(sizing), total_rows_(total_rows) {}
+
+  // A chunk of stream `stream`'s rows [row_begin, row_begin + chunk.shape[0]): `chunk` gives
+  // dtype and shape, its bytes are `pieces`. InvalidArgument naming the field when the dtype or
+  // the extents past the first differ from another stream's, the rows leave [0, total_rows), or
+  // the stream sends more bytes than its rows hold.
+  absl::Status Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
+                   absl::Span<const absl::string_view> pieces);
+  // Whether any stream carried this tensor.
+  bool seen() const;
+  // The whole tensor, [total_rows, ...]. Checks that exactly `streams` streams carried it, each
+  // all its rows' bytes, and that their rows tile [0, total_rows) (InvalidArgument naming the
+  // field). Afterwards the assembler holds no bytes.
+  absl::StatusOr<Tensor> Finish(uint32_t streams);
+
+ private:
+  struct Stream {
+    int64_t row_begin = 0;
+    int64_t rows = 0;
+    size_t received = 0;
+    TensorBytes pending;  // bytes held until the whole tensor is allocated
+  };
+  // Allocates the whole tensor and moves the pending bytes into place. Under mu_.
+  void AllocateLocked();
+  std::string field_;
+  Sizing sizing_;
+  int64_t total_rows_;
+  mutable std::mutex mu_;
+  bool seen_ = false;
+  DType dtype_ = DType::kFloat32;
+  std::vector<int64_t> shape_;  // of the first chunk seen; [0] is that stream's rows
+  size_t row_bytes_ = 0;
+  size_t arrived_ = 0;
+  bool allocated_ = false;
+  TensorBytes whole_;
+  std::map<uint32_t, Stream> streams_;
 };
 
 // A piece of a tensor to put into one message.

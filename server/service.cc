@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <random>
 #include <utility>
@@ -15,7 +16,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/host_memory.h"
 #include "proto/raw_message.h"
 #include "proto/wire.h"
 #include "server/checkpoint.h"
@@ -90,8 +90,9 @@ struct Computed {
 // are copied once into the assembled inputs; responses are encoded by reference.
 //
 // A striped micro-batch (moe.proto `Stripe`, stripe_join.h) is one reactor per stream: each
-// assembles its own rows, and the stream that arrives last concatenates every stream's rows, runs
-// the micro-batch on the executor once, and hands each stream its rows of the result to send.
+// copies its rows straight into the micro-batch's inputs, which the streams share (assembled in
+// place, wire::StripedAssembler), and the stream that arrives last runs the micro-batch on the
+// executor once and hands each stream its rows of the result to send.
 template <typename Req, typename Resp>
 class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                           public StripeJoin::Part {
@@ -117,6 +118,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       input_fields_.push_back(in.field);
       assemblers_.emplace_back(in.name, in.sizing);
     }
+    stream_carries_.assign(inputs_.size(), false);
     service_->metrics().StreamOpened(method_);
   }
 
@@ -251,6 +253,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   }
 
   absl::Status BeginBatch() {
+    rows_ = 0;
     layer_ = request_.layer();
     context_id_ = request_.context_id();
     chunk_ = ChunkSize(request_.max_response_chunk_bytes());
@@ -272,7 +275,16 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       join_key_ = key;
     }
     auto [names, values] = StripeHeader();
-    return join->Register(stripe_.index(), {stripe_.count(), stripe_.total_rows(), names, values});
+    st = join->Register(stripe_.index(), {stripe_.count(), stripe_.total_rows(), names, values});
+    if (!st.ok()) return st;
+    const int64_t total_rows = stripe_.total_rows();
+    shared_inputs_ = std::static_pointer_cast<std::deque<wire::StripedAssembler>>(
+        join->Shared([this, total_rows]() -> std::shared_ptr<void> {
+          auto inputs = std::make_shared<std::deque<wire::StripedAssembler>>();
+          for (const Input& in : inputs_) inputs->emplace_back(in.name, in.sizing, total_rows);
+          return inputs;
+        }));
+    return absl::OkStatus();
   }
 
   absl::Status CheckSameBatch() const {
@@ -292,13 +304,24 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     for (size_t i = 0; i < assemblers_.size(); ++i) {
       const v1::Tensor* t = InputOf(request_, i);
       if (t == nullptr) continue;
-      absl::Status st = assemblers_[i].Add(*t, incoming_.payload(input_fields_[i]));
+      const auto payload = incoming_.payload(input_fields_[i]);
+      absl::Status st = shared_inputs_ ? (*shared_inputs_)[i].Add(stripe_.index(),
+                                                                  stripe_.row_begin(), *t, payload)
+                                       : assemblers_[i].Add(*t, payload);
       if (!st.ok()) return st;
+      if (i == 0 && t->shape_size() > 0) rows_ = t->shape(0);
+      stream_carries_[i] = true;
     }
     return absl::OkStatus();
   }
 
   absl::Status FinishInputs() {
+    if (shared_inputs_) {  // the whole tensors are finished once every stream has arrived
+      if (!stream_carries_[0]) {
+        return absl::InvalidArgumentError(absl::StrCat(inputs_[0].name, ": missing"));
+      }
+      return absl::OkStatus();
+    }
     views_.assign(assemblers_.size(), TensorView{});
     for (size_t i = 0; i < assemblers_.size(); ++i) {
       if (!inputs_[i].required && !assemblers_[i].seen()) continue;
@@ -312,6 +335,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   void ResetInputs() {
     views_.clear();
     for (wire::TensorAssembler& a : assemblers_) a.Reset();
+    shared_inputs_.reset();
+    stream_carries_.assign(inputs_.size(), false);
   }
 
   // Counts this stream out of its join; returns the join (null when not striped).
@@ -361,13 +386,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   }
 
   void ArriveStriped() {
-    if (views_[0].shape.empty()) {
-      Fail(absl::InvalidArgumentError(absl::StrCat(
-          inputs_[0].name, ": a striped micro-batch's tensors need a row (first) dimension")));
-      return;
-    }
     row_begin_ = stripe_.row_begin();
-    rows_ = views_[0].shape[0];
     absl::StatusOr<std::vector<StripeJoin::Part*>> arrived =
         join_->Arrive(stripe_.index(), row_begin_, rows_, this);
     if (!arrived.ok()) {
@@ -378,7 +397,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     // Every stream is here and waits: this reaction owns them until it answers each.
     std::vector<Self*> streams;
     for (StripeJoin::Part* p : *arrived) streams.push_back(static_cast<Self*>(p));
-    absl::StatusOr<std::vector<Tensor>> inputs = Concatenate(streams);
+    absl::StatusOr<std::vector<Tensor>> inputs = FinishShared(stripe_.count());
     if (!inputs.ok()) {
       for (Self* s : streams) s->Fail(inputs.status());
       return;
@@ -417,46 +436,15 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     });
   }
 
-  // The micro-batch's inputs: each input's rows from every stream, in row order.
-  absl::StatusOr<std::vector<Tensor>> Concatenate(const std::vector<Self*>& streams) const {
+  // The striped micro-batch's whole inputs, once all `streams` streams have arrived.
+  absl::StatusOr<std::vector<Tensor>> FinishShared(uint32_t streams) {
     std::vector<Tensor> out(inputs_.size());
     for (size_t i = 0; i < inputs_.size(); ++i) {
-      const TensorView& lead = streams[0]->views_[i];
-      int64_t rows = 0;
-      size_t bytes = 0;
-      for (const Self* s : streams) {
-        const TensorView& v = s->views_[i];
-        if (v.empty() != lead.empty()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              inputs_[i].name, ": carried by some streams of a striped micro-batch, not all"));
-        }
-        if (v.empty()) continue;
-        if (v.dtype != lead.dtype || v.shape.size() != lead.shape.size() ||
-            !std::equal(v.shape.begin() + 1, v.shape.end(), lead.shape.begin() + 1)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              inputs_[i].name,
-              ": every stream of a striped micro-batch must send the same dtype and extents "
-              "past the first"));
-        }
-        if (v.shape[0] != s->rows_) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(inputs_[i].name, ": stripe ", s->stripe_.index(), " sends ", v.shape[0],
-                           " rows of it and ", s->rows_, " of ", inputs_[0].name));
-        }
-        rows += v.shape[0];
-        bytes += v.size_bytes;
-      }
-      if (lead.empty()) continue;
-      Tensor& t = out[i];
-      t.dtype = lead.dtype;
-      t.shape = lead.shape;
-      t.shape[0] = rows;
-      t.bytes.resize(bytes);
-      size_t offset = 0;
-      for (const Self* s : streams) {
-        ParallelMemcpy(t.bytes.data() + offset, s->views_[i].data, s->views_[i].size_bytes);
-        offset += s->views_[i].size_bytes;
-      }
+      wire::StripedAssembler& a = (*shared_inputs_)[i];
+      if (!a.seen()) continue;  // optional and absent (input 0 every stream checked)
+      absl::StatusOr<Tensor> t = a.Finish(streams);
+      if (!t.ok()) return t.status();
+      out[i] = std::move(*t);
     }
     return out;
   }
@@ -464,7 +452,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   const std::vector<Input> inputs_;
   std::vector<int> input_fields_;
   const std::vector<int> output_fields_;
-  std::vector<wire::TensorAssembler> assemblers_;
+  std::vector<wire::TensorAssembler> assemblers_;  // unless striped
   std::vector<TensorView> views_;  // the assembled inputs, from the last message to the compute
   grpc::ByteBuffer buffer_;        // the request being read
   wire::IncomingMessage incoming_;
@@ -476,9 +464,12 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   bool in_batch_ = false;
   Clock::time_point receive_start_;
   Clock::time_point send_start_;
-  // Striping: this stream's rows, and its join (read by OnCancel on any thread).
+  // Striping: this stream's rows, which inputs it carried, the inputs its micro-batch's streams
+  // share, and its join (read by OnCancel on any thread).
   int64_t row_begin_ = 0;
   int64_t rows_ = 0;
+  std::vector<bool> stream_carries_;
+  std::shared_ptr<std::deque<wire::StripedAssembler>> shared_inputs_;
   std::mutex join_mu_;
   v1::Stripe stripe_;
   std::shared_ptr<StripeJoin> join_;

@@ -98,6 +98,12 @@ absl::StatusOr<std::vector<StripeJoin::Part*>> StripeJoin::Arrive(uint32_t index
   return status;
 }
 
+std::shared_ptr<void> StripeJoin::Shared(const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!shared_) shared_ = make();
+  return shared_;
+}
+
 void StripeJoin::Fail(const absl::Status& status) {
   std::vector<Part*> abort;
   {

@@ -16,6 +16,7 @@
 #define MOE_SERVER_STRIPE_JOIN_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,10 @@ class StripeJoin {
   absl::StatusOr<std::vector<Part*>> Arrive(uint32_t index, int64_t row_begin, int64_t rows,
                                             Part* part);
 
+  // State the streams share (their reactors' inputs, assembled in place), made by `make` for the
+  // first stream that asks and the same object for every later one.
+  std::shared_ptr<void> Shared(const std::function<std::shared_ptr<void>()>& make);
+
   // A stream failed, or its call was cancelled, before the micro-batch ran: the join fails with
   // `status` and every waiting part is aborted with it, the failing stream's own included if it
   // was waiting (one still reading finishes itself). No effect once the micro-batch runs.
@@ -89,6 +94,7 @@ class StripeJoin {
   Shape shape_;  // from the first Register
   std::vector<Stream> streams_;
   uint32_t arrived_ = 0;
+  std::shared_ptr<void> shared_;
 };
 
 // The joins in progress, by key (method, layer, session, context id). A join lives while any of
