@@ -152,10 +152,11 @@ class StripedCall {
         merge_(std::move(merge)) {}
 
   std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
-  // Before stream i starts.
+  // Before stream i starts (a stream that starts after another failed is cancelled at once).
   void Track(size_t i, grpc::ClientContext* ctx) {
     std::lock_guard<std::mutex> lock(mu_);
     contexts_[i] = ctx;
+    if (!error_.ok()) ctx->TryCancel();
   }
   void Done(size_t i, absl::StatusOr<Out> result) {
     bool last;
@@ -461,6 +462,25 @@ absl::StatusOr<v1::StatsResponse> Connection::GetStats() {
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::GetStats, v1::GetStatsRequest());
 }
 
+// Starts the `stripes` streams of a striped micro-batch of `rows` rows, stream i with rows
+// [begin, end) (the rows split as evenly as they go): start(begin, end, stripe, its response
+// tensors, its done callback, its track callback) starts one stream.
+template <typename Out, typename Start>
+void StartStripes(int stripes, int64_t rows, const std::shared_ptr<StripedCall<Out>>& striped,
+                  const std::shared_ptr<std::deque<wire::StripedAssembler>>& outputs, Start start) {
+  int64_t begin = 0;
+  for (int i = 0; i < stripes; ++i) {
+    const int64_t end = begin + rows / stripes + (i < rows % stripes);
+    const v1::Stripe stripe = StripeFields(i, stripes, begin, rows);
+    start(begin, end, &stripe, ResponseTensors::Stripe(outputs, i, begin),
+          std::function<void(absl::StatusOr<Out>)>(
+              [striped, i](absl::StatusOr<Out> r) { striped->Done(i, std::move(r)); }),
+          std::function<void(grpc::ClientContext*)>(
+              [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); }));
+    begin = end;
+  }
+}
+
 // The caller's tensors are copied once, into the calls' own buffers, so the caller may reuse
 // them as soon as this returns; the messages refer to those copies. A micro-batch above
 // `stripe_bytes` goes as several streams (StripedCall), each with its rows of every tensor.
@@ -498,17 +518,13 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
         return o;
       });
   auto fut = striped->future();
-  int64_t begin = 0;
-  for (int i = 0; i < stripes; ++i) {
-    const int64_t end = begin + rows / stripes + (i < rows % stripes);
-    const v1::Stripe stripe = StripeFields(i, stripes, begin, rows);
-    StartForward(
-        layer, join_id, training, Rows(x, begin, end), Rows(ids, begin, end),
-        Rows(weights, begin, end), &stripe, ResponseTensors::Stripe(outputs, i, begin),
-        [striped, i](absl::StatusOr<ForwardOutput> r) { striped->Done(i, std::move(r)); },
-        [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
-    begin = end;
-  }
+  StartStripes(stripes, rows, striped, outputs,
+               [&](int64_t begin, int64_t end, const v1::Stripe* stripe,
+                   std::shared_ptr<ResponseTensors> mine, auto done, auto track) {
+                 StartForward(layer, join_id, training, Rows(x, begin, end), Rows(ids, begin, end),
+                              Rows(weights, begin, end), stripe, std::move(mine), std::move(done),
+                              std::move(track));
+               });
   return fut;
 }
 
@@ -599,17 +615,12 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
         return o;
       });
   auto fut = striped->future();
-  int64_t begin = 0;
-  for (int i = 0; i < stripes; ++i) {
-    const int64_t end = begin + rows / stripes + (i < rows % stripes);
-    const v1::Stripe stripe = StripeFields(i, stripes, begin, rows);
-    StartBackward(
-        layer, context_id, Rows(dout, begin, end), &stripe,
-        ResponseTensors::Stripe(outputs, i, begin),
-        [striped, i](absl::StatusOr<BackwardOutput> r) { striped->Done(i, std::move(r)); },
-        [striped, i](grpc::ClientContext* ctx) { striped->Track(i, ctx); });
-    begin = end;
-  }
+  StartStripes(stripes, rows, striped, outputs,
+               [&](int64_t begin, int64_t end, const v1::Stripe* stripe,
+                   std::shared_ptr<ResponseTensors> mine, auto done, auto track) {
+                 StartBackward(layer, context_id, Rows(dout, begin, end), stripe, std::move(mine),
+                               std::move(done), std::move(track));
+               });
   return fut;
 }
 

@@ -267,6 +267,16 @@ void TensorAssembler::Reset() {
   bytes_.clear();
 }
 
+int64_t TiledRows(std::vector<std::pair<int64_t, int64_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  int64_t next = 0;
+  for (const auto& [begin, rows] : ranges) {
+    if (begin != next) break;
+    next += rows;
+  }
+  return next;
+}
+
 absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
                                    absl::Span<const absl::string_view> pieces) {
   const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
@@ -381,23 +391,16 @@ absl::StatusOr<Tensor> StripedAssembler::Finish(uint32_t streams) {
                                                    " of the ", streams,
                                                    " streams of a striped micro-batch"));
   }
-  std::vector<const Stream*> order;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
   for (const auto& [id, s] : streams_) {
     if (s.received != static_cast<size_t>(s.rows) * row_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat(field_, ": stream ", id, " sent ", s.received,
                                                      " bytes for its ", s.rows, " rows (",
                                                      s.rows * row_bytes_, ")"));
     }
-    order.push_back(&s);
+    ranges.emplace_back(s.row_begin, s.rows);
   }
-  std::sort(order.begin(), order.end(),
-            [](const Stream* a, const Stream* b) { return a->row_begin < b->row_begin; });
-  int64_t next = 0;
-  for (const Stream* s : order) {
-    if (s->row_begin != next) break;
-    next += s->rows;
-  }
-  if (next != total_rows_) {
+  if (TiledRows(std::move(ranges)) != total_rows_) {
     return absl::InvalidArgumentError(absl::StrCat("stripe.row_begin: the streams' rows of ",
                                                    field_, " do not cover [0, ", total_rows_, ")"));
   }

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -84,6 +85,11 @@ class TensorAssembler {
   std::vector<int64_t> shape_;
   TensorBytes bytes_;  // Tensor's own byte type, so Finish() can move it out
 };
+
+// How far the row ranges (row_begin, rows) tile [0, n) from row 0, each row once: the first row
+// that no range starting where the previous ended covers. Equal to the total only when the
+// ranges tile [0, total) exactly (a striped micro-batch's streams must).
+int64_t TiledRows(std::vector<std::pair<int64_t, int64_t>> ranges);
 
 // One tensor of a striped micro-batch (moe.proto `Stripe`): each stream carries a contiguous range
 // of its rows, and they are assembled in place into one buffer of all `total_rows` rows, so no

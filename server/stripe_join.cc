@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "proto/wire.h"
 
 namespace moe::server {
 
@@ -71,20 +72,18 @@ absl::StatusOr<std::vector<StripeJoin::Part*>> StripeJoin::Arrive(uint32_t index
       s.waiting = part;
       if (++arrived_ < shape_.count) return std::vector<Part*>();
       // Every stream is here: their rows must tile [0, total_rows).
-      std::vector<const Stream*> order;
-      for (const Stream& t : streams_) order.push_back(&t);
-      std::sort(order.begin(), order.end(),
-                [](const Stream* a, const Stream* b) { return a->row_begin < b->row_begin; });
-      int64_t next = 0;
-      for (const Stream* t : order) {
-        if (t->row_begin != next) break;
-        next += t->rows;
-      }
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      for (const Stream& t : streams_) ranges.emplace_back(t.row_begin, t.rows);
+      const int64_t next = wire::TiledRows(ranges);
       if (next == shape_.total_rows) {
         state_ = State::kRunning;
+        std::vector<std::pair<int64_t, Part*>> order;
+        for (Stream& t : streams_)
+          order.emplace_back(t.row_begin, std::exchange(t.waiting, nullptr));
+        std::sort(order.begin(), order.end(),
+                  [](const auto& a, const auto& b) { return a.first < b.first; });
         std::vector<Part*> parts;
-        for (const Stream* t : order) parts.push_back(t->waiting);
-        for (Stream& t : streams_) t.waiting = nullptr;
+        for (const auto& [begin, p] : order) parts.push_back(p);
         return parts;
       }
       s.waiting = nullptr;  // the caller finishes its own stream
