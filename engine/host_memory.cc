@@ -4,12 +4,45 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <thread>
 #include <vector>
 
 namespace moe {
+namespace {
+
+// The installed large-tensor memory, read without a lock on every allocation and release.
+std::atomic<const LargeTensorMemory*> large_tensor_memory{nullptr};
+
+}  // namespace
+
+LargeTensorMemory SetLargeTensorMemory(const LargeTensorMemory& memory) {
+  // Never freed: a buffer may be released through it long after the next install.
+  const LargeTensorMemory* previous =
+      large_tensor_memory.exchange(new LargeTensorMemory(memory), std::memory_order_acq_rel);
+  return previous != nullptr ? *previous : LargeTensorMemory{};
+}
+
+void* AllocateTensorBytes(size_t bytes) {
+  if (bytes >= kLargeTensorBytes) {
+    const LargeTensorMemory* m = large_tensor_memory.load(std::memory_order_acquire);
+    if (m != nullptr && m->allocate != nullptr) {
+      if (void* p = m->allocate(bytes)) return p;
+    }
+  }
+  return ::operator new(bytes);
+}
+
+void ReleaseTensorBytes(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  if (bytes >= kLargeTensorBytes) {
+    const LargeTensorMemory* m = large_tensor_memory.load(std::memory_order_acquire);
+    if (m != nullptr && m->release != nullptr && m->release(p, bytes)) return;
+  }
+  ::operator delete(p);
+}
 
 bool RetainFreedHeapMemory() {
   // M_MMAP_MAX = 0 rather than a higher M_MMAP_THRESHOLD, which mallopt caps at 32 MiB (the

@@ -38,6 +38,26 @@ void ParallelMemcpy(void* dst, const void* src, size_t bytes);
 // while later ones are still being produced). Returns when every call has.
 void ParallelForInterleaved(size_t n, const std::function<void(size_t)>& work);
 
+// Where large tensor bytes live. A Tensor's bytes of at least kLargeTensorBytes (a request's x
+// or dout, a result's out or dx) come from the process's large-tensor memory: the C++ heap,
+// unless an engine installed its own. The CUDA engine installs page-locked memory
+// (engine/cuda/pinned_pool.h), so that its host <-> device copies of those tensors are DMAs
+// straight from and into them instead of copies through a staging buffer.
+inline constexpr size_t kLargeTensorBytes = size_t{4} << 20;
+struct LargeTensorMemory {
+  // Null when it has no memory to give: the heap serves that allocation.
+  void* (*allocate)(size_t bytes) = nullptr;
+  // Takes `p` back and returns true when it handed `p` out; false leaves `p` to the heap (a
+  // buffer allocated before it was installed, or one it declined).
+  bool (*release)(void* p, size_t bytes) = nullptr;
+};
+// Installs `memory` for the rest of the process, or until the next call; returns the one before
+// (for tests). Buffers allocated under the previous memory stay valid.
+LargeTensorMemory SetLargeTensorMemory(const LargeTensorMemory& memory);
+// TensorBytes' allocation and release (engine/tensor.h); bad_alloc as operator new.
+void* AllocateTensorBytes(size_t bytes);
+void ReleaseTensorBytes(void* p, size_t bytes);
+
 // Applies the settings above. Call it before the process starts any thread (the arena limit
 // applies to arenas created afterwards). False when the C library refused one of them (not
 // glibc, or a glibc without the parameter); the process then keeps its defaults for that one.

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "engine/host_memory.h"
 
 namespace moe {
 
@@ -45,6 +46,8 @@ struct TensorView {
 // the bytes unset instead of zeroing them. Writing 75 MB of zeros costs 6.7 ms on the H100
 // machine's host (bench/results/2026-11-22-h100-e794a38-host-staging), which an output that
 // is overwritten at once (Tensor::Uninitialized) does not need to pay.
+// Its memory comes from AllocateTensorBytes (engine/host_memory.h): large tensors from the
+// memory an engine installed there (page-locked, with the CUDA engine), the rest from the heap.
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {
   template <typename U>
@@ -54,6 +57,8 @@ struct DefaultInitAllocator : std::allocator<T> {
   DefaultInitAllocator() = default;
   template <typename U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(AllocateTensorBytes(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) noexcept { ReleaseTensorBytes(p, n * sizeof(T)); }
   template <typename U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
     ::new (static_cast<void*>(p)) U;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/cuda_layer.h"
 #include "engine/cuda/device.h"
+#include "engine/cuda/pinned_pool.h"
 
 namespace moe {
 namespace {
@@ -69,6 +70,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal) {
   MOE_CUDA_RETURN(cudaDeviceGetDefaultMemPool(&pool, device_ordinal));
   uint64_t keep_all = UINT64_MAX;
   MOE_CUDA_RETURN(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  // From here on the process's large host tensors are page-locked, so the layers' copies of
+  // their inputs and outputs are single DMAs (pinned_pool.h).
+  cuda::PinnedPool::InstallForProcess();
   return std::unique_ptr<Engine>(new CudaEngine(device_ordinal));
 }
 

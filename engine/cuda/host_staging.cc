@@ -74,10 +74,33 @@ class FirstError {
 
 size_t PieceCount(size_t len) { return (len + kPipelineBytes - 1) / kPipelineBytes; }
 
+// Whether `p` is page-locked host memory (engine/cuda/pinned_pool.h, or any cudaHostAlloc'd or
+// registered memory): a DMA can then read or write it directly.
+bool PageLocked(const void* p) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // older drivers answer pageable pointers with an error: not sticky
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
+// One DMA between page-locked host memory and the device, finished before returning (the
+// functions below promise their host buffer is done with on return).
+absl::Status DirectCopy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                        cudaStream_t stream) {
+  if (bytes > 0) MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  MOE_CUDA_RETURN(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
                           cudaStream_t stream) {
+  if (bytes > 0 && PageLocked(src)) {
+    return DirectCopy(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+  }
   if (bytes < kMinStagedBytes) {
     // From pageable memory the call returns once `src` has been copied out (CUDA's documented
     // behaviour for pageable sources), which is all this function promises the caller.
@@ -107,6 +130,8 @@ absl::Status CopyToDevice(int device, void* dst, const void* src, size_t bytes,
 }
 
 absl::Status CopyToHost(int device, void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0 && PageLocked(dst))
+    return DirectCopy(dst, src, bytes, cudaMemcpyDeviceToHost, stream);
   if (bytes < kMinStagedBytes) {
     if (bytes > 0) {
       MOE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream));

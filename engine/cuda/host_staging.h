@@ -8,10 +8,13 @@
 // (bench/results/2026-11-22-h100-e794a38-host-staging); overlapping the two piece by piece then
 // took a training Forward's host work from 11-12 to 8.3-8.8 ms
 // (bench/results/2026-11-22-h100-a3054f7-staging).
-// So transfers of at least kMinStagedBytes go through one pinned buffer per device, at most
+// So transfers of at least kMinStagedBytes from or to pageable memory go through one pinned
+// buffer per device, at most
 // kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
 // that device under a mutex and kept for the life of the process. Within a transfer the copies
 // between pageable and pinned memory and the DMAs overlap, piece by piece (kPipelineBytes).
+// A host buffer that is page-locked itself (engine/cuda/pinned_pool.h: moe-server's large
+// tensors) is copied with one DMA and no staging.
 #ifndef MOE_ENGINE_CUDA_HOST_STAGING_H_
 #define MOE_ENGINE_CUDA_HOST_STAGING_H_
 

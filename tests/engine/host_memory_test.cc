@@ -1,7 +1,8 @@
 // engine/host_memory.h. moe::RetainFreedHeapMemory: before it, glibc maps a 64 MiB block
 // afresh; after it, such blocks come from the heap, and the heap keeps them once freed (its own
 // binary: the settings are the whole process's). ParallelMemcpy: every byte, and none past the
-// end, on sizes around its thread and page splits.
+// end, on sizes around its thread and page splits. SetLargeTensorMemory: which tensors take the
+// installed memory.
 #include "engine/host_memory.h"
 
 #include <gtest/gtest.h>
@@ -10,8 +11,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <set>
 #include <vector>
+
+#include "engine/tensor.h"
 
 namespace moe {
 namespace {
@@ -60,6 +65,55 @@ TEST(HostMemoryTest, ParallelForInterleavedRunsEveryIndexOnce) {
     ParallelForInterleaved(n, [&](size_t i) { runs[i].fetch_add(1); });
     for (size_t i = 0; i < n; ++i) EXPECT_EQ(runs[i].load(), 1) << "index " << i << " of " << n;
   }
+}
+
+// A large-tensor memory that serves from malloc and remembers what it handed out.
+std::mutex fake_mu;
+std::set<void*> fake_blocks;
+int fake_releases = 0;
+void* FakeAllocate(size_t bytes) {
+  void* p = std::malloc(bytes);
+  std::lock_guard<std::mutex> lock(fake_mu);
+  fake_blocks.insert(p);
+  return p;
+}
+bool FakeRelease(void* p, size_t) {
+  std::lock_guard<std::mutex> lock(fake_mu);
+  if (fake_blocks.erase(p) == 0) return false;
+  std::free(p);
+  ++fake_releases;
+  return true;
+}
+bool FakeOwns(const void* p) {
+  std::lock_guard<std::mutex> lock(fake_mu);
+  return fake_blocks.count(const_cast<void*>(p)) > 0;
+}
+
+// SetLargeTensorMemory: tensors of kLargeTensorBytes and more take the installed memory, smaller
+// ones the heap; a buffer allocated before the install goes back to the heap, and a memory with
+// nothing to give leaves the allocation to the heap.
+TEST(HostMemoryTest, LargeTensorsTakeTheInstalledMemory) {
+  const int64_t large = static_cast<int64_t>(kLargeTensorBytes / 4);
+  Tensor before = Tensor::Uninitialized(DType::kFloat32, {large});
+  const LargeTensorMemory previous = SetLargeTensorMemory({FakeAllocate, FakeRelease});
+  {
+    Tensor big = Tensor::Uninitialized(DType::kFloat32, {large});
+    Tensor small = Tensor::Uninitialized(DType::kFloat32, {large - 1});
+    EXPECT_TRUE(FakeOwns(big.bytes.data()));
+    EXPECT_FALSE(FakeOwns(small.bytes.data()));
+    EXPECT_FALSE(FakeOwns(before.bytes.data()));
+    before = Tensor();  // the fake declines it: the heap frees it
+    EXPECT_EQ(fake_releases, 0);
+  }
+  EXPECT_EQ(fake_releases, 1);
+  SetLargeTensorMemory({[](size_t) -> void* { return nullptr; }, FakeRelease});
+  {
+    Tensor big = Tensor::Uninitialized(DType::kFloat32, {large});
+    EXPECT_FALSE(FakeOwns(big.bytes.data()));
+    big.as<float>()[large - 1] = 1.f;
+  }
+  SetLargeTensorMemory(previous);
+  EXPECT_EQ(fake_releases, 1);
 }
 
 }  // namespace
