@@ -20,8 +20,10 @@ size_t PinnedPool::ClassBytes(size_t bytes) {
 void* PinnedPool::Allocate(size_t bytes) {
   const size_t cls = ClassBytes(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = free_.find(cls);
-  if (it != free_.end() && !it->second.empty()) {
+  // The smallest kept block that fits, if it is at most half as large again: micro-batches of
+  // varying sizes reuse blocks instead of pinning new ones (cudaHostAlloc pins ~0.2 GB in 0.1 s).
+  for (auto it = free_.lower_bound(cls); it != free_.end() && it->first <= cls + cls / 2; ++it) {
+    if (it->second.empty()) continue;
     void* p = it->second.back();
     it->second.pop_back();
     return p;

@@ -55,6 +55,11 @@ TEST(PinnedPoolTest, ReusesBlocksByClassAndKeepsToItsLimit) {
   EXPECT_EQ(pool.held_bytes(), size_t{60} << 20);
   EXPECT_TRUE(pool.Release(a));
   EXPECT_TRUE(pool.Release(b));
+  // A smaller request takes a kept block up to half as large again, not one twice its size.
+  EXPECT_EQ(pool.Allocate(size_t{14} << 20), a);        // 20 MiB for 14: kept
+  EXPECT_EQ(pool.Allocate(size_t{20} << 20), nullptr);  // 40 MiB for 20: too large; 80 held
+  EXPECT_TRUE(pool.Release(a));
+  EXPECT_EQ(pool.held_bytes(), size_t{60} << 20);
 }
 
 TEST(PinnedPoolTest, AnEnginesLargeTensorsArePageLockedAndCopyExactly) {
