@@ -55,7 +55,7 @@ struct ClientOptions {
   // the session use the first). One connection carries a large tensor at a few GB/s on loopback
   // whatever the host, and every call on it shares that; micro-batches in flight on different
   // connections move their tensors side by side (docs/SERVICE_PERFORMANCE.md).
-  int connections = 4;
+  int connections = 8;
   // A Forward or Backward whose request tensors hold at least twice this many bytes is striped:
   // sent as up to `connections` streams at once, one per connection, each with a contiguous
   // range of the micro-batch's rows and at least this many bytes (moe.proto `Stripe`); the
