@@ -172,6 +172,9 @@ class Engine {
   virtual absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) = 0;
   virtual int64_t memory_in_use_bytes() const = 0;
   virtual int64_t memory_total_bytes() const = 0;
+  // Page-locked host memory the engine holds for the process's large tensors (the CUDA engine's
+  // engine/cuda/pinned_pool.h), in use and kept for reuse; 0 for an engine that pins none.
+  virtual int64_t pinned_host_bytes() const { return 0; }
 };
 
 // "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.

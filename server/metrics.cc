@@ -93,6 +93,11 @@ Metrics::Metrics(std::string device)
                        .Help("Device memory capacity")
                        .Register(r)
                        .Add({{"device", device_}});
+  pinned_host_ = &prometheus::BuildGauge()
+                      .Name("moe_pinned_host_bytes")
+                      .Help("Page-locked host memory the engine holds for large tensors")
+                      .Register(r)
+                      .Add({});
   streams_ = &prometheus::BuildGauge()
                   .Name("moe_active_streams")
                   .Help("Open streams by method")
@@ -153,6 +158,7 @@ void Metrics::DeviceMemory(int64_t used, int64_t total) {
   memory_used_->Set(static_cast<double>(used));
   memory_total_->Set(static_cast<double>(total));
 }
+void Metrics::PinnedHostMemory(int64_t bytes) { pinned_host_->Set(static_cast<double>(bytes)); }
 void Metrics::StripedMicroBatch(const std::string& method) {
   striped_->Add({{"method", method}}).Increment();
 }

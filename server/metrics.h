@@ -40,6 +40,7 @@ class Metrics {
   void Layers(int64_t n);
   void LayerResident(const std::string& layer, int64_t bytes);
   void DeviceMemory(int64_t used, int64_t total);
+  void PinnedHostMemory(int64_t bytes);
   void StreamOpened(const std::string& method);
   void StreamClosed(const std::string& method);
   void StripedMicroBatch(const std::string& method);
@@ -67,6 +68,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* resident_;
   prometheus::Gauge* memory_used_;
   prometheus::Gauge* memory_total_;
+  prometheus::Gauge* pinned_host_;
   prometheus::Family<prometheus::Gauge>* streams_;
   prometheus::Family<prometheus::Counter>* striped_;
   prometheus::Gauge* sessions_;

@@ -877,6 +877,7 @@ void ExpertServiceImpl::SampleMemory() {
   memory_used_ = engine_->memory_in_use_bytes();
   memory_total_ = engine_->memory_total_bytes();
   metrics_->DeviceMemory(memory_used_, memory_total_);
+  metrics_->PinnedHostMemory(engine_->pinned_host_bytes());
 }
 
 absl::StatusOr<std::shared_ptr<LayerEntry>> ExpertServiceImpl::FindLayer(

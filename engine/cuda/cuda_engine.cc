@@ -34,6 +34,10 @@ class CudaEngine : public Engine {
     }
     return static_cast<int64_t>(total_b - free_b);
   }
+  int64_t pinned_host_bytes() const override {
+    const cuda::PinnedPool* pool = cuda::PinnedPool::ForProcess();
+    return pool != nullptr ? static_cast<int64_t>(pool->held_bytes()) : 0;
+  }
   int64_t memory_total_bytes() const override {
     size_t free_b = 0, total_b = 0;
     if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {

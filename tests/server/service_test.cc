@@ -569,6 +569,7 @@ TEST(ServiceTest, MetricsEndpointShowsCountersMoving) {
   EXPECT_GT(Metric(after, "moe_received_bytes_total{method=\"Forward\"}"),
             Metric(before, "moe_received_bytes_total{method=\"Forward\"}"));
   EXPECT_GT(Metric(after, "moe_device_memory_used_bytes{device=\"cpu\"}"), 0);
+  EXPECT_EQ(Metric(after, "moe_pinned_host_bytes"), 0);  // the CPU engine pins nothing
   EXPECT_EQ(Metric(after, "moe_layers"), 1);
   EXPECT_NE(HttpGet(lb.server->metrics_port(), "/other").find("404"), std::string::npos);
   // Deleting the layer removes its series.
