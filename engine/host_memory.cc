@@ -15,6 +15,8 @@ namespace {
 
 // The installed large-tensor memory, read without a lock on every allocation and release.
 std::atomic<const LargeTensorMemory*> large_tensor_memory{nullptr};
+// Open LargeTensorMemoryScopes on this thread.
+thread_local int large_tensor_scopes = 0;
 
 }  // namespace
 
@@ -25,8 +27,11 @@ LargeTensorMemory SetLargeTensorMemory(const LargeTensorMemory& memory) {
   return previous != nullptr ? *previous : LargeTensorMemory{};
 }
 
+LargeTensorMemoryScope::LargeTensorMemoryScope() { ++large_tensor_scopes; }
+LargeTensorMemoryScope::~LargeTensorMemoryScope() { --large_tensor_scopes; }
+
 void* AllocateTensorBytes(size_t bytes) {
-  if (bytes >= kLargeTensorBytes) {
+  if (bytes >= kLargeTensorBytes && large_tensor_scopes > 0) {
     const LargeTensorMemory* m = large_tensor_memory.load(std::memory_order_acquire);
     if (m != nullptr && m->allocate != nullptr) {
       if (void* p = m->allocate(bytes)) return p;

@@ -38,11 +38,14 @@ void ParallelMemcpy(void* dst, const void* src, size_t bytes);
 // while later ones are still being produced). Returns when every call has.
 void ParallelForInterleaved(size_t n, const std::function<void(size_t)>& work);
 
-// Where large tensor bytes live. A Tensor's bytes of at least kLargeTensorBytes (a request's x
-// or dout, a result's out or dx) come from the process's large-tensor memory: the C++ heap,
-// unless an engine installed its own. The CUDA engine installs page-locked memory
-// (engine/cuda/pinned_pool.h), so that its host <-> device copies of those tensors are DMAs
-// straight from and into them instead of copies through a staging buffer.
+// Where large tensor bytes live. A Tensor's bytes of at least kLargeTensorBytes allocated while
+// a LargeTensorMemoryScope is open on the thread (a request's x or dout as moe-server assembles
+// it, a result's out or dx as the CUDA layer makes it) come from the process's large-tensor
+// memory: the C++ heap, unless an engine installed its own. The CUDA engine installs page-locked
+// memory (engine/cuda/pinned_pool.h), so that its host <-> device copies of those tensors are
+// DMAs straight from and into them instead of copies through a staging buffer. Outside a scope
+// (weight exports, checkpoints, a trainer's own tensors) the heap serves: those tensors would
+// only fill the page-locked memory the data path reuses.
 inline constexpr size_t kLargeTensorBytes = size_t{4} << 20;
 struct LargeTensorMemory {
   // Null when it has no memory to give: the heap serves that allocation.
@@ -54,6 +57,14 @@ struct LargeTensorMemory {
 // Installs `memory` for the rest of the process, or until the next call; returns the one before
 // (for tests). Buffers allocated under the previous memory stay valid.
 LargeTensorMemory SetLargeTensorMemory(const LargeTensorMemory& memory);
+// Opens the data path's scope on this thread for its lifetime (nests).
+class LargeTensorMemoryScope {
+ public:
+  LargeTensorMemoryScope();
+  ~LargeTensorMemoryScope();
+  LargeTensorMemoryScope(const LargeTensorMemoryScope&) = delete;
+  LargeTensorMemoryScope& operator=(const LargeTensorMemoryScope&) = delete;
+};
 // TensorBytes' allocation and release (engine/tensor.h); bad_alloc as operator new.
 void* AllocateTensorBytes(size_t bytes);
 void ReleaseTensorBytes(void* p, size_t bytes);

@@ -46,8 +46,9 @@ struct TensorView {
 // the bytes unset instead of zeroing them. Writing 75 MB of zeros costs 6.7 ms on the H100
 // machine's host (bench/results/2026-11-22-h100-e794a38-host-staging), which an output that
 // is overwritten at once (Tensor::Uninitialized) does not need to pay.
-// Its memory comes from AllocateTensorBytes (engine/host_memory.h): large tensors from the
-// memory an engine installed there (page-locked, with the CUDA engine), the rest from the heap.
+// Its memory comes from AllocateTensorBytes (engine/host_memory.h): large tensors of the data
+// path from the memory an engine installed there (page-locked, with the CUDA engine), the rest
+// from the heap.
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {
   template <typename U>

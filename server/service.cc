@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "engine/host_memory.h"
 #include "proto/raw_message.h"
 #include "proto/wire.h"
 #include "server/checkpoint.h"
@@ -125,6 +126,9 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   void Start() { this->StartRead(&buffer_); }
 
   void OnReadDone(bool ok) override {
+    // The inputs assembled here are the engine's to copy to the device: page-locked where the
+    // engine provides that memory (engine/host_memory.h).
+    LargeTensorMemoryScope data_path;
     if (!ok) {
       // The client half-closed (clean end) or the call is cancelled/broken.
       if (ctx_->IsCancelled()) {

@@ -13,6 +13,7 @@
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
 #include "engine/cuda/host_staging.h"
+#include "engine/host_memory.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"
@@ -232,6 +233,7 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
 }
 
 absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) {
+  LargeTensorMemoryScope pinned;  // out (and the routing) page-locked: one DMA each
   absl::StatusOr<int64_t> t_or = ValidateForwardRequest(cfg_, request);
   if (!t_or.ok()) return t_or.status();
   MOE_CUDA_RETURN(cudaSetDevice(device_));
@@ -353,6 +355,7 @@ absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, 
 
 absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext> context,
                                                    const TensorView& dout) {
+  LargeTensorMemoryScope pinned;  // dx page-locked: one DMA
   auto* ctx = dynamic_cast<CudaContext*>(context.get());
   if (ctx == nullptr || ctx->owner != this) {
     return absl::InvalidArgumentError(

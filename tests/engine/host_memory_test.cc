@@ -89,14 +89,18 @@ bool FakeOwns(const void* p) {
   return fake_blocks.count(const_cast<void*>(p)) > 0;
 }
 
-// SetLargeTensorMemory: tensors of kLargeTensorBytes and more take the installed memory, smaller
-// ones the heap; a buffer allocated before the install goes back to the heap, and a memory with
-// nothing to give leaves the allocation to the heap.
-TEST(HostMemoryTest, LargeTensorsTakeTheInstalledMemory) {
+// SetLargeTensorMemory: inside a LargeTensorMemoryScope, tensors of kLargeTensorBytes and more
+// take the installed memory, smaller ones the heap; outside one, all take the heap; a buffer
+// allocated before the install goes back to the heap, and a memory with nothing to give leaves
+// the allocation to the heap.
+TEST(HostMemoryTest, LargeTensorsOfTheDataPathTakeTheInstalledMemory) {
   const int64_t large = static_cast<int64_t>(kLargeTensorBytes / 4);
   Tensor before = Tensor::Uninitialized(DType::kFloat32, {large});
   const LargeTensorMemory previous = SetLargeTensorMemory({FakeAllocate, FakeRelease});
   {
+    Tensor outside = Tensor::Uninitialized(DType::kFloat32, {large});
+    EXPECT_FALSE(FakeOwns(outside.bytes.data()));
+    LargeTensorMemoryScope data_path;
     Tensor big = Tensor::Uninitialized(DType::kFloat32, {large});
     Tensor small = Tensor::Uninitialized(DType::kFloat32, {large - 1});
     EXPECT_TRUE(FakeOwns(big.bytes.data()));
@@ -108,6 +112,7 @@ TEST(HostMemoryTest, LargeTensorsTakeTheInstalledMemory) {
   EXPECT_EQ(fake_releases, 1);
   SetLargeTensorMemory({[](size_t) -> void* { return nullptr; }, FakeRelease});
   {
+    LargeTensorMemoryScope data_path;
     Tensor big = Tensor::Uninitialized(DType::kFloat32, {large});
     EXPECT_FALSE(FakeOwns(big.bytes.data()));
     big.as<float>()[large - 1] = 1.f;

@@ -1,7 +1,8 @@
 // Page-locked large tensors (engine/cuda/pinned_pool.h): the pool reuses blocks by size class and
 // keeps to its limit; once a CUDA engine exists, the process's large tensors are page-locked and
 // small ones are not; and the host <-> device copies take them with one DMA, exactly, into
-// poisoned buffers with guard bytes after them, whole blocks and views inside one. Part of
+// poisoned buffers with guard bytes after them, whole blocks and views inside one; and only the
+// data path (a layer's outputs, not its exported weights) is page-locked. Part of
 // moe_engine_cuda_test (ctest label "gpu").
 #include "engine/cuda/pinned_pool.h"
 
@@ -14,6 +15,8 @@
 
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/host_staging.h"
+#include "engine/host_memory.h"
+#include "engine/layer.h"
 #include "engine/tensor.h"
 
 namespace moe::cuda {
@@ -66,6 +69,7 @@ TEST(PinnedPoolTest, AnEnginesLargeTensorsArePageLockedAndCopyExactly) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(CreateCudaEngine(0).ok());
   ASSERT_NE(PinnedPool::ForProcess(), nullptr);
+  LargeTensorMemoryScope data_path;
   Tensor small = Tensor::Uninitialized(DType::kInt32, {int64_t{kLargeTensorBytes / 4} - 1});
   EXPECT_FALSE(PageLocked(small.bytes.data()));
   cudaStream_t stream;
@@ -101,6 +105,42 @@ TEST(PinnedPoolTest, AnEnginesLargeTensorsArePageLockedAndCopyExactly) {
     }
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Only the data path pins: a layer's Forward output and Backward dx are page-locked, its exported
+// weights (a checkpoint's tensors, as large) are not, and nor is a large tensor made outside a
+// scope; and the engine reports what the pool holds.
+TEST(PinnedPoolTest, OnlyTheDataPathIsPageLocked) {
+  if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(0);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  LayerConfig config;
+  config.num_experts = 8;
+  config.top_k = 2;
+  config.d_model = 1024;
+  config.d_hidden = 1024;  // w1, w2, w3: 8 x 1024 x 1024 bf16 = 16 MiB each
+  config.dtype = DType::kBFloat16;
+  config.routing = RoutingMode::kServer;
+  absl::StatusOr<std::unique_ptr<Layer>> layer = (*engine)->CreateLayer(config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  // 4096 tokens x 1024 bf16 = 8 MiB, made outside a scope as a trainer's own tensor would be.
+  Tensor x = Tensor::Zeros(DType::kBFloat16, {4096, 1024});
+  EXPECT_FALSE(PageLocked(x.bytes.data()));
+  ForwardRequest request;
+  request.training = true;
+  request.x = x.view();
+  absl::StatusOr<ForwardResult> forward = (*layer)->Forward(request);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  EXPECT_TRUE(PageLocked(forward->out.bytes.data()));
+  absl::StatusOr<BackwardResult> backward =
+      (*layer)->Backward(std::move(forward->context), forward->out.view());
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  EXPECT_TRUE(PageLocked(backward->dx.bytes.data()));
+  absl::StatusOr<std::map<std::string, Tensor>> state = (*layer)->ExportState(true);
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_GE(state->at("w1").bytes.size(), kLargeTensorBytes);
+  EXPECT_FALSE(PageLocked(state->at("w1").bytes.data()));
+  EXPECT_GE((*engine)->pinned_host_bytes(), 2 * static_cast<int64_t>(size_t{8} << 20));
 }
 
 }  // namespace
