@@ -200,17 +200,6 @@ v1::Stripe StripeFields(int index, int count, int64_t row_begin, int64_t total_r
   return s;
 }
 
-// Rows [begin, end) of a [T, ...] view (the whole view when it is empty).
-TensorView Rows(const TensorView& v, int64_t begin, int64_t end) {
-  if (v.empty() || v.shape.empty() || v.shape[0] == 0) return v;
-  const size_t row_bytes = v.size_bytes / static_cast<size_t>(v.shape[0]);
-  TensorView r = v;
-  r.shape[0] = end - begin;
-  r.data = static_cast<const std::byte*>(v.data) + static_cast<size_t>(begin) * row_bytes;
-  r.size_bytes = static_cast<size_t>(end - begin) * row_bytes;
-  return r;
-}
-
 }  // namespace
 
 // Where one stream's response tensors go: the call's own assemblers (a whole micro-batch), or
@@ -481,21 +470,34 @@ void StartStripes(int stripes, int64_t rows, const std::shared_ptr<StripedCall<O
   }
 }
 
-// The caller's tensors are copied once, into the calls' own buffers, so the caller may reuse
-// them as soon as this returns; the messages refer to those copies. A micro-batch above
-// `stripe_bytes` goes as several streams (StripedCall), each with its rows of every tensor.
+// The caller's tensors are copied once, into the call's own buffers, so the caller may reuse
+// them as soon as this returns; the messages refer to those copies (or, for the overloads that
+// take tensors, to the caller's own). A micro-batch above `stripe_bytes` goes as several streams
+// (StripedCall), each sending its rows of those same buffers.
 std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
                                                                uint64_t context_id, bool training,
                                                                const TensorView& x,
                                                                const TensorView& ids,
                                                                const TensorView& weights) {
+  return Forward(layer, context_id, training, ToTensor(x), ToTensor(ids), ToTensor(weights));
+}
+
+std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
+                                                               uint64_t context_id, bool training,
+                                                               Tensor&& x, Tensor&& ids,
+                                                               Tensor&& weights) {
   const std::vector<const char*> names = {"out", "expert_ids", "weights"};
   const int64_t rows = x.shape.empty() ? 0 : x.shape[0];
-  const int stripes = StripesFor(
-      options_, rows, static_cast<int64_t>(x.size_bytes + ids.size_bytes + weights.size_bytes));
+  const int stripes =
+      StripesFor(options_, rows,
+                 static_cast<int64_t>(x.bytes.size() + ids.bytes.size() + weights.bytes.size()));
+  auto tensors = std::make_shared<std::vector<Tensor>>();
+  tensors->push_back(std::move(x));
+  tensors->push_back(std::move(ids));
+  tensors->push_back(std::move(weights));
   if (stripes == 1) {
     auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardOutput>>>();
-    StartForward(layer, context_id, training, x, ids, weights, nullptr,
+    StartForward(layer, context_id, training, tensors, 0, -1, nullptr,
                  ResponseTensors::Whole(names),
                  [promise](absl::StatusOr<ForwardOutput> r) { promise->set_value(std::move(r)); });
     return promise->get_future();
@@ -521,28 +523,24 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
   StartStripes(stripes, rows, striped, outputs,
                [&](int64_t begin, int64_t end, const v1::Stripe* stripe,
                    std::shared_ptr<ResponseTensors> mine, auto done, auto track) {
-                 StartForward(layer, join_id, training, Rows(x, begin, end), Rows(ids, begin, end),
-                              Rows(weights, begin, end), stripe, std::move(mine), std::move(done),
-                              std::move(track));
+                 StartForward(layer, join_id, training, tensors, begin, end, stripe,
+                              std::move(mine), std::move(done), std::move(track));
                });
   return fut;
 }
 
 void Connection::StartForward(const std::string& layer, uint64_t context_id, bool training,
-                              const TensorView& x, const TensorView& ids, const TensorView& weights,
-                              const v1::Stripe* stripe, std::shared_ptr<ResponseTensors> outputs,
+                              std::shared_ptr<const std::vector<Tensor>> tensors, int64_t row_begin,
+                              int64_t row_end, const v1::Stripe* stripe,
+                              std::shared_ptr<ResponseTensors> outputs,
                               std::function<void(absl::StatusOr<ForwardOutput>)> done,
                               std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
   const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
-  const bool has_ids = !ids.empty(), has_weights = !weights.empty();
+  const bool has_ids = !(*tensors)[1].empty(), has_weights = !(*tensors)[2].empty();
   const v1::Stripe stripe_fields = stripe ? *stripe : v1::Stripe();
-  std::vector<Tensor> tensors;
-  tensors.push_back(ToTensor(x));
-  tensors.push_back(has_ids ? ToTensor(ids) : Tensor());
-  tensors.push_back(has_weights ? ToTensor(weights) : Tensor());
   wire::ChunkedMessages<v1::ForwardRequest> requests(
-      std::move(tensors),
+      std::move(tensors), row_begin, row_end,
       {v1::ForwardRequest::kXFieldNumber, v1::ForwardRequest::kExpertIdsFieldNumber,
        v1::ForwardRequest::kWeightsFieldNumber},
       chunk, [=](v1::ForwardRequest* r) {
@@ -591,17 +589,26 @@ void Connection::StartForward(const std::string& layer, uint64_t context_id, boo
   call->Start();
 }
 
-// As Forward: `dout` is copied once into the calls' own buffers, striped above `stripe_bytes`.
+// As Forward: `dout` is copied once into the call's own buffer (or taken over), striped above
+// `stripe_bytes`.
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  const TensorView& dout) {
+  return Backward(layer, context_id, ToTensor(dout));
+}
+
+std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
+                                                                 uint64_t context_id,
+                                                                 Tensor&& dout) {
   const std::vector<const char*> names = {"dx", "dweights"};
   const int64_t rows = dout.shape.empty() ? 0 : dout.shape[0];
-  const int stripes = StripesFor(options_, rows, static_cast<int64_t>(dout.size_bytes));
+  const int stripes = StripesFor(options_, rows, static_cast<int64_t>(dout.bytes.size()));
+  auto tensors = std::make_shared<std::vector<Tensor>>();
+  tensors->push_back(std::move(dout));
   if (stripes == 1) {
     auto promise = std::make_shared<std::promise<absl::StatusOr<BackwardOutput>>>();
     StartBackward(
-        layer, context_id, dout, nullptr, ResponseTensors::Whole(names),
+        layer, context_id, tensors, 0, -1, nullptr, ResponseTensors::Whole(names),
         [promise](absl::StatusOr<BackwardOutput> r) { promise->set_value(std::move(r)); });
     return promise->get_future();
   }
@@ -618,24 +625,23 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
   StartStripes(stripes, rows, striped, outputs,
                [&](int64_t begin, int64_t end, const v1::Stripe* stripe,
                    std::shared_ptr<ResponseTensors> mine, auto done, auto track) {
-                 StartBackward(layer, context_id, Rows(dout, begin, end), stripe, std::move(mine),
+                 StartBackward(layer, context_id, tensors, begin, end, stripe, std::move(mine),
                                std::move(done), std::move(track));
                });
   return fut;
 }
 
 void Connection::StartBackward(const std::string& layer, uint64_t context_id,
-                               const TensorView& dout, const v1::Stripe* stripe,
+                               std::shared_ptr<const std::vector<Tensor>> tensors,
+                               int64_t row_begin, int64_t row_end, const v1::Stripe* stripe,
                                std::shared_ptr<ResponseTensors> outputs,
                                std::function<void(absl::StatusOr<BackwardOutput>)> done,
                                std::function<void(grpc::ClientContext*)> track) {
   const int64_t chunk = options_.chunk_bytes;
   const int64_t response_chunk = std::min(chunk, options_.max_receive_bytes / 2);
   const v1::Stripe stripe_fields = stripe ? *stripe : v1::Stripe();
-  std::vector<Tensor> tensors;
-  tensors.push_back(ToTensor(dout));
   wire::ChunkedMessages<v1::BackwardRequest> requests(
-      std::move(tensors), {v1::BackwardRequest::kDoutFieldNumber}, chunk,
+      std::move(tensors), row_begin, row_end, {v1::BackwardRequest::kDoutFieldNumber}, chunk,
       [=](v1::BackwardRequest* r) {
         r->set_layer(layer);
         r->set_context_id(context_id);
@@ -796,6 +802,17 @@ std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(const TensorView
 std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t context_id,
                                                                   const TensorView& dout) {
   return conn_->Backward(name_, context_id, dout);
+}
+
+std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(Tensor&& x, Tensor&& ids,
+                                                                Tensor&& weights, bool training) {
+  return conn_->Forward(name_, training ? conn_->NextContextId() : 0, training, std::move(x),
+                        std::move(ids), std::move(weights));
+}
+
+std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t context_id,
+                                                                  Tensor&& dout) {
+  return conn_->Backward(name_, context_id, std::move(dout));
 }
 
 // --- ShardedLayer ----------------------------------------------------------------------------

@@ -179,13 +179,26 @@ void Finalize(ModeResult* r) {
 }
 
 // --- the service side ----------------------------------------------------------------------
+// One micro-batch's Forward through the service: `mb` lent as views, or, when `owned` holds this
+// rep's copies, those handed over.
+std::future<absl::StatusOr<client::ForwardOutput>> ServiceForward(client::RemoteLayer& layer,
+                                                                  const MicroBatch& mb,
+                                                                  MicroBatch* owned,
+                                                                  bool training) {
+  if (owned == nullptr)
+    return layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), training);
+  return layer.Forward(std::move(owned->x), std::move(owned->ids), std::move(owned->weights),
+                       training);
+}
+
 // One training step through the service: N Forwards in flight, N Backwards in flight, Step.
+// `owned`: this rep's copies of `mbs` to hand over, or null to lend views.
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
-                              ModeResult* r) {
+                              std::vector<MicroBatch>* owned, ModeResult* r) {
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
-  for (const MicroBatch& mb : mbs) {
-    fwd.push_back(layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), true));
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    fwd.push_back(ServiceForward(layer, mbs[i], owned ? &(*owned)[i] : nullptr, true));
   }
   std::vector<uint64_t> ctx;
   for (size_t i = 0; i < fwd.size(); ++i) {
@@ -200,7 +213,10 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const std::vector<Micr
   }
   const Clock::time_point t1 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::BackwardOutput>>> bwd;
-  for (size_t i = 0; i < mbs.size(); ++i) bwd.push_back(layer.Backward(ctx[i], mbs[i].dout.view()));
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    bwd.push_back(owned ? layer.Backward(ctx[i], std::move((*owned)[i].dout))
+                        : layer.Backward(ctx[i], mbs[i].dout.view()));
+  }
   for (size_t i = 0; i < bwd.size(); ++i) {
     auto out = bwd[i].get();
     if (r) r->backward_latency.push_back(Since(t1));
@@ -211,11 +227,11 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const std::vector<Micr
 }
 
 absl::Status ServiceInferRound(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
-                               ModeResult* r) {
+                               std::vector<MicroBatch>* owned, ModeResult* r) {
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
-  for (const MicroBatch& mb : mbs) {
-    fwd.push_back(layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), false));
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    fwd.push_back(ServiceForward(layer, mbs[i], owned ? &(*owned)[i] : nullptr, false));
   }
   for (size_t i = 0; i < fwd.size(); ++i) {
     auto out = fwd[i].get();
@@ -274,11 +290,13 @@ absl::Status InprocInferRound(Layer& layer, const std::vector<MicroBatch>& mbs, 
 // sides to the same drift instead of giving one side the quiet minute. Each side's time is the
 // sum of its own reps. The server's metrics are scraped around the whole loop; the in-process
 // reps do not touch the server, so the differences are the service reps' alone.
-template <typename ServiceFn, typename InprocFn>
+// `prepare` runs before every service rep, outside its clock.
+template <typename PrepareFn, typename ServiceFn, typename InprocFn>
 absl::Status TimedPair(int warmup, int timed, int64_t tokens_per_rep, const std::string& metrics,
-                       ModeResult* service, ModeResult* inproc, ServiceFn service_once,
-                       InprocFn inproc_once) {
+                       ModeResult* service, ModeResult* inproc, PrepareFn prepare,
+                       ServiceFn service_once, InprocFn inproc_once) {
   for (int i = 0; i < warmup; ++i) {
+    prepare();
     if (auto s = service_once(nullptr); !s.ok()) return s;
     if (auto s = inproc_once(nullptr); !s.ok()) return s;
   }
@@ -289,6 +307,7 @@ absl::Status TimedPair(int warmup, int timed, int64_t tokens_per_rep, const std:
     before = std::move(*s);
   }
   for (int i = 0; i < timed; ++i) {
+    prepare();
     Clock::time_point t0 = Clock::now();
     if (auto s = service_once(service); !s.ok()) return s;
     service->seconds += Since(t0);
@@ -500,14 +519,22 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       if (auto s = CheckSame(svc->out, loc->out, what); !s.ok()) return s;
     }
 
+    // Handing over: each service rep gets fresh copies, made before its clock starts.
+    std::vector<MicroBatch> owned;
+    std::vector<MicroBatch>* hand_over = options.hand_over ? &owned : nullptr;
+    auto prepare = [&] {
+      if (hand_over) owned = mbs;
+    };
     absl::Status st = TimedPair(
         options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics, &cr.service_infer,
-        &cr.inproc_infer, [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, r); },
+        &cr.inproc_infer, prepare,
+        [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, hand_over, r); },
         [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
     if (st.ok()) {
       st = TimedPair(
           options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
-          &cr.inproc_train, [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, r); },
+          &cr.inproc_train, prepare,
+          [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, hand_over, r); },
           [&](ModeResult* r) { return InprocTrainStep(**local, mbs, r); });
     }
     absl::Status del = (*conn)->DeleteLayer(name);

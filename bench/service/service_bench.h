@@ -42,7 +42,11 @@ struct BenchOptions {
   int64_t chunk_bytes = int64_t{1} << 20;  // client chunk size (ClientOptions::chunk_bytes)
   int connections = client::ClientOptions().connections;        // ClientOptions::connections
   int64_t stripe_bytes = client::ClientOptions().stripe_bytes;  // ClientOptions::stripe_bytes
-  int timeout_seconds = 300;                                    // deadline of every call
+  // The trainer hands its tensors over (the client's Tensor&& overloads: no copy) instead of
+  // lending views; each rep's copies are made before its clock starts, as a trainer's freshly
+  // computed activations and gradients would be.
+  bool hand_over = false;
+  int timeout_seconds = 300;  // deadline of every call
 };
 
 // Per-call latencies in seconds, and what went over the wire.

@@ -172,7 +172,8 @@ double MethodCounter(server::Server& s, const std::string& name, const std::stri
 
 // ClientOptions::stripe_bytes: a micro-batch that large travels as several streams on several
 // connections and the server runs it once, so training through striped calls gives the bits of
-// whole ones, and errors are the server's, not the cancellations of the sibling streams.
+// whole ones, lent as views or handed over, and errors are the server's, not the cancellations
+// of the sibling streams.
 TEST(ClientTest, StripedMicroBatchesGiveTheBitsOfWholeOnes) {
   auto s = StartServer();
   ASSERT_TRUE(s);
@@ -218,8 +219,16 @@ TEST(ClientTest, StripedMicroBatchesGiveTheBitsOfWholeOnes) {
       ASSERT_TRUE(wi.ok() && si.ok()) << wi.status() << " " << si.status();
       EXPECT_TRUE(si->out.bytes == wi->out.bytes);
       EXPECT_EQ(si->context_id, 0u);
+      // Handing the tensors over instead of lending views gives the same bits, whole and striped.
+      Tensor ids_owned = client_routing ? ids : Tensor(), w_owned = client_routing ? w : Tensor();
+      auto wo = (*whole)->Forward(Tensor(x), Tensor(ids_owned), Tensor(w_owned), false).get();
+      auto so =
+          (*striped)->Forward(Tensor(x), std::move(ids_owned), std::move(w_owned), false).get();
+      ASSERT_TRUE(wo.ok() && so.ok()) << wo.status() << " " << so.status();
+      EXPECT_TRUE(wo->out.bytes == wi->out.bytes);
+      EXPECT_TRUE(so->out.bytes == wi->out.bytes);
       auto wb = (*whole)->Backward(wf->context_id, dout.view()).get();
-      auto sb = (*striped)->Backward(sf->context_id, dout.view()).get();
+      auto sb = (*striped)->Backward(sf->context_id, Tensor(dout)).get();
       ASSERT_TRUE(wb.ok() && sb.ok()) << wb.status() << " " << sb.status();
       EXPECT_EQ(sb->dx.shape, wb->dx.shape);
       EXPECT_TRUE(sb->dx.bytes == wb->dx.bytes) << "step " << step;
@@ -233,7 +242,7 @@ TEST(ClientTest, StripedMicroBatchesGiveTheBitsOfWholeOnes) {
     ASSERT_TRUE(ww.ok() && sw.ok());
     for (const auto& [name, t] : *ww) EXPECT_TRUE(sw->at(name).bytes == t.bytes) << name;
   }
-  EXPECT_EQ(MethodCounter(*s, "moe_striped_micro_batches_total", "Forward"), 8);
+  EXPECT_EQ(MethodCounter(*s, "moe_striped_micro_batches_total", "Forward"), 12);
   EXPECT_EQ(MethodCounter(*s, "moe_striped_micro_batches_total", "Backward"), 4);
   // A striped Backward of an unknown context fails on every stream with the server's NotFound.
   Tensor dout = RandomFloat(rng, {53, Config().d_model});

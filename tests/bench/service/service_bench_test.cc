@@ -23,12 +23,17 @@ BenchOptions Tiny() {
 }
 
 TEST(ServiceBenchTest, TinySweepMeasuresBothSidesThroughARealServer) {
-  for (RoutingMode routing : {RoutingMode::kClient, RoutingMode::kServer}) {
+  // Client and server routing lending views, and client routing handing its tensors over.
+  for (auto [routing, hand_over] :
+       {std::pair{RoutingMode::kClient, false}, std::pair{RoutingMode::kServer, false},
+        std::pair{RoutingMode::kClient, true}}) {
     BenchOptions o = Tiny();
     o.layer.routing = routing;
+    o.hand_over = hand_over;
     std::string where;
     auto results = RunServiceBench(o, &where);
-    ASSERT_TRUE(results.ok()) << results.status() << " routing " << static_cast<int>(routing);
+    ASSERT_TRUE(results.ok()) << results.status() << " routing " << static_cast<int>(routing)
+                              << " hand_over " << hand_over;
     EXPECT_NE(where.find("loopback"), std::string::npos) << where;
     ASSERT_EQ(results->size(), 1u);
     const CaseResult& r = (*results)[0];
