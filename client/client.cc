@@ -271,7 +271,7 @@ absl::Status FinishStriped(std::deque<wire::StripedAssembler>& outputs, size_t i
 int StripesFor(const ClientOptions& options, int64_t rows, int64_t bytes) {
   if (options.stripe_bytes <= 0 || options.connections < 2) return 1;
   const int64_t n = std::min<int64_t>(
-      {options.connections, rows, bytes / options.stripe_bytes, kMaxStripesPerMicroBatch});
+      {options.connections, rows, bytes / options.stripe_bytes, int64_t{wire::kMaxStripes}});
   return static_cast<int>(std::max<int64_t>(n, 1));
 }
 

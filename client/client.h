@@ -64,8 +64,6 @@ struct ClientOptions {
   int64_t stripe_bytes = int64_t{8} << 20;
 };
 
-// Streams one striped micro-batch may use (the server's limit, moe.proto).
-inline constexpr int kMaxStripesPerMicroBatch = 64;
 
 // grpc::Status -> absl::Status, code and message unchanged.
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -86,6 +86,10 @@ class TensorAssembler {
   TensorBytes bytes_;  // Tensor's own byte type, so Finish() can move it out
 };
 
+// Streams one striped micro-batch may use (moe.proto `Stripe.count`): the server refuses more,
+// and the client never splits into more.
+inline constexpr uint32_t kMaxStripes = 64;
+
 // How far the row ranges (row_begin, rows) tile [0, n) from row 0, each row once: the first row
 // that no range starting where the previous ended covers. Equal to the total only when the
 // ranges tile [0, total) exactly (a striped micro-batch's streams must).

@@ -25,11 +25,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "proto/wire.h"
 
 namespace moe::server {
 
-// Streams per striped micro-batch, at most (moe.proto).
-inline constexpr uint32_t kMaxStripes = 64;
+using wire::kMaxStripes;
 
 class StripeJoin {
  public:
