@@ -16,6 +16,7 @@
 #include "engine/host_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/raw_message.h"
+#include "proto/tls.h"
 #include "proto/wire.h"
 
 namespace moe::client {
@@ -339,6 +340,9 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
                                                                 ClientOptions options) {
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
   if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      wire::MakeChannelCredentials(options.tls, "tls.");
+  if (!credentials.ok()) return credentials.status();
   std::shared_ptr<Connection> c(new Connection());
   c->target_ = target;
   c->options_ = options;
@@ -346,10 +350,17 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
   args.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(options.max_receive_bytes, INT32_MAX)));
   args.SetMaxSendMessageSize(-1);
-  c->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
+  c->channel_ = grpc::CreateCustomChannel(target, *credentials, args);
   if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.timeout)) {
-    return absl::UnavailableError(
-        absl::StrCat("could not connect to ", target, " within ", options.timeout.count(), " ms"));
+    // A handshake that fails looks like a server that is not there; say which side to check.
+    return absl::UnavailableError(absl::StrCat(
+        "could not connect to ", target, " within ", options.timeout.count(), " ms",
+        wire::UsesTls(options.tls)
+            ? " (over TLS: is the server's certificate signed by tls.ca_file and issued for "
+              "the target's host or tls.server_name, and does the server require a client "
+              "certificate?)"
+            : " (plaintext: does the server require TLS?)"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
   c->raw_stubs_.push_back(std::make_unique<RawStub>(c->channel_));
@@ -358,7 +369,7 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
   grpc::ChannelArguments own_pool = args;
   own_pool.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   for (int i = 1; i < options.connections; ++i) {
-    auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), own_pool);
+    auto channel = grpc::CreateCustomChannel(target, *credentials, own_pool);
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout)) {
       return absl::UnavailableError(absl::StrCat("could not open connection ", i + 1, " of ",
                                                  options.connections, " to ", target, " within ",

@@ -41,6 +41,7 @@
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "moe/v1/moe.grpc.pb.h"
+#include "proto/tls.h"
 
 namespace moe::client {
 
@@ -62,8 +63,10 @@ struct ClientOptions {
   // server runs the micro-batch once, so results and gradients are those of one call. 0 never
   // stripes.
   int64_t stripe_bytes = int64_t{8} << 20;
+  // Plaintext unless set: TLS to a server started with a certificate, mutual TLS with this
+  // client's own certificate as well (proto/tls.h; docs/OPERATIONS.md, "Transport security").
+  wire::ClientTls tls;
 };
-
 
 // grpc::Status -> absl::Status, code and message unchanged.
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -32,6 +32,12 @@ ABSL_FLAG(double, context_ttl_seconds, kDefaults.context_ttl_seconds,
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest request message accepted; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "Most layers the server holds at once");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate (chain) of this server; with --tls_key_file, gRPC is served over TLS");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA certificate(s): with it, every client must present a certificate signed by "
+          "one of them (mutual TLS)");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory instead of handing it back to the OS (glibc malloc: large "
           "blocks from the heap, not from fresh mmaps; no trimming; one arena). Each micro-batch "
@@ -61,6 +67,9 @@ int main(int argc, char** argv) {
   options.context_ttl_seconds = absl::GetFlag(FLAGS_context_ttl_seconds);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
 
   auto server = moe::server::Server::Start(options);
   if (!server.ok()) {
@@ -69,8 +78,12 @@ int main(int argc, char** argv) {
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d\n", (*server)->device().c_str(),
-              options.host.c_str(), (*server)->port(), (*server)->metrics_port());
+  const char* transport = options.tls.cert_file.empty()        ? "plaintext"
+                          : options.tls.client_ca_file.empty() ? "TLS"
+                                                               : "mutual TLS";
+  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d, transport %s\n",
+              (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
+              (*server)->metrics_port(), transport);
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("moe-server: shutting down\n");

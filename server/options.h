@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "proto/tls.h"
+
 namespace moe::server {
 
 struct ServerOptions {
@@ -18,6 +20,9 @@ struct ServerOptions {
   double context_ttl_seconds = 600;                 // a context older than this is freed
   int64_t max_message_bytes = int64_t{64} << 20;    // largest request message accepted
   int max_layers = 64;                              // bounds the `layer` metric label too
+  // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
+  // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
+  wire::ServerTls tls;
 };
 
 }  // namespace moe::server

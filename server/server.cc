@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
+#include "proto/tls.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
@@ -35,6 +36,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   if (options.max_layers < 1) return absl::InvalidArgumentError("max_layers: must be >= 1");
 
+  // Before the engine: a bad TLS file is the operator's to fix and should not wait on a GPU.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      wire::MakeServerCredentials(options.tls, "tls_");
+  if (!credentials.ok()) return credentials.status();
+
   auto engine = CreateEngine(options.device);
   if (!engine.ok()) return engine.status();
 
@@ -47,8 +53,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port),
-                           grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), *credentials,
+                           &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(-1);
   // Keepalive pings find clients whose connection died without a FIN (a pulled cable, a killed

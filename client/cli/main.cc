@@ -21,6 +21,13 @@
 
 ABSL_FLAG(std::string, server, "localhost:50051", "moe-server address");
 ABSL_FLAG(double, timeout_seconds, 10, "Deadline of each call");
+ABSL_FLAG(bool, tls, false, "Connect over TLS (implied by any other --tls_ flag)");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA certificate(s) that signed the server's certificate (default: system roots)");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate, for a mutual-TLS server");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name the server's certificate must carry, if not --server's host");
 ABSL_FLAG(int64_t, experts, 8, "create: number of experts E");
 ABSL_FLAG(int64_t, top_k, 2, "create: experts per token K");
 ABSL_FLAG(int64_t, d_model, 64, "create: model width d");
@@ -139,7 +146,12 @@ int main(int argc, char** argv) {
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
   options.open_session = false;  // the CLI keeps no training contexts
-  options.connections = 1;        // and makes one call at a time
+  options.connections = 1;       // and makes one call at a time
+  options.tls.enabled = absl::GetFlag(FLAGS_tls);
+  options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Fail(conn.status());
   auto& c = **conn;

@@ -1,4 +1,5 @@
-// moe-cli end to end against a loopback server: every command, exit codes and error output.
+// moe-cli end to end against a loopback server: every command, exit codes and error output, and
+// its --tls_ flags against a TLS server.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -54,6 +55,24 @@ TEST(CliTest, EveryCommand) {
   EXPECT_EQ(RunCli(srv + "frobnicate", &out), 2) << out;
   EXPECT_EQ(RunCli("--server=127.0.0.1:1 --timeout_seconds=0.3 health", &out), 1) << out;
   EXPECT_NE(out.find("UNAVAILABLE"), std::string::npos) << out;
+}
+
+// The --tls_ flags: health over TLS; a missing CA file is named before anything is sent.
+TEST(CliTest, TalksToATlsServer) {
+  server::ServerOptions o = testing_util::LoopbackOptions();
+  const std::string pki = std::string(MOE_TLS_TESTDATA) + "/";
+  o.tls.cert_file = pki + "server.pem";
+  o.tls.key_file = pki + "server-key.pem";
+  auto s = StartServer(o);
+  ASSERT_TRUE(s);
+  const std::string srv = "--server=" + Target(*s) + " --timeout_seconds=2 ";
+  std::string out;
+  EXPECT_EQ(RunCli(srv + "--tls_ca_file=" + pki + "ca.pem health", &out), 0) << out;
+  EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "health", &out), 1) << out;
+  EXPECT_NE(out.find("UNAVAILABLE"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "--tls_ca_file=" + pki + "absent.pem health", &out), 1) << out;
+  EXPECT_NE(out.find("INVALID_ARGUMENT: tls.ca_file"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -21,15 +21,7 @@ using testing_util::RandomFloat;
 using testing_util::StartServer;
 using testing_util::Target;
 
-LayerConfig Config() {
-  LayerConfig c;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.d_model = 256;
-  c.d_hidden = 64;
-  c.routing = RoutingMode::kServer;
-  return c;
-}
+LayerConfig Config() { return testing_util::ServerRoutedConfig(256, 64); }
 
 TEST(ClientTest, ErrorsCarryTheServersCodeAndMessage) {
   auto s = StartServer();

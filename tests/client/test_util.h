@@ -37,6 +37,17 @@ inline std::unique_ptr<server::Server> StartServer(server::ServerOptions o = Loo
 
 inline std::string Target(const server::Server& s) { return absl::StrCat("127.0.0.1:", s.port()); }
 
+// A small layer that routes on the server: 4 experts, top 2.
+inline LayerConfig ServerRoutedConfig(int64_t d_model, int64_t d_hidden) {
+  LayerConfig c;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.d_model = d_model;
+  c.d_hidden = d_hidden;
+  c.routing = RoutingMode::kServer;
+  return c;
+}
+
 inline Tensor RandomFloat(std::mt19937& rng, std::vector<int64_t> shape) {
   Tensor t = Tensor::Zeros(DType::kFloat32, std::move(shape));
   std::normal_distribution<float> dist(0.f, 1.f);

@@ -1,0 +1,77 @@
+// proto/tls.h on its own: which options mean plaintext, TLS and mutual TLS, and every bad option
+// refused with InvalidArgument naming the field (and the path, for a file).
+#include "proto/tls.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+namespace moe::wire {
+namespace {
+
+std::string Pem(const std::string& name) { return std::string(MOE_TLS_TESTDATA) + "/" + name; }
+
+void ExpectNamed(const absl::Status& st, const std::string& field) {
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(st.message().substr(0, field.size() + 1), field + ":") << st;
+}
+
+TEST(TlsCredentialsTest, ServerCredentialsFromFiles) {
+  EXPECT_TRUE(MakeServerCredentials({}, "tls_").ok());  // plaintext
+  ServerTls tls{Pem("server.pem"), Pem("server-key.pem"), ""};
+  EXPECT_TRUE(MakeServerCredentials(tls, "tls_").ok());
+  tls.client_ca_file = Pem("ca.pem");
+  EXPECT_TRUE(MakeServerCredentials(tls, "tls_").ok());
+
+  ExpectNamed(MakeServerCredentials({Pem("server.pem"), "", ""}, "tls_").status(), "tls_key_file");
+  ExpectNamed(MakeServerCredentials({"", Pem("server-key.pem"), ""}, "tls_").status(),
+              "tls_cert_file");
+  ExpectNamed(MakeServerCredentials({"", "", Pem("ca.pem")}, "tls_").status(),
+              "tls_client_ca_file");
+  ExpectNamed(
+      MakeServerCredentials({Pem("server.pem"), Pem("server-key.pem"), Pem("nope.pem")}, "tls_")
+          .status(),
+      "tls_client_ca_file");
+}
+
+TEST(TlsCredentialsTest, ChannelCredentialsFromFiles) {
+  EXPECT_FALSE(UsesTls({}));
+  EXPECT_TRUE(MakeChannelCredentials({}, "tls.").ok());  // plaintext
+  ClientTls tls;
+  tls.enabled = true;  // system roots
+  EXPECT_TRUE(UsesTls(tls));
+  EXPECT_TRUE(MakeChannelCredentials(tls, "tls.").ok());
+  tls = {};
+  tls.server_name = "localhost";  // any field asks for TLS
+  EXPECT_TRUE(UsesTls(tls));
+  tls.ca_file = Pem("ca.pem");
+  tls.cert_file = Pem("client.pem");
+  tls.key_file = Pem("client-key.pem");
+  EXPECT_TRUE(MakeChannelCredentials(tls, "tls.").ok());
+  tls.key_file.clear();
+  ExpectNamed(MakeChannelCredentials(tls, "tls.").status(), "tls.key_file");
+  tls.key_file = Pem("client-key.pem");
+  tls.ca_file = Pem("nope.pem");
+  ExpectNamed(MakeChannelCredentials(tls, "tls.").status(), "tls.ca_file");
+}
+
+TEST(TlsCredentialsTest, ReadPemFileNamesTheFieldAndThePath) {
+  absl::StatusOr<std::string> pem = ReadPemFile(Pem("ca.pem"), "f");
+  ASSERT_TRUE(pem.ok()) << pem.status();
+  EXPECT_NE(pem->find("-----BEGIN CERTIFICATE-----"), std::string::npos);
+
+  absl::Status missing = ReadPemFile(Pem("nope.pem"), "f").status();
+  ExpectNamed(missing, "f");
+  EXPECT_NE(missing.message().find("nope.pem"), std::string::npos) << missing;
+
+  const std::string not_pem = ::testing::TempDir() + "/not_a_pem.der";
+  std::ofstream(not_pem) << "\x30\x82 not base64";
+  absl::Status wrong = ReadPemFile(not_pem, "f").status();
+  ExpectNamed(wrong, "f");
+  EXPECT_NE(wrong.message().find("no PEM block"), std::string::npos) << wrong;
+  ExpectNamed(ReadPemFile(::testing::TempDir(), "f").status(), "f");  // a directory
+}
+
+}  // namespace
+}  // namespace moe::wire
