@@ -39,6 +39,8 @@ ABSL_FLAG(int, warmup, 1, "Untimed steps and rounds before timing");
 ABSL_FLAG(int64_t, chunk_bytes, int64_t{1} << 20, "Client chunk size (tensor bytes per message)");
 ABSL_FLAG(int, connections, moe::client::ClientOptions().connections,
           "TCP connections the client spreads Forward and Backward calls over");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "Connect to --server over TLS, trusting this PEM CA (ClientOptions::tls.ca_file)");
 ABSL_FLAG(bool, hand_over, false,
           "the trainer hands its tensors over (the client's Tensor&& overloads, no copy) instead "
           "of lending views; each rep's copies are made before its clock starts");
@@ -75,6 +77,7 @@ int main(int argc, char** argv) {
   options.connections = absl::GetFlag(FLAGS_connections);
   options.stripe_bytes = absl::GetFlag(FLAGS_stripe_bytes);
   options.hand_over = absl::GetFlag(FLAGS_hand_over);
+  options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   if (options.timeout_seconds <= 0) return Fail("timeout_seconds: must be positive");
 

@@ -454,6 +454,9 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be positive");
   if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
   if (options.stripe_bytes < 0) return absl::InvalidArgumentError("stripe_bytes: must be >= 0");
+  if (wire::UsesTls(options.tls) && options.server.empty()) {
+    return absl::InvalidArgumentError("tls: only for a --server (the bench's own is plaintext)");
+  }
 
   // The server: a running one, or one started here on loopback with free ports.
   std::unique_ptr<server::Server> own_server;
@@ -482,6 +485,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   co.chunk_bytes = options.chunk_bytes;
   co.connections = options.connections;
   co.stripe_bytes = options.stripe_bytes;
+  co.tls = options.tls;
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);

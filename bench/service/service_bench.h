@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "engine/layer.h"
+#include "proto/tls.h"
 
 namespace moe::bench {
 
@@ -46,6 +47,8 @@ struct BenchOptions {
   // lending views; each rep's copies are made before its clock starts, as a trainer's freshly
   // computed activations and gradients would be.
   bool hand_over = false;
+  // The client's TLS settings (ClientOptions::tls), for a --server started with a certificate.
+  wire::ClientTls tls;
   int timeout_seconds = 300;  // deadline of every call
 };
 

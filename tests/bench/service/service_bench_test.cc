@@ -1,12 +1,15 @@
 // Tests of moe-service-bench's measurement core (bench/service/service_bench.h): a tiny sweep
 // against a real server started on loopback gives positive throughput, latencies, wire bytes and
-// server stage times for both modes; bad options and cases fail naming the field; percentiles
-// are nearest-rank.
+// server stage times for both modes, also through a TLS server; bad options and cases fail
+// naming the field; percentiles are nearest-rank.
 #include "bench/service/service_bench.h"
 
 #include <gtest/gtest.h>
 
 #include <string>
+
+#include "absl/strings/str_cat.h"
+#include "server/server.h"
 
 namespace moe::bench {
 namespace {
@@ -81,6 +84,34 @@ TEST(ServiceBenchTest, BadOptionsNameTheField) {
   o.device = "tpu";
   r = RunServiceBench(o, &where);
   EXPECT_FALSE(r.ok());
+}
+
+// --tls_ca_file: the same measurement against a separate server that speaks TLS; TLS without
+// --server names the option.
+TEST(ServiceBenchTest, MeasuresThroughATlsServer) {
+  server::ServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = 0;
+  so.metrics_port = 0;
+  so.device = "cpu";
+  so.tls.cert_file = std::string(MOE_TLS_TESTDATA) + "/server.pem";
+  so.tls.key_file = std::string(MOE_TLS_TESTDATA) + "/server-key.pem";
+  auto s = server::Server::Start(so);
+  ASSERT_TRUE(s.ok()) << s.status();
+  BenchOptions o = Tiny();
+  o.server = absl::StrCat("127.0.0.1:", (*s)->port());
+  o.metrics = absl::StrCat("127.0.0.1:", (*s)->metrics_port());
+  o.tls.ca_file = std::string(MOE_TLS_TESTDATA) + "/ca.pem";
+  std::string where;
+  auto results = RunServiceBench(o, &where);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_GT((*results)[0].service_train.tokens_per_second, 0);
+  EXPECT_GT((*results)[0].service_train.wire_bytes, 0);
+
+  o.server.clear();
+  auto r = RunServiceBench(o, &where);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("tls"), std::string::npos) << r.status();
 }
 
 TEST(ServiceBenchTest, ParseCases) {
