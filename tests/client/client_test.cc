@@ -42,6 +42,18 @@ TEST(ClientTest, ConnectingToNothingIsUnavailable) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
 }
 
+// A second server on a port already served fails to start instead of sharing the port (gRPC's
+// SO_REUSEPORT default would split a client's connections between the two).
+TEST(ClientTest, ASecondServerOnABusyPortDoesNotStart) {
+  auto first = StartServer();
+  ASSERT_TRUE(first);
+  server::ServerOptions o = testing_util::LoopbackOptions();
+  o.port = first->port();
+  auto second = server::Server::Start(o);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  EXPECT_NE(second.status().message().find("port"), std::string::npos) << second.status();
+}
+
 TEST(ClientTest, EveryCallHasADeadline) {
   auto s = StartServer();
   ASSERT_TRUE(s);

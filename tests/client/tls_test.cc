@@ -135,6 +135,21 @@ TEST(TlsTest, BadTlsOptionsNameTheField) {
   EXPECT_NE(s.status().message().find("tls_cert_file"), std::string::npos) << s.status();
   EXPECT_NE(s.status().message().find("missing.pem"), std::string::npos) << s.status();
 
+  // gRPC refuses a key that is not the certificate's as it refuses a busy port; the server
+  // tells the two apart.
+  o = TlsServer(/*require_client_certificate=*/false);
+  o.tls.key_file = Pem("client-key.pem");
+  s = server::Server::Start(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+  EXPECT_NE(s.status().message().find("tls_key_file"), std::string::npos) << s.status();
+  auto running = StartServer();
+  ASSERT_TRUE(running);
+  o = TlsServer(/*require_client_certificate=*/false);
+  o.port = running->port();
+  s = server::Server::Start(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable) << s.status();
+  EXPECT_NE(s.status().message().find("port"), std::string::npos) << s.status();
+
   client::ClientOptions c = TlsClient("ca.pem", "client.pem");  // no key
   auto conn = client::Connection::Connect("127.0.0.1:1", c);
   EXPECT_EQ(conn.status().code(), absl::StatusCode::kInvalidArgument);
