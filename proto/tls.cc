@@ -1,8 +1,12 @@
 // PEM files -> gRPC credentials (see tls.h).
 #include "proto/tls.h"
 
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 
 #include <cerrno>
 #include <cstring>
@@ -31,8 +35,29 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
   return pem;
 }
 
+namespace {
+
+// gRPC checks a certificate and key only when a port is opened with them, and fails that port
+// the same way for a key that is not the certificate's as for an address it cannot bind; so the
+// files are tried once on a free loopback port, where only the files can be at fault.
+bool CanListenWith(const std::shared_ptr<grpc::ServerCredentials>& credentials) {
+  grpc::ServerBuilder probe;
+  grpc::CallbackGenericService nothing;  // a server must serve something to be built
+  probe.RegisterCallbackGenericService(&nothing);
+  int port = 0;
+  probe.AddListeningPort("127.0.0.1:0", credentials, &port);
+  std::unique_ptr<grpc::Server> server = probe.BuildAndStart();
+  if (server) server->Shutdown();
+  return server != nullptr && port != 0;
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTls& tls, absl::string_view prefix) {
+  if (tls.reload_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "reload_seconds: must be >= 0"));
+  }
   if (tls.cert_file.empty() && tls.key_file.empty()) {
     if (!tls.client_ca_file.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(prefix, "client_ca_file: needs ", prefix,
@@ -49,16 +74,33 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, absl::StrCat(prefix, "key_file"));
   if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  const grpc_ssl_client_certificate_request_type client_certificates =
+      tls.client_ca_file.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                 : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  grpc::SslServerCredentialsOptions options(client_certificates);
   options.pem_key_cert_pairs.push_back({*key, *cert});
   if (!tls.client_ca_file.empty()) {
     absl::StatusOr<std::string> ca =
         ReadPemFile(tls.client_ca_file, absl::StrCat(prefix, "client_ca_file"));
     if (!ca.ok()) return ca.status();
     options.pem_root_certs = *ca;
-    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
-  return grpc::SslServerCredentials(options);
+  std::shared_ptr<grpc::ServerCredentials> once = grpc::SslServerCredentials(options);
+  if (!CanListenWith(once)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ", tls.key_file,
+                                                   " with ", tls.cert_file,
+                                                   " (is it that certificate's key?)"));
+  }
+  if (tls.reload_seconds == 0) return once;
+  // gRPC's file watcher (experimental in gRPC 1.51, the API Debian ships) rereads the files
+  // every reload_seconds and keeps the last pair whose key matches its certificate.
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      tls.key_file, tls.cert_file, tls.client_ca_file, tls.reload_seconds);
+  grpc::experimental::TlsServerCredentialsOptions watched(provider);
+  watched.watch_identity_key_cert_pairs();
+  if (!tls.client_ca_file.empty()) watched.watch_root_certs();
+  watched.set_cert_request_type(client_certificates);
+  return grpc::experimental::TlsServerCredentials(watched);
 }
 
 bool UsesTls(const ClientTls& tls) {

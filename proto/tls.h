@@ -29,6 +29,10 @@ struct ServerTls {
   std::string cert_file;
   std::string key_file;
   std::string client_ca_file;
+  // > 0: the files are read again this often and new connections get what they hold then, so
+  // a renewed certificate (cert-manager's, say) is served without a restart; an update whose
+  // key does not match its certificate is skipped. 0: read once, at start.
+  int reload_seconds = 300;
 };
 
 // The client's side: TLS when `enabled` or any other field is given. ca_file empty: the server is
@@ -47,9 +51,10 @@ struct ClientTls {
 // Whether `tls` asks for TLS: `enabled`, or any other field given.
 bool UsesTls(const ClientTls& tls);
 
-// InsecureServerCredentials when `tls`'s fields are all empty. InvalidArgument names the field
-// (`prefix` + "cert_file", ...) for a half-given pair, a CA without a certificate, or a file
-// that cannot be read or holds no PEM block.
+// InsecureServerCredentials when `tls`'s files are all empty. InvalidArgument names the field
+// (`prefix` + "cert_file", ...) for a half-given pair, a CA without a certificate, a file that
+// cannot be read or holds no PEM block, a key that is not the certificate's, or a negative
+// reload_seconds. The files are checked by listening with them once, on a free loopback port.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTls& tls, absl::string_view prefix);
 

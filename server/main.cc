@@ -38,6 +38,9 @@ ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
           "PEM CA certificate(s): with it, every client must present a certificate signed by "
           "one of them (mutual TLS)");
+ABSL_FLAG(int, tls_reload_seconds, kDefaults.tls.reload_seconds,
+          "Read the --tls_ files again this often, so renewed certificates are served without a "
+          "restart; 0 reads them once");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory instead of handing it back to the OS (glibc malloc: large "
           "blocks from the heap, not from fresh mmaps; no trimming; one arena). Each micro-batch "
@@ -70,6 +73,7 @@ int main(int argc, char** argv) {
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
 
   auto server = moe::server::Server::Start(options);
   if (!server.ok()) {

@@ -17,23 +17,6 @@
 
 namespace moe::server {
 
-namespace {
-
-// gRPC fails a listening port the same way for a certificate and key it refuses (a key that does
-// not belong to the certificate) as for an address it cannot bind; listening in plaintext on the
-// same address tells the two apart.
-bool CanListenInPlaintext(const std::string& address) {
-  grpc::ServerBuilder probe;
-  probe.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  int port = 0;
-  probe.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
-  std::unique_ptr<grpc::Server> server = probe.BuildAndStart();
-  if (server) server->Shutdown();
-  return server != nullptr && port != 0;
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port: ", options.port, " is not a port"));
@@ -87,13 +70,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.RegisterService(server->service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (!server->grpc_server_ || server->port_ == 0) {
-    const std::string address = absl::StrCat(options.host, ":", options.port);
-    if (!options.tls.cert_file.empty() && CanListenInPlaintext(address)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tls_key_file: gRPC refused the certificate and key (is ",
-                       options.tls.key_file, " the key of ", options.tls.cert_file, "?)"));
-    }
-    return absl::UnavailableError(absl::StrCat("port: could not listen on ", address));
+    return absl::UnavailableError(
+        absl::StrCat("port: could not listen on ", options.host, ":", options.port));
   }
   if (auto* health = server->grpc_server_->GetHealthCheckService()) {
     health->SetServingStatus(true);

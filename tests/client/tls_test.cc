@@ -2,11 +2,18 @@
 // tests/testdata/tls (make-certs.sh there): a training round trips exactly as in plaintext,
 // and every mismatch a deployment can get wrong (plaintext against TLS either way, an unknown
 // CA, the wrong server name, a missing or foreign client certificate) is refused, with
-// UNAVAILABLE and a message that says which side to check.
+// UNAVAILABLE and a message that says which side to check; renewed certificates are served
+// without a restart.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "tests/client/test_util.h"
 
@@ -119,6 +126,44 @@ TEST(TlsTest, MismatchesAreRefusedAndSayWhatToCheck) {
   st = ConnectAndCall(Target(*mutual),
                       TlsClient("ca.pem", "other-client.pem", "other-client-key.pem"));
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << "a client certificate of another CA";
+}
+
+// A certificate renewed in place (cert-manager rewrites the Secret's files) is served to new
+// connections within reload_seconds, without a restart; with reload_seconds 0 it is not.
+TEST(TlsTest, RenewedCertificatesAreServedWithoutARestart) {
+  const std::string dir = ::testing::TempDir() + "/moe_tls_reload_" + std::to_string(::getpid());
+  ::mkdir(dir.c_str(), 0755);
+  auto install = [&](const std::string& from) {  // key first, then certificate, each by rename
+    for (const char* suffix : {"-key.pem", ".pem"}) {
+      std::ifstream in(Pem(from + suffix), std::ios::binary);
+      const std::string to = dir + "/server" + suffix;
+      std::ofstream(to + ".tmp", std::ios::binary) << in.rdbuf();
+      ASSERT_EQ(std::rename((to + ".tmp").c_str(), to.c_str()), 0);
+    }
+  };
+  install("server");
+  server::ServerOptions reloading = LoopbackOptions(), once = LoopbackOptions();
+  for (server::ServerOptions* o : {&reloading, &once}) {
+    o->tls.cert_file = dir + "/server.pem";
+    o->tls.key_file = dir + "/server-key.pem";
+  }
+  reloading.tls.reload_seconds = 1;
+  once.tls.reload_seconds = 0;
+  auto r = StartServer(reloading), s = StartServer(once);
+  ASSERT_TRUE(r && s);
+  EXPECT_TRUE(ConnectAndCall(Target(*r), TlsClient()).ok());
+
+  install("other-server");  // renewed, by another CA
+  absl::Status renewed;
+  for (int i = 0; i < 40; ++i) {  // the watcher's period is 1 s; allow 10
+    renewed = ConnectAndCall(Target(*r), TlsClient("other-ca.pem"));
+    if (renewed.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_TRUE(renewed.ok()) << renewed;
+  EXPECT_EQ(ConnectAndCall(Target(*r), TlsClient()).code(), absl::StatusCode::kUnavailable)
+      << "the old certificate is still served";
+  EXPECT_TRUE(ConnectAndCall(Target(*s), TlsClient()).ok()) << "reload_seconds 0 reloaded";
 }
 
 TEST(TlsTest, BadTlsOptionsNameTheField) {

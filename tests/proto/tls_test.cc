@@ -33,6 +33,15 @@ TEST(TlsCredentialsTest, ServerCredentialsFromFiles) {
       MakeServerCredentials({Pem("server.pem"), Pem("server-key.pem"), Pem("nope.pem")}, "tls_")
           .status(),
       "tls_client_ca_file");
+  // Another certificate's key: gRPC would refuse it only when a port opens.
+  absl::Status wrong_key =
+      MakeServerCredentials({Pem("server.pem"), Pem("client-key.pem"), ""}, "tls_").status();
+  ExpectNamed(wrong_key, "tls_key_file");
+  EXPECT_NE(wrong_key.message().find("client-key.pem"), std::string::npos) << wrong_key;
+  tls.reload_seconds = 0;  // read once
+  EXPECT_TRUE(MakeServerCredentials(tls, "tls_").ok());
+  tls.reload_seconds = -1;
+  ExpectNamed(MakeServerCredentials(tls, "tls_").status(), "tls_reload_seconds");
 }
 
 TEST(TlsCredentialsTest, ChannelCredentialsFromFiles) {

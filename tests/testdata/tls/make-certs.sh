@@ -5,6 +5,8 @@
 #   client.pem/-key   a trainer's client certificate, signed by ca.pem
 #   other-ca.pem, other-client.pem/-key   a second authority and a client certificate it
 #                     signed, which a server trusting only ca.pem must refuse
+#   other-server.pem/-key   a server certificate for the same names signed by other-ca.pem
+#                     (the renewed certificate of the reload test)
 # Keys are EC P-256 and certificates valid for 100 years, so the checked-in files do not expire
 # under the tests. For tests only: these private keys are public.
 set -euo pipefail
@@ -30,4 +32,6 @@ leaf server ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
 leaf client ca "trainer-0" "extendedKeyUsage=clientAuth"
 leaf other-client other-ca "trainer-x" "extendedKeyUsage=clientAuth"
+leaf other-server other-ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
+extendedKeyUsage=serverAuth"
 rm -f ca-key.pem other-ca-key.pem ./*.srl
