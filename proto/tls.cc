@@ -87,6 +87,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   }
   std::shared_ptr<grpc::ServerCredentials> once = grpc::SslServerCredentials(options);
   if (!CanListenWith(once)) {
+    // Which file: without the client CA, only the pair is left to refuse.
+    grpc::SslServerCredentialsOptions pair_only(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    pair_only.pem_key_cert_pairs = options.pem_key_cert_pairs;
+    if (!tls.client_ca_file.empty() && CanListenWith(grpc::SslServerCredentials(pair_only))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "client_ca_file: gRPC refused ", tls.client_ca_file, " as a CA"));
+    }
     return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ", tls.key_file,
                                                    " with ", tls.cert_file,
                                                    " (is it that certificate's key?)"));

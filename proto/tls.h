@@ -53,8 +53,9 @@ bool UsesTls(const ClientTls& tls);
 
 // InsecureServerCredentials when `tls`'s files are all empty. InvalidArgument names the field
 // (`prefix` + "cert_file", ...) for a half-given pair, a CA without a certificate, a file that
-// cannot be read or holds no PEM block, a key that is not the certificate's, or a negative
-// reload_seconds. The files are checked by listening with them once, on a free loopback port.
+// cannot be read or holds no PEM block, a key that is not the certificate's, a client CA that
+// is no certificate, or a negative reload_seconds. The files are checked by listening with them
+// once, on a free loopback port.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTls& tls, absl::string_view prefix);
 

@@ -38,6 +38,12 @@ TEST(TlsCredentialsTest, ServerCredentialsFromFiles) {
       MakeServerCredentials({Pem("server.pem"), Pem("client-key.pem"), ""}, "tls_").status();
   ExpectNamed(wrong_key, "tls_key_file");
   EXPECT_NE(wrong_key.message().find("client-key.pem"), std::string::npos) << wrong_key;
+  // A PEM block that is no certificate, as the client CA.
+  const std::string garbage = ::testing::TempDir() + "/garbage_ca.pem";
+  std::ofstream(garbage) << "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n";
+  ExpectNamed(
+      MakeServerCredentials({Pem("server.pem"), Pem("server-key.pem"), garbage}, "tls_").status(),
+      "tls_client_ca_file");
   tls.reload_seconds = 0;  // read once
   EXPECT_TRUE(MakeServerCredentials(tls, "tls_").ok());
   tls.reload_seconds = -1;
