@@ -41,10 +41,17 @@ class TestFailure(Exception):
     pass
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n distinct free loopback ports: every socket stays bound until all are known (one bound
+    and closed at a time may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def http_get(url, timeout=5):
@@ -182,7 +189,7 @@ def run(args):
         print(f"ok: shipped command lines use only moe-server flags ({len(flags)} known)")
 
         # 2. moe-server with the Deployment's own flags, moved to loopback and the CPU.
-        grpc_port, metrics_port, prom_port = free_port(), free_port(), free_port()
+        grpc_port, metrics_port, prom_port = free_ports(3)
         ckpt = os.path.join(tmp, "checkpoints")
         os.makedirs(ckpt)
         override = {"host": "127.0.0.1", "port": str(grpc_port), "metrics_port": str(metrics_port),

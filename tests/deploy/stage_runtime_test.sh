@@ -46,9 +46,14 @@ done
 echo "ok: $(ls "$bin" | tr '\n' ' ')load only staged or base-image libraries ($(ls "$lib" | wc -l) staged)"
 
 # The image's CMD, with its ports and device moved, from a bare environment.
-free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-grpc_port=$(free_port)
-metrics_port=$(free_port)
+# Two distinct free ports: both sockets stay bound until both are known (one bound and closed
+# at a time can hand out the same port twice, and the metrics port then fails to listen).
+read -r grpc_port metrics_port < <("$py" -c '
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
 mapfile -t cmd < <("$py" -c '
 import json, re, sys
 text = open(sys.argv[1]).read()
