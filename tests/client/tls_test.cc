@@ -65,8 +65,6 @@ absl::StatusOr<double> TrainOnce(std::shared_ptr<client::Connection> conn) {
   return step->grad_norm;
 }
 
-// Connecting, then (TLS 1.3 checks the client's certificate after the client's side of the
-// handshake is done) the first call: the status of whichever fails first.
 // For a connection that must be refused: a refused handshake looks like a server that is not
 // there, so each such case waits out the whole timeout.
 client::ClientOptions Briefly(client::ClientOptions o) {
@@ -74,6 +72,8 @@ client::ClientOptions Briefly(client::ClientOptions o) {
   return o;
 }
 
+// Connecting, then (TLS 1.3 checks the client's certificate after the client's side of the
+// handshake is done) the first call: the status of whichever fails first.
 absl::Status ConnectAndCall(const std::string& target, const client::ClientOptions& options) {
   auto c = client::Connection::Connect(target, options);
   if (!c.ok()) return c.status();
