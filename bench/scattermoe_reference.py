@@ -11,10 +11,11 @@ expert order, output scattered back and weighted by the routing weights), and th
 own backward (group, groupXtY, scatter2scatter). Routing (torch.sort + ScatterMoE's padded block
 indices) is inside the timed work, as the argsort is on the PyTorch side.
 
-Everything else is torch_moe_reference.py's, imported from it rather than repeated: the
-presets, the weights, inputs and routing for a seed, the median of CUDA-event timings after
-warm-up, and how the memory kept for the backward is counted. The weights are the same values,
-stored in ScatterMoE's layout (experts, in, out).
+Everything else follows torch_moe_reference.py. Imported from it: the presets, the routing
+for a seed, and the median of CUDA-event timings after warm-up. Drawn with its recipe, so the
+same values for a seed (its `run` makes them inline, so they cannot be imported): the weights,
+inputs and output gradient (make_inputs); the weights are stored in ScatterMoE's layout
+(experts, in, out). Counted its way: the memory kept for the backward.
 
 ScatterMoE is not on PyPI; scripts/fetch-scattermoe unpacks its kernels, unchanged, from the
 fms-acceleration-moe wheel. Needs a GPU, PyTorch and Triton.
