@@ -80,11 +80,46 @@ struct Routing {
 };
 
 // K distinct uniform experts per token: what torch_moe_reference.py's softmax-top-K of
-// Gaussian logits gives on average. Built on the host, outside any timed span.
+// Gaussian logits gives on average. Built on the host, outside any timed span. The environment
+// variable MOE_BENCH_ROUTING changes it, to read each kernel against moe_bench --ceiling's
+// cuBLAS GEMMs (which assume T*K/E rows an expert):
+//   balanced         entry i = t*K + k goes to expert i mod E: every expert gets T*K/E rows, and
+//                    a token's K experts are neighbours (8 experts share their tokens), so the
+//                    gathered rows of one expert are still in L2 for the next;
+//   balanced-random  every expert gets T*K/E rows, each token K distinct experts at random:
+//                    balance without that locality.
 inline Routing UniformRouting(const Preset& ps, std::mt19937_64& rng) {
   const int64_t tk = ps.tokens * ps.top_k;
-  const std::vector<int32_t> idx = kernels::testing::RandomRouting(ps.tokens, ps.top_k, ps.experts,
-                                                                   /*empty=*/-1, /*hot=*/-1, rng);
+  const char* env = std::getenv("MOE_BENCH_ROUTING");
+  const std::string_view mode = env != nullptr ? env : "";
+  std::vector<int32_t> idx;
+  if (mode == "balanced" || mode == "balanced-random") {
+    idx.resize(tk);
+    for (int64_t i = 0; i < tk; ++i) idx[i] = static_cast<int32_t>(i % ps.experts);
+  }
+  if (mode == "balanced-random") {
+    std::shuffle(idx.begin(), idx.end(), rng);
+    // A token that drew an expert twice swaps the second copy with a random entry of another
+    // token, when neither token then holds that expert twice (few repeats: K << E).
+    auto holds = [&](int64_t t, int32_t e, int64_t skip) {
+      for (int64_t k = 0; k < ps.top_k; ++k) {
+        if (t * ps.top_k + k != skip && idx[t * ps.top_k + k] == e) return true;
+      }
+      return false;
+    };
+    std::uniform_int_distribution<int64_t> any(0, tk - 1);
+    for (int64_t i = 0; i < tk; ++i) {
+      const int64_t t = i / ps.top_k;
+      while (holds(t, idx[i], i)) {
+        const int64_t j = any(rng);
+        const int64_t u = j / ps.top_k;
+        if (u != t && !holds(u, idx[i], j) && !holds(t, idx[j], i)) std::swap(idx[i], idx[j]);
+      }
+    }
+  } else if (mode != "balanced") {
+    idx = kernels::testing::RandomRouting(ps.tokens, ps.top_k, ps.experts, /*empty=*/-1,
+                                          /*hot=*/-1, rng);
+  }
   Routing r;
   r.counts.resize(ps.experts);
   r.offsets.resize(ps.experts + 1);
