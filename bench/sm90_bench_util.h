@@ -84,8 +84,8 @@ struct Routing {
 // variable MOE_BENCH_ROUTING changes it, to read each kernel against moe_bench --ceiling's
 // cuBLAS GEMMs (which assume T*K/E rows an expert):
 //   balanced         entry i = t*K + k goes to expert i mod E: every expert gets T*K/E rows, and
-//                    a token's K experts are neighbours (8 experts share their tokens), so the
-//                    gathered rows of one expert are still in L2 for the next;
+//                    a token's K experts are K consecutive ones, so neighbouring experts share
+//                    their tokens and one expert's gathered rows are still in L2 for the next;
 //   balanced-random  every expert gets T*K/E rows, each token K distinct experts at random:
 //                    balance without that locality.
 inline Routing UniformRouting(const Preset& ps, std::mt19937_64& rng) {

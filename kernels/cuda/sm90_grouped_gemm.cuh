@@ -120,24 +120,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Gathered operand rows (x for the up-projection and dW13, dout for dA and dW2) are asked of L2
-// this many k-steps before their cp.async (prefetch.global.L2, one 128-byte line a row a step):
-// each row is read by each of its token's K experts, far apart in the schedule, so under
-// scattered routing most of those reads miss L2 and wait on device memory inside the ring's
-// few steps of cover; with routing that sent a token's experts side by side (and so kept its
-// rows in L2) the same kernels ran 9-28% faster (docs/PERFORMANCE.md, "The cuBLAS ceiling").
-// 0 turns the prefetch off (a build-time switch for the benchmarks' A/B).
-#ifndef MOE_SM90_GATHER_PREFETCH
-#define MOE_SM90_GATHER_PREFETCH 4
-#endif
-constexpr int kGatherPrefetchSteps = MOE_SM90_GATHER_PREFETCH;
-
-// A hint: L2 fetches the 128-byte line holding `p`. Callers pass only addresses inside their
-// tensors.
-__device__ __forceinline__ void PrefetchL2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 // Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async
 // proxy (wgmma) once a barrier has ordered them.
 __device__ __forceinline__ void FenceProxyAsync() {
@@ -868,26 +850,6 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
           const bool ok = a_ok[j] && k_ok;
           CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
         }
-        if constexpr (kGatherA && kGatherPrefetchSteps > 0) {
-          // The rows' line kGatherPrefetchSteps steps on: this tile's, or the next tile's first
-          // ones once this tile has fewer steps left (chunk 0's thread of each row asks).
-          int pk = ld_kt + kGatherPrefetchSteps;
-          const bool next_tile = pk >= num_k;
-          if (next_tile) pk -= num_k;
-          const int64_t pcol = static_cast<int64_t>(pk) * kBlockK;
-          if (chunk == 0 && pcol < p.k_dim &&
-              (!next_tile || ld_tile + static_cast<int>(gridDim.x) < total)) {
-#pragma unroll
-            for (int j = 0; j < kRowsPerThread; ++j) {
-              const int r = (tid >> 3) + j * (kThreads / 8);
-              if (!next_tile) {
-                if (a_ok[j]) PrefetchL2(a_row[j] + pcol);
-              } else if (r < nx.rows) {
-                PrefetchL2(p.a + static_cast<int64_t>(nx_raw[j] / p.top_k) * p.k_dim + pcol);
-              }
-            }
-          }
-        }
       }
       if constexpr (kTmaB) {
         if (tid == 0) {
@@ -1121,13 +1083,6 @@ __global__ void __launch_bounds__(384, 1)
             const bool ok = a_ok[j] && k_ok;
             CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_row[j] + kk : p.a, ok);
           }
-          const int64_t pcol = static_cast<int64_t>(kt + kGatherPrefetchSteps) * kBlockK;
-          if (kGatherA && kGatherPrefetchSteps > 0 && chunk == 0 && pcol < p.k_dim) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              if (a_ok[j]) PrefetchL2(a_row[j] + pcol);
-            }
-          }
           asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar)
                        : "memory");
         }
@@ -1329,13 +1284,6 @@ __global__ void __launch_bounds__(384, 1)
           const bool ok = a_src[j] >= 0 && k_ok;
           const __nv_bfloat16* src = p.a + static_cast<int64_t>(a_src[j]) * p.k_dim + kk;
           CpAsync16(s_a + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? src : p.a, ok);
-        }
-        const int64_t pcol = static_cast<int64_t>(kt + kGatherPrefetchSteps) * kBlockK;
-        if (kGatherA && kGatherPrefetchSteps > 0 && chunk == 0 && pcol < p.k_dim) {
-#pragma unroll
-          for (int j = 0; j < kRowsPerThread; ++j) {
-            if (a_src[j] >= 0) PrefetchL2(p.a + static_cast<int64_t>(a_src[j]) * p.k_dim + pcol);
-          }
         }
         asm volatile(
             "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddr(&full[stage]))

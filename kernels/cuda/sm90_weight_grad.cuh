@@ -375,27 +375,6 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
   auto gathered_token = [&](int tok, int j) {
     return __shfl_sync(0xffffffffu, tok, j * kRowSetLanes + lane / ShapeG::kChunksPerRow);
   };
-  // The gathered row of this fetcher lane kGatherPrefetchSteps slabs past the cursor: its entry
-  // is loaded one step before the row's lines are asked of L2 (kGatherPrefetchSteps, in
-  // sm90_grouped_gemm.cuh), so the prefetch never waits on the index load.
-  int pf_raw = 0;
-  int pf_col = -1;  // first column of the gathered operand's tile range, -1: nothing to ask
-  auto prefetch_gathered = [&]() {
-    if (pf_col >= 0) {
-      constexpr int kCols = kGatherA ? kWgradBlockM : kN;
-      const int dim = kGatherA ? p.m_dim : p.n_dim;
-      const __nv_bfloat16* row =
-          (kGatherA ? p.a : p.b) + static_cast<int64_t>(FastDivide(pf_raw, p.top_k)) * dim + pf_col;
-#pragma unroll
-      for (int c = 0; c < kCols; c += 64) {
-        if (pf_col + c < dim) PrefetchL2(row + c);
-      }
-    }
-    const int r = (ld_kt + kGatherPrefetchSteps) * kSlabRows + fetch_row;
-    const bool ok = fetcher && r < ld.count;
-    pf_col = ok ? (kGatherA ? ld.m0 : ld.n0) : -1;
-    pf_raw = ok ? p.entries[ld.slot0 + r] : 0;
-  };
   const int col_a = (tid % ShapeA::kChunksPerRow) * 8;  // this thread's column in each slab
   const int col_b = (tid % ShapeB::kChunksPerRow) * 8;
 
@@ -465,10 +444,7 @@ __global__ void __launch_bounds__(kWgradThreads, kCtasPerSm)
           ld = DecodeWgradTile<kN, kSlabRows>(ld_tile, m_tiles, n_tiles, active, offs);
         }
       }
-      if (ld_tile < total) {
-        fetch_raw();
-        if constexpr (kGatherPrefetchSteps > 0) prefetch_gathered();
-      }
+      if (ld_tile < total) fetch_raw();
     }
     CpAsyncCommit();  // always one group per step, so the wait counts stay exact
   };
