@@ -6,6 +6,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_certificate_verifier.h>
 #include <grpcpp/security/tls_credentials_options.h>
 
 #include <cerrno>
@@ -118,6 +119,9 @@ bool UsesTls(const ClientTls& tls) {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTls& tls, absl::string_view prefix) {
   if (!UsesTls(tls)) return grpc::InsecureChannelCredentials();
+  if (tls.reload_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "reload_seconds: must be >= 0"));
+  }
   if (tls.cert_file.empty() != tls.key_file.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, tls.cert_file.empty() ? "cert_file" : "key_file", ": needed with ",
@@ -138,7 +142,28 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     options.pem_cert_chain = *cert;
     options.pem_private_key = *key;
   }
-  return grpc::SslCredentials(options);
+  const bool has_files = !tls.ca_file.empty() || !tls.cert_file.empty();
+  if (tls.reload_seconds == 0 || !has_files) return grpc::SslCredentials(options);
+  // The files were read above only to name a bad one now; from here gRPC's file watcher
+  // (experimental in gRPC 1.51, as on the server) rereads them every reload_seconds. Without
+  // ca_file the system's roots stay in use, as with SslCredentials.
+  std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> provider;
+  if (tls.cert_file.empty()) {
+    provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        tls.ca_file, tls.reload_seconds);
+  } else {
+    provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        tls.key_file, tls.cert_file, tls.ca_file, tls.reload_seconds);
+  }
+  grpc::experimental::TlsChannelCredentialsOptions watched;
+  watched.set_certificate_provider(provider);
+  if (!tls.cert_file.empty()) watched.watch_identity_key_cert_pairs();
+  if (!tls.ca_file.empty()) watched.watch_root_certs();
+  // The server's certificate must name the target's host (or server_name), as SslCredentials
+  // checks it.
+  watched.set_certificate_verifier(
+      std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  return grpc::experimental::TlsCredentials(watched);
 }
 
 }  // namespace moe::wire

@@ -46,6 +46,11 @@ struct ClientTls {
   // The name the server's certificate must carry, where it is not the target's host (an IP
   // address, a load balancer's name). Empty: the target's host.
   std::string server_name;
+  // > 0: ca_file, cert_file and key_file are read again this often, and connections opened
+  // afterwards (a channel reconnecting after the server closed it, say) use what they hold
+  // then, so a trainer's renewed client certificate, or a rotated CA, is used without building
+  // a new client. 0: read once, when the client connects.
+  int reload_seconds = 300;
 };
 
 // Whether `tls` asks for TLS: `enabled`, or any other field given.
@@ -59,7 +64,8 @@ bool UsesTls(const ClientTls& tls);
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTls& tls, absl::string_view prefix);
 
-// InsecureChannelCredentials unless TLS is asked for (above); errors as above.
+// InsecureChannelCredentials unless TLS is asked for (above); errors as above. A key that is
+// not the certificate's shows only at the handshake, as a refused connection.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTls& tls, absl::string_view prefix);
 

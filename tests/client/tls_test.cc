@@ -3,7 +3,7 @@
 // and every mismatch a deployment can get wrong (plaintext against TLS either way, an unknown
 // CA, the wrong server name, a missing or foreign client certificate) is refused, with
 // UNAVAILABLE and a message that says which side to check; renewed certificates are served
-// without a restart.
+// without a restart, and a renewed client certificate is used without a new client.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -173,6 +173,67 @@ TEST(TlsTest, RenewedCertificatesAreServedWithoutARestart) {
   EXPECT_TRUE(ConnectAndCall(Target(*s), TlsClient()).ok()) << "reload_seconds 0 reloaded";
 }
 
+// A trainer's client certificate renewed in place reaches the connections its client opens
+// afterwards within tls.reload_seconds, with no new client; with reload_seconds 0 it does not.
+// Here the server's client CA is rotated (the server restarted on its port with the new one)
+// after the trainers' certificate files were renewed by the new CA.
+TEST(TlsTest, ARenewedClientCertificateIsUsedWithoutANewClient) {
+  const std::string dir =
+      ::testing::TempDir() + "/moe_tls_client_reload_" + std::to_string(::getpid());
+  ::mkdir(dir.c_str(), 0755);
+  auto install = [&](const std::string& from) {  // key first, then certificate, each by rename
+    for (const char* suffix : {"-key.pem", ".pem"}) {
+      std::ifstream in(Pem(from + suffix), std::ios::binary);
+      const std::string to = dir + "/client" + suffix;
+      std::ofstream(to + ".tmp", std::ios::binary) << in.rdbuf();
+      ASSERT_EQ(std::rename((to + ".tmp").c_str(), to.c_str()), 0);
+    }
+  };
+  install("other-client");
+  server::ServerOptions old_ca = TlsServer(/*require_client_certificate=*/true);
+  old_ca.tls.client_ca_file = Pem("other-ca.pem");
+  auto server = StartServer(old_ca);
+  ASSERT_TRUE(server);
+  const int port = server->port();
+  client::ClientOptions reloading = TlsClient(), once = TlsClient();
+  for (client::ClientOptions* o : {&reloading, &once}) {
+    o->connections = 1;
+    o->tls.cert_file = dir + "/client.pem";
+    o->tls.key_file = dir + "/client-key.pem";
+  }
+  reloading.tls.reload_seconds = 1;
+  once.tls.reload_seconds = 0;
+  auto r = client::Connection::Connect(Target(*server), reloading);
+  auto o = client::Connection::Connect(Target(*server), once);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_TRUE((*r)->Health().ok());
+  ASSERT_TRUE((*o)->Health().ok());
+
+  install("client");                                     // renewed, by the new CA
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // the watcher's period is 1 s
+  server.reset();
+  server::ServerOptions new_ca = TlsServer(/*require_client_certificate=*/true);
+  new_ca.port = port;
+  server = StartServer(new_ca);
+  ASSERT_TRUE(server);
+  absl::Status renewed;
+  for (int i = 0; i < 40; ++i) {  // the channel reconnects on its own backoff; allow 10 s
+    renewed = (*r)->Health();
+    if (renewed.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_TRUE(renewed.ok()) << renewed;
+  // The client that read its files once still presents the old CA's certificate: refused on
+  // every try for 2 s.
+  for (int i = 0; i < 8; ++i) {
+    const absl::Status stale = (*o)->Health();
+    EXPECT_EQ(stale.code(), absl::StatusCode::kUnavailable) << "reload_seconds 0 reloaded";
+    if (stale.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+}
+
 TEST(TlsTest, BadTlsOptionsNameTheField) {
   server::ServerOptions o = TlsServer(/*require_client_certificate=*/true);
   o.tls.key_file.clear();
@@ -206,6 +267,11 @@ TEST(TlsTest, BadTlsOptionsNameTheField) {
   auto conn = client::Connection::Connect("127.0.0.1:1", c);
   EXPECT_EQ(conn.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(conn.status().message().find("tls.key_file"), std::string::npos) << conn.status();
+  c = TlsClient();
+  c.tls.reload_seconds = -1;
+  conn = client::Connection::Connect("127.0.0.1:1", c);
+  EXPECT_EQ(conn.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(conn.status().message().find("tls.reload_seconds"), std::string::npos) << conn.status();
 }
 
 }  // namespace
