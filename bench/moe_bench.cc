@@ -197,6 +197,24 @@ absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn,
   return Median(times);
 }
 
+// Appends `line` (one JSON object) to the file at `path`; nothing when `path` is empty.
+void AppendJsonLine(const std::string& path, const std::string& line) {
+  if (path.empty()) return;
+  if (FILE* f = std::fopen(path.c_str(), "a")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
+
+// After a preset: the pool memory it left is given back, since a pool sized for one preset
+// would crowd the next one's.
+void ReleasePoolMemory() {
+  cudaDeviceSynchronize();
+  cudaMemPool_t pool;
+  cudaDeviceGetDefaultMemPool(&pool, 0);
+  cudaMemPoolTrimTo(pool, 0);
+}
+
 absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode mode,
                            bool recompute, bool balanced, GpuWatch* watch) {
   absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
@@ -593,10 +611,7 @@ int MaxTokens(bool recompute, double budget_s) {
   int errors = 0;
   auto attempt = [&](int64_t T) {
     absl::StatusOr<FitResult> r = TryTokens(T, recompute);
-    cudaDeviceSynchronize();
-    cudaMemPool_t pool;
-    cudaDeviceGetDefaultMemPool(&pool, 0);
-    cudaMemPoolTrimTo(pool, 0);
+    ReleasePoolMemory();
     if (!r.ok()) {
       // Not an allocation failure (cuBLAS may report its own out-of-memory as an internal
       // error): counted as a failure of the run, and T as not fitting, so the search goes on.
@@ -843,10 +858,7 @@ int PrintCeiling(const std::vector<const Preset*>& todo, int warmup, int reps, d
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<CeilingResult> r = CublasCeiling(*p, warmup, reps, copy_gbs, watch);
-    cudaDeviceSynchronize();
-    cudaMemPool_t pool;
-    cudaDeviceGetDefaultMemPool(&pool, 0);
-    cudaMemPoolTrimTo(pool, 0);
+    ReleasePoolMemory();
     std::string line;
     if (!r.ok()) {
       ++failures;
@@ -877,12 +889,7 @@ int PrintCeiling(const std::vector<const Preset*>& todo, int warmup, int reps, d
                       ", \"copy_gbs\": ", copy_gbs, "}");
     }
     std::fflush(stdout);
-    if (!json.empty()) {
-      if (FILE* f = std::fopen(json.c_str(), "a")) {
-        std::fprintf(f, "%s\n", line.c_str());
-        std::fclose(f);
-      }
-    }
+    AppendJsonLine(json, line);
   }
   return failures == 0 ? 0 : 1;
 }
@@ -1060,11 +1067,7 @@ int Main(int argc, char** argv) {
   int failures = 0;
   for (const Preset* p : todo) {
     absl::StatusOr<Result> r = Run(*p, warmup, reps, mode, recompute, balanced, &watch);
-    cudaDeviceSynchronize();
-    // A pool sized for the previous preset would crowd the next one's.
-    cudaMemPool_t pool;
-    cudaDeviceGetDefaultMemPool(&pool, 0);
-    cudaMemPoolTrimTo(pool, 0);
+    ReleasePoolMemory();
     std::string line;
     if (!r.ok()) {
       ++failures;
@@ -1156,12 +1159,7 @@ int Main(int argc, char** argv) {
       absl::StrAppend(&line, "}");
     }
     std::fflush(stdout);
-    if (!json.empty()) {
-      if (FILE* f = std::fopen(json.c_str(), "a")) {
-        std::fprintf(f, "%s\n", line.c_str());
-        std::fclose(f);
-      }
-    }
+    AppendJsonLine(json, line);
   }
   return failures == 0 ? 0 : 1;
 }

@@ -80,6 +80,17 @@ absl::Status ConnectAndCall(const std::string& target, const client::ClientOptio
   return (*c)->Health();
 }
 
+// Renews a key pair in place as cert-manager does: the test PKI's FROM-key.pem and FROM.pem
+// become TO-key.pem and TO.pem, key first, each written aside and renamed over the old file.
+void InstallPair(const std::string& from, const std::string& to) {
+  for (const char* suffix : {"-key.pem", ".pem"}) {
+    std::ifstream in(Pem(from + suffix), std::ios::binary);
+    const std::string path = to + suffix;
+    std::ofstream(path + ".tmp", std::ios::binary) << in.rdbuf();
+    ASSERT_EQ(std::rename((path + ".tmp").c_str(), path.c_str()), 0);
+  }
+}
+
 TEST(TlsTest, TrainingOverTlsEqualsPlaintext) {
   auto plain = StartServer();
   auto tls = StartServer(TlsServer(/*require_client_certificate=*/false));
@@ -140,14 +151,7 @@ TEST(TlsTest, MismatchesAreRefusedAndSayWhatToCheck) {
 TEST(TlsTest, RenewedCertificatesAreServedWithoutARestart) {
   const std::string dir = ::testing::TempDir() + "/moe_tls_reload_" + std::to_string(::getpid());
   ::mkdir(dir.c_str(), 0755);
-  auto install = [&](const std::string& from) {  // key first, then certificate, each by rename
-    for (const char* suffix : {"-key.pem", ".pem"}) {
-      std::ifstream in(Pem(from + suffix), std::ios::binary);
-      const std::string to = dir + "/server" + suffix;
-      std::ofstream(to + ".tmp", std::ios::binary) << in.rdbuf();
-      ASSERT_EQ(std::rename((to + ".tmp").c_str(), to.c_str()), 0);
-    }
-  };
+  auto install = [&](const std::string& from) { InstallPair(from, dir + "/server"); };
   install("server");
   server::ServerOptions reloading = LoopbackOptions(), once = LoopbackOptions();
   for (server::ServerOptions* o : {&reloading, &once}) {
@@ -181,14 +185,7 @@ TEST(TlsTest, ARenewedClientCertificateIsUsedWithoutANewClient) {
   const std::string dir =
       ::testing::TempDir() + "/moe_tls_client_reload_" + std::to_string(::getpid());
   ::mkdir(dir.c_str(), 0755);
-  auto install = [&](const std::string& from) {  // key first, then certificate, each by rename
-    for (const char* suffix : {"-key.pem", ".pem"}) {
-      std::ifstream in(Pem(from + suffix), std::ios::binary);
-      const std::string to = dir + "/client" + suffix;
-      std::ofstream(to + ".tmp", std::ios::binary) << in.rdbuf();
-      ASSERT_EQ(std::rename((to + ".tmp").c_str(), to.c_str()), 0);
-    }
-  };
+  auto install = [&](const std::string& from) { InstallPair(from, dir + "/client"); };
   install("other-client");
   server::ServerOptions old_ca = TlsServer(/*require_client_certificate=*/true);
   old_ca.tls.client_ca_file = Pem("other-ca.pem");
