@@ -262,14 +262,14 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
                                               static_cast<int32_t>(K), true, ids->as<int32_t>(),
                                               pw->as<float>(), lse->as<float>(), s));
   }
+  std::vector<int32_t> even;  // lives until the synchronisation below
   if (balanced) {
     // Entry i = t*K + k goes to expert i mod E: every expert gets T*K/E rows (K <= E keeps a
     // token's picks distinct); the router's weights stay.
-    std::vector<int32_t> even(static_cast<size_t>(T * K));
+    even.resize(static_cast<size_t>(T * K));
     for (size_t i = 0; i < even.size(); ++i) even[i] = static_cast<int32_t>(i % E);
     MOE_CUDA_RETURN(
         cudaMemcpyAsync(ids->get(), even.data(), even.size() * 4, cudaMemcpyHostToDevice, s));
-    MOE_CUDA_RETURN(cudaStreamSynchronize(s));  // `even` dies at the end of this block
   }
   MOE_CUDA_RETURN(cudaStreamSynchronize(s));
 
