@@ -141,6 +141,16 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     if (!key.ok()) return key.status();
     options.pem_cert_chain = *cert;
     options.pem_private_key = *key;
+    // gRPC would otherwise find a key that is not this certificate's only at the handshake,
+    // where the server sees an anonymous refused connection and the trainer an UNAVAILABLE
+    // that names no file. Listening with the pair once checks it here (the server's check).
+    grpc::SslServerCredentialsOptions pair(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    pair.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!CanListenWith(grpc::SslServerCredentials(pair))) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ",
+                                                     tls.key_file, " with ", tls.cert_file,
+                                                     " (is it that certificate's key?)"));
+    }
   }
   const bool has_files = !tls.ca_file.empty() || !tls.cert_file.empty();
   if (tls.reload_seconds == 0 || !has_files) return grpc::SslCredentials(options);

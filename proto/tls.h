@@ -64,8 +64,9 @@ bool UsesTls(const ClientTls& tls);
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTls& tls, absl::string_view prefix);
 
-// InsecureChannelCredentials unless TLS is asked for (above); errors as above. A key that is
-// not the certificate's shows only at the handshake, as a refused connection.
+// InsecureChannelCredentials unless TLS is asked for (above); errors as above, the client's
+// certificate and key checked as the server's are (a key that is not the certificate's is
+// InvalidArgument naming key_file, not a refused handshake later).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ClientTls& tls, absl::string_view prefix);
 

@@ -264,6 +264,13 @@ TEST(TlsTest, BadTlsOptionsNameTheField) {
   auto conn = client::Connection::Connect("127.0.0.1:1", c);
   EXPECT_EQ(conn.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(conn.status().message().find("tls.key_file"), std::string::npos) << conn.status();
+  // A client key that is not its certificate's is refused at Connect, naming the file, where
+  // gRPC alone would fail only the handshake.
+  c = TlsClient("ca.pem", "client.pem", "server-key.pem");
+  conn = client::Connection::Connect("127.0.0.1:1", c);
+  EXPECT_EQ(conn.status().code(), absl::StatusCode::kInvalidArgument) << conn.status();
+  EXPECT_NE(conn.status().message().find("tls.key_file"), std::string::npos) << conn.status();
+  EXPECT_NE(conn.status().message().find("server-key.pem"), std::string::npos) << conn.status();
   c = TlsClient();
   c.tls.reload_seconds = -1;
   conn = client::Connection::Connect("127.0.0.1:1", c);

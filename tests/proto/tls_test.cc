@@ -66,6 +66,15 @@ TEST(TlsCredentialsTest, ChannelCredentialsFromFiles) {
   EXPECT_TRUE(MakeChannelCredentials(tls, "tls.").ok());
   tls.key_file.clear();
   ExpectNamed(MakeChannelCredentials(tls, "tls.").status(), "tls.key_file");
+  // Another certificate's key, with and without the file watcher: refused here, not at the
+  // handshake.
+  tls.key_file = Pem("server-key.pem");
+  for (int reload_seconds : {300, 0}) {
+    tls.reload_seconds = reload_seconds;
+    absl::Status wrong_key = MakeChannelCredentials(tls, "tls.").status();
+    ExpectNamed(wrong_key, "tls.key_file");
+    EXPECT_NE(wrong_key.message().find("server-key.pem"), std::string::npos) << wrong_key;
+  }
   tls.key_file = Pem("client-key.pem");
   tls.ca_file = Pem("nope.pem");
   ExpectNamed(MakeChannelCredentials(tls, "tls.").status(), "tls.ca_file");
