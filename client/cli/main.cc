@@ -1,6 +1,6 @@
 // moe-cli: operator commands against a moe-server.
 //
-//   moe-cli [--server=HOST:PORT] health | list | stats
+//   moe-cli [--server=HOST:PORT] health [SERVICE] | list | stats
 //   moe-cli create NAME --experts=E --top_k=K --d_model=D --d_hidden=H [--routing=client|server]
 //           [--activation=swiglu|silu|gelu|relu] [--dtype=float32|bfloat16] [--seed=S] ...
 //   moe-cli delete NAME | save NAME PATH | load NAME PATH
@@ -128,7 +128,8 @@ absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "usage: moe-cli [--server=HOST:PORT] COMMAND\n"
-      "  health               grpc.health.v1 check\n"
+      "  health [SERVICE]     grpc.health.v1 check of the server, or of SERVICE\n"
+      "                       (moe.v1.ExpertService: what readiness probes ask)\n"
       "  list                 layers on the server\n"
       "  stats                device memory, saved contexts, sessions, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
@@ -156,10 +157,12 @@ int main(int argc, char** argv) {
   if (!conn.ok()) return Fail(conn.status());
   auto& c = **conn;
 
-  if (cmd == "health" && need(0)) {
-    absl::Status st = c.Health();
+  if (cmd == "health" && (need(0) || need(1))) {
+    const std::string service = need(1) ? args[2] : "";
+    absl::Status st = c.Health(service);
     if (!st.ok()) return Fail(st);
-    std::printf("%s: SERVING\n", c.target().c_str());
+    std::printf("%s%s%s: SERVING\n", c.target().c_str(), service.empty() ? "" : " ",
+                service.c_str());
   } else if (cmd == "list" && need(0)) {
     auto layers = c.ListLayers();
     if (!layers.ok()) return Fail(layers.status());

@@ -29,6 +29,12 @@ TEST(CliTest, EveryCommand) {
   std::string out;
   EXPECT_EQ(RunCli(srv + "health", &out), 0) << out;
   EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+  // One service: what a readiness probe asks (deploy/kubernetes/tls runs this command).
+  EXPECT_EQ(RunCli(srv + "health moe.v1.ExpertService", &out), 0) << out;
+  EXPECT_NE(out.find("moe.v1.ExpertService: SERVING"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "health no.such.Service", &out), 1) << out;
+  EXPECT_NE(out.find("NOT_FOUND"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(srv + "health a b", &out), 2) << out;
   EXPECT_EQ(RunCli(srv + "list", &out), 0) << out;
   EXPECT_NE(out.find("no layers"), std::string::npos) << out;
   EXPECT_EQ(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Writes the test PKI the TLS tests use (tests/client/tls_test.cc, tests/proto/tls_test.cc):
 #   ca.pem            a test certificate authority
-#   server.pem/-key   moe-server's certificate for localhost and 127.0.0.1, signed by ca.pem
+#   server.pem/-key   moe-server's certificate for localhost, 127.0.0.1 and moe-server.moe.svc
+#                     (the name deploy/kubernetes/tls's probes check), signed by ca.pem
 #   client.pem/-key   a trainer's client certificate, signed by ca.pem
 #   other-ca.pem, other-client.pem/-key   a second authority and a client certificate it
 #                     signed, which a server trusting only ca.pem must refuse
@@ -28,10 +29,10 @@ leaf() {  # leaf NAME CA CN EXTENSIONS
 }
 ca ca "moe-offload test CA"
 ca other-ca "some other CA"
-leaf server ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
+leaf server ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:moe-server.moe.svc
 extendedKeyUsage=serverAuth"
 leaf client ca "trainer-0" "extendedKeyUsage=clientAuth"
 leaf other-client other-ca "trainer-x" "extendedKeyUsage=clientAuth"
-leaf other-server other-ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
+leaf other-server other-ca localhost "subjectAltName=DNS:localhost,IP:127.0.0.1,DNS:moe-server.moe.svc
 extendedKeyUsage=serverAuth"
 rm -f ca-key.pem other-ca-key.pem ./*.srl
