@@ -446,6 +446,10 @@ int Main(const char* only) {
                                       {128, true, 16, false, true, true},
                                       {256, true, 1, false, true, true}};
     std::vector<Sm90GemmConfig> dx = da;
+    // The ping-pong kernel's 128 x 192 consumer tiles (dX only: the launchers refuse them for
+    // the SwiGLU-backward epilogue, which the dA configs also run).
+    dx.push_back({192, true, 3, false, true});
+    dx.push_back({192, true, 16, false, true});
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, 132));
     da.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDH, 132));
     dx.push_back(Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, 132));
