@@ -1221,13 +1221,19 @@ __global__ void __launch_bounds__(384, 1)
 // setmaxnreg budgets: the ws kernel's where a consumer holds up to 128 accumulators. A
 // 40-register producer (consumers 232) made ptxas spill 4-8 bytes in the 128-row variants; 224
 // holds 128 accumulators without spills. The 128 x 192 consumer tiles (192 accumulators, as
-// SonicMoE's down-projection and dX use) need the 232, so their producer gets 40.
+// SonicMoE's down-projection and dX use) need the 232, so their producer gets 40. A warpgroup
+// can only take registers that another released: the CTA keeps the 168 a thread it was
+// launched with (__launch_bounds__(384, 1)), and a budget over that total waits in setmaxnreg
+// forever (48/232 did: 128 * 48 + 256 * 232 > 384 * 168).
 template <int kAccPerThread>
-constexpr int kPpProducerRegs = kAccPerThread > 128 ? 48 : 56;
+constexpr int kPpProducerRegs = kAccPerThread > 128 ? 40 : 56;
 template <int kAccPerThread>
 constexpr int kPpConsumerRegs = kAccPerThread > 128 ? 232 : 224;
-static_assert(128 * kPpProducerRegs<128> + 256 * kPpConsumerRegs<128> <= 65536, "register file");
-static_assert(128 * kPpProducerRegs<192> + 256 * kPpConsumerRegs<192> <= 65536, "register file");
+constexpr int kPpLaunchRegs = 168;
+static_assert(128 * kPpProducerRegs<128> + 256 * kPpConsumerRegs<128> <= 384 * kPpLaunchRegs,
+              "register file");
+static_assert(128 * kPpProducerRegs<192> + 256 * kPpConsumerRegs<192> <= 384 * kPpLaunchRegs,
+              "register file");
 
 template <int kBlockM, int kN, int kStages, bool kSwiGLU>
 __host__ __device__ constexpr int PpSmemBytes() {

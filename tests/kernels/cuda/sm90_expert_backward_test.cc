@@ -366,7 +366,8 @@ bool GuardChecks() {
   expect("DX ping_pong without TMA", LaunchSm90BackwardDX(good, pp, buf, buf, idx, buf, nullptr));
   Sm90GemmConfig wide = cfg;
   wide.block_n = 192;
-  expect("DX block_n=192", LaunchSm90BackwardDX(good, wide, buf, buf, idx, buf, nullptr));
+  expect("DX block_n=192 without ping_pong",
+         LaunchSm90BackwardDX(good, wide, buf, buf, idx, buf, nullptr));
   float* fbuf = reinterpret_cast<float*>(buf);
   expect("DH misaligned h", LaunchSm90BackwardDH(good, cfg, buf, buf, buf + 4, fbuf, idx, idx, buf,
                                                  buf, fbuf, nullptr, 0, nullptr));
