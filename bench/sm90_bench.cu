@@ -158,9 +158,7 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
       {{256, true, g_up, false, true}, {256, true, g_down, false, true}},
       // ... with the weight tile multicast over CTA pairs.
       {{128, true, g_up, false, true, true}, {128, true, g_down, false, true, true}},
-      {{256, true, g_up, false, true, true}, {256, true, g_down, false, true, true}},
-      // Ping-pong with 128 x 192 consumer tiles (SonicMoE's down-projection tile).
-      {{192, true, g_up, false, true}, {192, true, g_down, false, true}}};
+      {{256, true, g_up, false, true, true}, {256, true, g_down, false, true, true}}};
   for (const auto& pair : sweep) {
     const Sm90GemmConfig c = pair.first, cd = pair.second;
     const float up_ms = MedianMs([&] { up(c); });

@@ -65,9 +65,7 @@ enum class Sm90Projection {
 // CTA-wide barrier per k-step. ping_pong = true (TMA only; takes precedence over
 // warp_specialized) runs the same producer, but each consumer warpgroup takes whole tiles in
 // turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
-// (block_n 128), 64 x 256 (block_n 256) or 128 x 192 (block_n 192, ping-pong only, no
-// multicast: SonicMoE's down-projection and dX tile), and group_m still counts 128 rows;
-// the 128-row consumer tiles read a full tile of an A in slot order by TMA. multicast_b
+// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
 // (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
 // load and multicast it to both, halving the weight traffic per tile; the launchers refuse it
 // without ping_pong (cudaErrorInvalidValue).

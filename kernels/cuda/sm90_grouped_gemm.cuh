@@ -339,41 +339,6 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[128], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
-// D[64x192] (+)= A[64x16] * B[192x16]^T: the ping-pong kernel's 128 x 192 consumer tiles (two of
-// these per k16, 192 accumulators a thread); operand majors as for the 64x128 form.
-template <int kTransA = 0, int kTransB = 0>
-__device__ __forceinline__ void WgmmaM64N192K16(float (&d)[96], uint64_t desc_a, uint64_t desc_b,
-                                                int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
-      "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
-      "%87, %88, %89, %90, %91, %92, %93, %94, %95"
-      "}, %96, %97, p, 1, 1, %99, %100;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
-}
-
 // kTransB: B MN-major (A is always K-major here).
 template <int kN, int kTransB = 0>
 struct Wgmma;
@@ -381,12 +346,6 @@ template <int kTransB>
 struct Wgmma<128, kTransB> {
   __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a, uint64_t b) {
     WgmmaM64N128K16<0, kTransB>(d, a, b, 1);
-  }
-};
-template <int kTransB>
-struct Wgmma<192, kTransB> {
-  __device__ __forceinline__ static void Run(float (&d)[96], uint64_t a, uint64_t b) {
-    WgmmaM64N192K16<0, kTransB>(d, a, b, 1);
   }
 };
 template <int kTransB>
@@ -1218,22 +1177,11 @@ __global__ void __launch_bounds__(384, 1)
 // for the SwiGLU-backward epilogue (kBackwardDH) at h <= 768; elsewhere the smaller consumer
 // tile's extra weight traffic (a 64 x 256 tile loads the weights of a 128 x 256 one) outweighs
 // the overlap, and 128 x 128 (two m64n128 per k16) was slower still. Sm90ChooseConfig says where.
-// setmaxnreg budgets: the ws kernel's where a consumer holds up to 128 accumulators. A
-// 40-register producer (consumers 232) made ptxas spill 4-8 bytes in the 128-row variants; 224
-// holds 128 accumulators without spills. The 128 x 192 consumer tiles (192 accumulators, as
-// SonicMoE's down-projection and dX use) need the 232, so their producer gets 40. A warpgroup
-// can only take registers that another released: the CTA keeps the 168 a thread it was
-// launched with (__launch_bounds__(384, 1)), and a budget over that total waits in setmaxnreg
-// forever (48/232 did: 128 * 48 + 256 * 232 > 384 * 168).
-template <int kAccPerThread>
-constexpr int kPpProducerRegs = kAccPerThread > 128 ? 40 : 56;
-template <int kAccPerThread>
-constexpr int kPpConsumerRegs = kAccPerThread > 128 ? 232 : 224;
-constexpr int kPpLaunchRegs = 168;
-static_assert(128 * kPpProducerRegs<128> + 256 * kPpConsumerRegs<128> <= 384 * kPpLaunchRegs,
-              "register file");
-static_assert(128 * kPpProducerRegs<192> + 256 * kPpConsumerRegs<192> <= 384 * kPpLaunchRegs,
-              "register file");
+// setmaxnreg budgets: the ws kernel's. A 40-register producer (consumers 232) made ptxas spill
+// 4-8 bytes in the 128-row variants; 224 holds the consumers' 128 accumulators without spills.
+constexpr int kPpProducerRegs = 56;
+constexpr int kPpConsumerRegs = 224;
+static_assert(128 * kPpProducerRegs + 256 * kPpConsumerRegs <= 65536, "register file");
 
 template <int kBlockM, int kN, int kStages, bool kSwiGLU>
 __host__ __device__ constexpr int PpSmemBytes() {
@@ -1257,10 +1205,8 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kBlockN = kSwiGLU ? kN / 2 : kN;
   constexpr int kAcc = kN / 2;
   constexpr int kRowsPerThread = kBlockM / 16;  // producer: A rows per thread per k-step
-  // Full 128-row tiles of an A in slot order come by TMA on `full`, as in the ws kernel.
-  constexpr bool kTmaA = !kGatherA && !kMulticastB && kBlockM == kMinBlockM;
   static_assert(kBlockM == 64 || kBlockM == 128, "64 or 128 rows per consumer tile");
-  static_assert(kHalves * kAcc <= 192, "at most 192 fp32 accumulators per thread");
+  static_assert(kHalves * kAcc <= 128, "at most 128 fp32 accumulators per thread");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
   static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
@@ -1302,8 +1248,7 @@ __global__ void __launch_bounds__(384, 1)
   const int lane = tid & 31;
   if (wg == 0) {
     // ---- Producer: every tile of this CTA, in order, through the ring.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPpProducerRegs<kHalves * kAcc>)
-                 : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPpProducerRegs) : "memory");
     const int chunk = t_wg & 7;
     int stage = 0;
     uint32_t phase = 0;
@@ -1317,7 +1262,6 @@ __global__ void __launch_bounds__(384, 1)
         a_src[j] = -1;
         if (r < ti.rows) a_src[j] = kGatherA ? p.entries[ti.slot0 + r] / p.top_k : ti.slot0 + r;
       }
-      const bool tma_a = kTmaA && ti.rows == kBlockM;
       for (int kt = 0; kt < num_k; ++kt) {
         MbarWait(SmemAddr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
         const uint32_t s_a = base + stage * kStageBytes;
@@ -1329,17 +1273,8 @@ __global__ void __launch_bounds__(384, 1)
                                                           ti.expert, rank);
           } else {
             TmaLoadWeights<kN, kSwiGLU, kTransB>(p, s_b, SmemAddr(&full[stage]), k0, ti.n0,
-                                                 ti.expert, tma_a ? kTileABytes : 0);
-            if (tma_a) TmaLoad2d(s_a, &p.tmap_a, SmemAddr(&full[stage]), k0, ti.slot0);
+                                                 ti.expert);
           }
-        }
-        if (tma_a) {
-          MbarArrive(SmemAddr(&full[stage]));  // the 128 arrivals `full` expects
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-          continue;
         }
         const int kk = k0 + chunk * 8;
         const bool k_ok = kk < p.k_dim;
@@ -1362,8 +1297,7 @@ __global__ void __launch_bounds__(384, 1)
     CpAsyncWait<0>();  // no copy may outlive its issuing thread
   } else {
     // ---- Consumers.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPpConsumerRegs<kHalves * kAcc>)
-                 : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPpConsumerRegs) : "memory");
     const int cw = wg - 1;
     const int my_tiles = (total - cluster + clusters - 1) / clusters;
     // Frees a ring slot (lane 0 of each warp): in this CTA and, with kMulticastB, in the other,

@@ -204,19 +204,6 @@ cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
   }
 }
 
-// 128 x 192 consumer tiles (ping-pong, block_n 192): 5 stages of 40 KB, or 4 where SwiGLU's
-// wider epilogue staging leaves no room for a fifth. Not for the SwiGLU-backward epilogue,
-// whose extra state does not fit beside 192 accumulators (ptxas spilled 460 bytes).
-template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU>
-cudaError_t LaunchGemmPp192(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU> variant,
-                            const GemmParams& params, cudaStream_t stream) {
-  if constexpr (kDSwiGLU) {
-    return cudaErrorInvalidValue;
-  } else {
-    return LaunchGemmPp < 128, 192, kSwiGLU ? 4 : 5, false > (variant, params, stream);
-  }
-}
-
 // The one place runtime config becomes template constants. The ring fills ~192 KB of shared
 // memory: 4 stages of 128x256 tiles or 6 of 128x128; ping-pong: 6 stages of 128x128 (block_n
 // 128) or 4 of 64x256 (block_n 256), 160-192 KB.
@@ -230,8 +217,6 @@ cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const Gemm
       switch (config.block_n * (config.multicast_b ? -1 : 1)) {
         case 256:
           return LaunchGemmPp<64, 256, 4, false>(variant, params, stream);
-        case 192:
-          return LaunchGemmPp192(variant, params, stream);
         case 128:
           return LaunchGemmPp<128, 128, 6, false>(variant, params, stream);
         case -256:
@@ -273,9 +258,7 @@ template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGL
 cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU> variant,
                          const Sm90GemmConfig& config, GemmParams& params, const void* b0,
                          const void* b1, cudaStream_t stream) {
-  // block_n 192 exists only as the ping-pong kernel's 128 x 192 consumer tile, unicast.
-  const bool pp192 = config.block_n == 192 && config.ping_pong && !config.multicast_b;
-  if (config.block_n != 128 && config.block_n != 256 && !pp192) return cudaErrorInvalidValue;
+  if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;
   if (config.group_m < 1) return cudaErrorInvalidValue;
   // The weight multicast exists only in the ping-pong kernel: asked for without it, refuse
   // rather than silently run another kernel than the one requested.
@@ -297,9 +280,8 @@ cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
                             params.b_expert_stride, box_rows);
     }
   }
-  // The plain, ws and 128-row ping-pong kernels load full tiles of an A read in slot order by
-  // TMA too.
-  if (err == cudaSuccess && !kGatherA && !(config.ping_pong && config.multicast_b)) {
+  // The plain and ws kernels load full tiles of an A read in slot order by TMA too.
+  if (err == cudaSuccess && !config.ping_pong && !kGatherA) {
     err = EncodeSlotRowsMap(&params.tmap_a, params.a, params.a_rows, params.k_dim, kMinBlockM);
   }
   if (err != cudaSuccess) return err;
