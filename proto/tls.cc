@@ -52,6 +52,14 @@ bool CanListenWith(const std::shared_ptr<grpc::ServerCredentials>& credentials) 
   return server != nullptr && port != 0;
 }
 
+// What both ends say when gRPC refuses a certificate with its key.
+absl::Status KeyRefused(absl::string_view prefix, const std::string& key_file,
+                        const std::string& cert_file) {
+  return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ", key_file,
+                                                 " with ", cert_file,
+                                                 " (is it that certificate's key?)"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
@@ -95,9 +103,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, "client_ca_file: gRPC refused ", tls.client_ca_file, " as a CA"));
     }
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ", tls.key_file,
-                                                   " with ", tls.cert_file,
-                                                   " (is it that certificate's key?)"));
+    return KeyRefused(prefix, tls.key_file, tls.cert_file);
   }
   if (tls.reload_seconds == 0) return once;
   // gRPC's file watcher (experimental in gRPC 1.51, the API Debian ships) rereads the files
@@ -147,9 +153,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     grpc::SslServerCredentialsOptions pair(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     pair.pem_key_cert_pairs.push_back({*key, *cert});
     if (!CanListenWith(grpc::SslServerCredentials(pair))) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, "key_file: gRPC refused ",
-                                                     tls.key_file, " with ", tls.cert_file,
-                                                     " (is it that certificate's key?)"));
+      return KeyRefused(prefix, tls.key_file, tls.cert_file);
     }
   }
   const bool has_files = !tls.ca_file.empty() || !tls.cert_file.empty();
