@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Thirteenth session, second call: the ws kernel's gathered A (x for the up-projection, dout for
+# dA and the SwiGLU-backward dA) split between one-row TMA boxes (32, 48 or 64 of a stage's 128
+# rows; Sm90GemmConfig::tma_gather_rows) and cp.async for the rest; checked by the fused forward
+# and backward tests, then timed by the kernel benches beside torch_moe_reference.py in the same
+# call.
+set -uo pipefail
+K=.carry/tg
+export LD_LIBRARY_PATH=$PWD/$K/lib
+S=$(date +%s)
+stamp() { echo "## +$(( $(date +%s) - S ))s $(date -u +%FT%TZ) $*"; }
+{ stamp start; echo "commit $(cat $K/COMMIT | tr '\n' ' ')"; nvidia-smi --query-gpu=name,driver_version,memory.total,temperature.gpu,clocks.sm --format=csv,noheader; } 2>&1 | tee "$OUT/run.log"
+(timeout 200 stdbuf -oL $K/sm90_expert_forward_test > "$OUT/forward_test.log" 2>&1; echo "forward_test rc=$?" >> "$OUT/run.log") &
+(timeout 200 stdbuf -oL $K/sm90_expert_backward_test > "$OUT/backward_test.log" 2>&1; echo "backward_test rc=$?" >> "$OUT/run.log") &
+wait
+for f in forward_test backward_test; do echo "$f: $(grep -c '^PASS' $OUT/$f.log) PASS, $(grep -c '^FAIL' $OUT/$f.log) FAIL; tg>0: $(grep '^PASS' $OUT/$f.log | grep -vc 'tg=0 ') PASS $(grep '^FAIL' $OUT/$f.log | grep -vc 'tg=0 ') FAIL" >> "$OUT/run.log"; done
+stamp tests done >> "$OUT/run.log"
+P="sonic-7b olmoe scale-8k qwen3-a3b"
+timeout 200 $K/sm90_bench --json "$OUT/kernels.jsonl" $P > /dev/null 2>> "$OUT/run.log"; echo "fwd bench rc=$?" >> "$OUT/run.log"
+for p in $P; do timeout 60 $K/sm90_backward_bench $p >> "$OUT/kernels.jsonl" 2>> "$OUT/run.log"; echo "bwd bench $p rc=$?" >> "$OUT/run.log"; done
+for p in sonic-7b qwen3-a3b; do timeout 60 $K/sm90_backward_bench --dh $p >> "$OUT/kernels.jsonl" 2>> "$OUT/run.log"; echo "dh bench $p rc=$?" >> "$OUT/run.log"; done
+stamp benches done >> "$OUT/run.log"
+PYTHONUNBUFFERED=1 timeout 150 python3 $K/torch_moe_reference.py --preset $P --json "$OUT/torch.jsonl" > "$OUT/torch.log" 2>&1; echo "torch rc=$?" >> "$OUT/run.log"
+stamp all done >> "$OUT/run.log"
+cat "$OUT/run.log" | cut -c1-250
+grep FAIL "$OUT"/*_test.log | head -20
+python3 - "$OUT/kernels.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    try: d = json.loads(l)
+    except Exception: continue
+    k = d.get("kind")
+    if k == "tile" and d["pp"] == 0 and d["mc"] == 0 and d["tma"] == 1 and d["group_m"][0] > 1 and d["block_n"] == 256:
+        print("fwd", d["preset"], "ws", d["ws"], "tg", d["tg"], "up", d["up_ms"], "down", d["down_ms"])
+    elif k == "fused":
+        print("fwd", d["preset"], "chosen up", d["up_ms"], "down", d["down_ms"], "comb", d["combine_ms"])
+    elif "da_ws256_ms" in d:
+        print("bwd", d["preset"], d["check"], d["ws_check"], "dA chosen", d["da_ms"], "ws256 tg32/48/64", d["da_ws256_tg32_ms"], d["da_ws256_tg48_ms"], d["da_ws256_tg64_ms"], "ws256", d["da_ws256_ms"])
+    elif "dh_ws256_ms" in d:
+        print("dh ", d["preset"], d["check"], d["ws_check"], "dh chosen", d["dh_ms"], "ws256", d["dh_ws256_ms"], "tg32", d["dh_ws256_tg32_ms"], "tg64", d["dh_ws256_tg64_ms"])
+PY
+tail -n 6 "$OUT/torch.log"
