@@ -52,6 +52,13 @@ bool CanListenWith(const std::shared_ptr<grpc::ServerCredentials>& credentials) 
   return server != nullptr && port != 0;
 }
 
+// What both ends say when only one of a certificate and its key is given.
+absl::Status HalfPair(absl::string_view prefix, bool cert_missing) {
+  return absl::InvalidArgumentError(absl::StrCat(prefix, cert_missing ? "cert_file" : "key_file",
+                                                 ": needed with ", prefix,
+                                                 cert_missing ? "key_file" : "cert_file"));
+}
+
 // What both ends say when gRPC refuses a certificate with its key.
 absl::Status KeyRefused(absl::string_view prefix, const std::string& key_file,
                         const std::string& cert_file) {
@@ -75,9 +82,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     return grpc::InsecureServerCredentials();
   }
   if (tls.cert_file.empty() || tls.key_file.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, tls.cert_file.empty() ? "cert_file" : "key_file", ": needed with ",
-                     prefix, tls.cert_file.empty() ? "key_file" : "cert_file"));
+    return HalfPair(prefix, tls.cert_file.empty());
   }
   absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, absl::StrCat(prefix, "cert_file"));
   if (!cert.ok()) return cert.status();
@@ -129,9 +134,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     return absl::InvalidArgumentError(absl::StrCat(prefix, "reload_seconds: must be >= 0"));
   }
   if (tls.cert_file.empty() != tls.key_file.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, tls.cert_file.empty() ? "cert_file" : "key_file", ": needed with ",
-                     prefix, tls.cert_file.empty() ? "key_file" : "cert_file"));
+    return HalfPair(prefix, tls.cert_file.empty());
   }
   grpc::SslCredentialsOptions options;
   if (!tls.ca_file.empty()) {
