@@ -170,12 +170,18 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
       h <= 256;
   // The ping-pong kernel with 64 x 256 consumer tiles (bench/results/
   // 2026-11-21-h100-36b98f9-ping-pong, H100 runs 1, 3 and 4 resp. 3 and 4, in ms):
-  //  - up-projection, where 128-row tiles would pad more than ~10% of the routed rows (half a
-  //    block per expert: E * 64 > N / 10), which 64-row tiles halve: deepseek-v3 (25%)
-  //    9.24/8.88/9.18 vs 9.92/9.49/9.82 plain, scale-8k (12.5%) 0.691/0.683/0.688 vs
-  //    0.724/0.722/0.732. At 3-6% padding (sonic-7b, qwen3-a3b, olmoe, mixtral) it measured
-  //    slower (run 4: 11-37%), as it did for the down-projection (a tie on deepseek-v3), dA and
-  //    dX; those keep the other kernels;
+  //  - up-projection, where 128-row tiles would pad more than ~20% of the routed rows (half a
+  //    block per expert: E * 64 > N / 5), which 64-row tiles halve: deepseek-v3 (25%)
+  //    9.24/8.88/9.18 vs 9.92/9.49/9.82 plain. At 3-6% padding (sonic-7b, qwen3-a3b, olmoe,
+  //    mixtral) it measured slower (run 4: 11-37%), as it did for the down-projection (a tie
+  //    on deepseek-v3), dA and dX; those keep the other kernels. Between 10% and 20% (scale-8k,
+  //    12.5%) it beat the plain kernel then (0.691/0.683/0.688 vs 0.724/0.722/0.732), but in
+  //    six later sweeps over three calls it lost to the plain and ws kernels alike: ws
+  //    0.548-0.582 ms (ten timings), plain 0.557-0.644 (six), ping-pong 0.601-0.631 (six)
+  //    (bench/results/2026-11-26-h100-overlap-epilogue, call1/ and call2/, and -ws-padded-up,
+  //    kernels.jsonl), while at 25% the ws kernel was the slowest (deepseek-v3 13.6-13.9 ms,
+  //    ping-pong 8.84-8.89). So the up-projection takes the ws kernel at 10-20% padding
+  //    (scale-8k's forward 0.969-0.975 -> 0.895 ms through the engine, -ws-padded-up);
   //  - the dA GEMM with the SwiGLU backward epilogue where h <= 768: sonic-7b 0.511/0.518 vs
   //    0.567/0.570 plain, qwen3-a3b 1.187/1.208 vs 1.244/1.259; at h = 1024 (olmoe, scale-8k)
   //    and 2048 it lost or split.
@@ -183,8 +189,12 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // config timed again at the end of a preset measured up to 20% slower than its first timing
   // (drift within one process, cause not established), so these wins are if anything understated.
   // Only where the wide tile was chosen anyway (block_n 256: n large enough to fill it).
-  const bool pp_up =
-      projection == Sm90Projection::kUpSwiGLU && problem.num_experts * int64_t{64} * 10 > routed;
+  const int64_t padding_rows = problem.num_experts * int64_t{64};
+  if (projection == Sm90Projection::kUpSwiGLU && padding_rows * 10 > routed &&
+      config.block_n == 256) {
+    config.warp_specialized = true;
+  }
+  const bool pp_up = projection == Sm90Projection::kUpSwiGLU && padding_rows * 5 > routed;
   const bool pp_dh = projection == Sm90Projection::kBackwardDH && h <= 768;
   if ((pp_up || pp_dh) && config.block_n == 256) {
     config.ping_pong = true;

@@ -263,5 +263,32 @@ TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
   EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kBackwardDH, 132).ping_pong);
 }
 
+// The up-projection's kernel by how much of the routed rows 128-row tiles pad (half a block an
+// expert): the ping-pong kernel's 64-row tiles above 20% (deepseek-v3, 25%), the ws kernel
+// between 10% and 20% (scale-8k, 12.5%), the ws kernel at h <= 256 and the plain one otherwise
+// below 10% (sonic-7b, olmoe); measured on an H100 (kernels/cuda/sm90_expert_forward.cu).
+TEST(Sm90ChooseConfigTest, UpProjectionKernelFollowsThePaddedShare) {
+  struct Want {
+    int64_t tokens;
+    int32_t top_k, experts, d, h;
+    bool ws, pp;
+  };
+  for (const Want& w : {Want{8192, 8, 256, 7168, 2048, false, true},     // deepseek-v3
+                        Want{8192, 4, 64, 2048, 1024, true, false},      // scale-8k
+                        Want{24576, 8, 128, 1536, 256, true, false},     // sonic-7b
+                        Want{16384, 8, 64, 2048, 1024, false, false}}) {  // olmoe
+    Sm90ExpertProblem p;
+    p.num_tokens = w.tokens;
+    p.top_k = w.top_k;
+    p.num_experts = w.experts;
+    p.d_model = w.d;
+    p.d_hidden = w.h;
+    const kernels::Sm90GemmConfig c =
+        kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kUpSwiGLU, 132);
+    EXPECT_EQ(c.warp_specialized, w.ws) << "E=" << w.experts << " d=" << w.d << " h=" << w.h;
+    EXPECT_EQ(c.ping_pong, w.pp) << "E=" << w.experts << " d=" << w.d << " h=" << w.h;
+  }
+}
+
 }  // namespace
 }  // namespace moe::cuda
