@@ -177,7 +177,8 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   //    on deepseek-v3), dA and dX; those keep the other kernels. Between 10% and 20% (scale-8k,
   //    12.5%) it beat the plain kernel then (0.691/0.683/0.688 vs 0.724/0.722/0.732), but in
   //    six later sweeps over three calls it lost to the plain and ws kernels alike: ws
-  //    0.548-0.582 ms (ten timings), plain 0.557-0.644 (six), ping-pong 0.601-0.631 (six)
+  //    0.548-0.582 ms (ten timings; two more timed last in their sweep, after its slowest
+  //    variants, 0.617 and 0.625), plain 0.557-0.644 (six), ping-pong 0.601-0.631 (six)
   //    (bench/results/2026-11-26-h100-overlap-epilogue, call1/ and call2/, and -ws-padded-up,
   //    kernels.jsonl), while at 25% the ws kernel was the slowest (deepseek-v3 13.6-13.9 ms,
   //    ping-pong 8.84-8.89). So the up-projection takes the ws kernel at 10-20% padding
