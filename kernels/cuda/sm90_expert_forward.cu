@@ -159,9 +159,10 @@ Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection
   // H100 (bench/results/2026-11-21-h100-b77ef57-tile-sweep) up 0.712 vs 0.853 ms, down 0.381 vs
   // 0.492; H200 (docs/FUSED.md) 0.70 vs 0.84 and 0.37 vs 0.50. At h = 768 and 1024 (qwen3-a3b,
   // olmoe) the plain kernel was as fast or faster on the H100, and the two GPUs disagreed at
-  // scale-8k, so the rule stops at 256. The backward's dXg (dH [N, 2h] times W13_e, reducing
-  // over 2h) follows the same rule: at h = 256 the ws kernel beat the plain one by 6.5-7.2% in
-  // five interleaved timings (sonic-7b 0.630-0.637 vs 0.675-0.684 ms,
+  // scale-8k, so the rule stops at 256 (since the fourteenth session the padding rule below
+  // gives scale-8k's up-projection the ws kernel). The backward's dXg (dH [N, 2h] times W13_e,
+  // reducing over 2h) follows the same rule: at h = 256 the ws kernel beat the plain one by
+  // 6.5-7.2% in five interleaved timings (sonic-7b 0.630-0.637 vs 0.675-0.684 ms,
   // bench/results/2026-11-22-h100-8673a05-ws-multicast) and lost 6-9% at h = 768-1024; dA
   // (reducing over d) stays plain, within 1.5% there.
   config.warp_specialized =
