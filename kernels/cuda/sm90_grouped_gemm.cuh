@@ -678,7 +678,7 @@ __device__ __forceinline__ void StoreTile(const GemmParams& p, const TileInfo& t
   // only the column moves, by kCols. So their staging offsets, destinations and row guards are
   // worked out once a tile. Redone in each chunk, that arithmetic was half of the epilogue's
   // instructions: the compiler cannot hoist it past the "memory" clobbers of the bar.syncs.
-  // Hoisted, the up-projection ran 2-5% faster (ws and plain kernels, sonic-7b, scale-8k and
+  // Hoisted, the up-projection ran 1-8% faster (ws and plain kernels, sonic-7b, scale-8k and
   // olmoe; bench/results/2026-11-26-h100-epilogue-hoist).
   constexpr int kStores = kSwiGLU ? 6 : 4;  // 16-byte stores a thread makes per chunk
   const int n_dim = p.n_dim;
