@@ -269,24 +269,20 @@ TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
 // below 10% (sonic-7b, olmoe); measured on an H100 (kernels/cuda/sm90_expert_forward.cu).
 TEST(Sm90ChooseConfigTest, UpProjectionKernelFollowsThePaddedShare) {
   struct Want {
-    int64_t tokens;
-    int32_t top_k, experts, d, h;
+    const char* preset;
     bool ws, pp;
   };
-  for (const Want& w : {Want{8192, 8, 256, 7168, 2048, false, true},     // deepseek-v3
-                        Want{8192, 4, 64, 2048, 1024, true, false},      // scale-8k
-                        Want{24576, 8, 128, 1536, 256, true, false},     // sonic-7b
-                        Want{16384, 8, 64, 2048, 1024, false, false}}) {  // olmoe
-    Sm90ExpertProblem p;
-    p.num_tokens = w.tokens;
-    p.top_k = w.top_k;
-    p.num_experts = w.experts;
-    p.d_model = w.d;
-    p.d_hidden = w.h;
-    const kernels::Sm90GemmConfig c =
-        kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kUpSwiGLU, 132);
-    EXPECT_EQ(c.warp_specialized, w.ws) << "E=" << w.experts << " d=" << w.d << " h=" << w.h;
-    EXPECT_EQ(c.ping_pong, w.pp) << "E=" << w.experts << " d=" << w.d << " h=" << w.h;
+  for (const Want& w : {Want{"deepseek-v3", false, true}, Want{"scale-8k", true, false},
+                        Want{"sonic-7b", true, false}, Want{"olmoe", false, false}}) {
+    const MeasuredPreset* p = nullptr;
+    for (const MeasuredPreset& m : kMeasuredPresets) {
+      if (std::strcmp(m.name, w.preset) == 0) p = &m;
+    }
+    ASSERT_NE(p, nullptr) << w.preset;
+    const kernels::Sm90GemmConfig c = kernels::Sm90ChooseConfig(
+        Problem(PresetShape(*p), p->T), kernels::Sm90Projection::kUpSwiGLU, 132);
+    EXPECT_EQ(c.warp_specialized, w.ws) << w.preset;
+    EXPECT_EQ(c.ping_pong, w.pp) << w.preset;
   }
 }
 
