@@ -20,8 +20,9 @@ inputs and output gradient (make_inputs); the weights are stored in ScatterMoE's
 ScatterMoE is not on PyPI; scripts/fetch-scattermoe unpacks its kernels, unchanged, from the
 fms-acceleration-moe wheel. Needs a GPU, PyTorch and Triton.
 
-  python3 bench/scattermoe_reference.py --kernels build/scattermoe --preset sonic-7b olmoe
-  python3 bench/scattermoe_reference.py --kernels DIR --check      # correctness only
+  python3 bench/scattermoe_reference.py --kernels build/scattermoe --torch-ref PATH \
+      --preset sonic-7b olmoe
+  python3 bench/scattermoe_reference.py --kernels DIR --torch-ref PATH --check  # correctness only
 
 Every run first checks ScatterMoE's output and all five gradients against a float64
 reference on small shapes, and exits 1 (timing nothing) if they disagree: a timing of the
@@ -35,8 +36,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
-DEFAULT_TORCH_REF = "/work/shared/bench/torch_moe_reference.py"
 
 # Small shapes for the correctness check: ragged experts, K > 1, an expert left empty (E large
 # against T*K), and widths that are not multiples of ScatterMoE's 128-wide blocks.
@@ -170,12 +169,17 @@ def run(ops, ref, name, T, d, h, E, K, seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", required=True, help="the folder scripts/fetch-scattermoe filled")
-    ap.add_argument("--torch-ref", default=DEFAULT_TORCH_REF, help="torch_moe_reference.py")
+    ap.add_argument("--torch-ref", default=os.environ.get("MOE_TORCH_REFERENCE"),
+                    help="torch_moe_reference.py (not part of this repository; default: "
+                    "$MOE_TORCH_REFERENCE)")
     ap.add_argument("--preset", nargs="*", default=[])
     ap.add_argument("--all", action="store_true", help="every preset")
     ap.add_argument("--check", action="store_true", help="only the correctness check")
     ap.add_argument("--json", help="also append the results, one JSON object a line, to this file")
     a = ap.parse_args()
+    if not a.torch_ref:
+        sys.exit("scattermoe_reference: name torch_moe_reference.py with --torch-ref PATH or "
+                 "MOE_TORCH_REFERENCE=PATH")
     ref = load_module("torch_moe_reference", a.torch_ref)
     unknown = [n for n in a.preset if n not in ref.PRESETS]
     if unknown:

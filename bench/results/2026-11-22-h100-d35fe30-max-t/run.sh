@@ -1,9 +1,0 @@
-#!/usr/bin/env bash
-# Largest T (recompute and keep-H) at the final code, torch on scale-128k in the same call.
-set -uo pipefail
-C=.carry/L13
-export LD_LIBRARY_PATH=$PWD/$C/lib
-echo "commit $(cat $C/COMMIT)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-{ timeout 130 $C/moe_bench --max-t --recompute --max-t-seconds 100; echo "rc=$?";
-  timeout 60 $C/moe_bench --max-t --max-t-seconds 40; echo "rc=$?"; } 2>&1 | tee $OUT/maxt.log
-PYTHONUNBUFFERED=1 timeout 120 python3 $C/torch_moe_reference.py --preset scale-128k --json $OUT/torch.jsonl > /dev/null 2>&1; echo "torch rc=$?"; cat $OUT/torch.jsonl
