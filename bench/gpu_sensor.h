@@ -1,13 +1,12 @@
 // The GPU's temperature, SM clock and clock-event ("throttle") reasons, for the benchmarks, and
 // the cool-down they wait for before a timed series.
 //
-// Why: on the GPU machine an H100 was seen throttling within seconds of load (software and
-// hardware thermal slowdown at 84-93 C, SM clock anywhere from 345 to 1980 MHz at only
-// 250-420 W), while another call's H100 stayed below 57 C with the same work
-// (bench/results/2026-11-22-h100-7529f6b-epilogue-bound). A timing then depends on which
-// machine ran it and on how long its GPU had been busy. moe_bench --cool-to waits before each
-// timed series until the GPU is back at or below a temperature, and reads the clock after every
-// timed run, so each number says under which conditions it was taken.
+// Why: a GPU can slow itself for heat within seconds of load, and lent machines differ (one H100
+// throttled at 84-93 C while another stayed below 57 C under the same work), so a timing depends
+// on which machine ran it and how long its GPU had been busy (docs/PERFORMANCE.md, "Measuring on
+// a GPU that throttles"). moe_bench --cool-to waits before each timed series until the GPU is
+// back at or below a temperature, and reads the clock after every timed run, so each number
+// says under which conditions it was taken.
 //
 // NVML is opened with dlopen at run time: nothing links against the driver's library, and a
 // machine without it (CI) gets an Unavailable status instead of a missing symbol.

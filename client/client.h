@@ -15,10 +15,9 @@
 // saved contexts when the client goes away.
 //
 // Received tensors are large fresh buffers; under glibc's default malloc each is page-faulted
-// in anew. A trainer that calls moe::RetainFreedHeapMemory() (engine/host_memory.h) first thing
-// in main, or sets the GLIBC_TUNABLES given there, measured 1.73x the training throughput
-// through the service (bench/results/2026-11-22-h100-dc452e4-trainer-malloc). The library
-// does not do it itself: it is the whole process's allocator.
+// in anew. A trainer should call moe::RetainFreedHeapMemory() (engine/host_memory.h) first thing
+// in main, or set the GLIBC_TUNABLES given there (docs/decisions/0005-retained-heap-memory.md).
+// The library does not do it itself: it is the whole process's allocator.
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 

@@ -3,20 +3,17 @@
 //
 // By default glibc serves every block of 32 MiB or more (and, in the per-thread arenas gRPC's
 // threads use, anything their 64 MiB heaps cannot hold) with a fresh mmap and unmaps it on
-// free, so each micro-batch's tensors are page-faulted in anew: on the H100 machine a memcpy
-// into such a 144 MiB buffer took 96-120 ms against 18-24 ms into a warm one. Retaining freed
-// memory (no mmap for large blocks, no trimming, one arena) makes each micro-batch reuse the
-// last one's pages. Measured through the service with the CUDA engine: 1.55x on the server's
-// side (bench/results/2026-11-22-h100-5e42b98-service-cuda) and 1.73x more on the trainer's
-// (bench/results/2026-11-22-h100-dc452e4-trainer-malloc). The price: the process keeps its
-// peak heap. The same settings without code: GLIBC_TUNABLES=glibc.malloc.mmap_max=0:
-// glibc.malloc.trim_threshold=2147483647:glibc.malloc.arena_max=1 (one string, no spaces).
+// free, so each micro-batch's tensors are page-faulted in anew, which costs several times the
+// copy itself. Retaining freed memory (no mmap for large blocks, no trimming, one arena) makes
+// each micro-batch reuse the last one's pages, at the price of keeping the process's peak heap
+// (docs/decisions/0005-retained-heap-memory.md). The same settings without code:
+// GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:
+// glibc.malloc.arena_max=1 (one string, no spaces).
 //
 // Also here: the threads that copy large host tensors on the hot path (the client's copy of a
 // caller's tensors by ParallelMemcpy, the CUDA engine's pinned staging piece by piece by
-// ParallelForInterleaved). One thread copies a warm 75 MB buffer in about 10 ms on the H100
-// machine; split over 8 threads the same bytes take about 3
-// (bench/results/2026-11-22-h100-e794a38-host-staging).
+// ParallelForInterleaved). One thread cannot saturate host memory bandwidth; 8 copy the same
+// bytes about 3x faster (docs/decisions/0004-host-staging.md).
 #ifndef MOE_ENGINE_HOST_MEMORY_H_
 #define MOE_ENGINE_HOST_MEMORY_H_
 

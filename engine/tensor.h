@@ -43,9 +43,9 @@ struct TensorView {
 };
 
 // std::allocator, except that a value-less construct (resize, the count constructor) leaves
-// the bytes unset instead of zeroing them. Writing 75 MB of zeros costs 6.7 ms on the H100
-// machine's host (bench/results/2026-11-22-h100-e794a38-host-staging), which an output that
-// is overwritten at once (Tensor::Uninitialized) does not need to pay.
+// the bytes unset instead of zeroing them: an output that is overwritten at once
+// (Tensor::Uninitialized) need not pay for zero-filling it first
+// (docs/decisions/0012-uninitialized-outputs.md).
 // Its memory comes from AllocateTensorBytes (engine/host_memory.h): large tensors of the data
 // path from the memory an engine installed there (page-locked, with the CUDA engine), the rest
 // from the heap.

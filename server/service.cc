@@ -65,11 +65,7 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
 // is encoded only when it is about to be written (the first on the executor, the others in
 // OnWriteDone), so the device executor hands the tensors over and takes the next micro-batch at
 // once; and the encoding refers to the tensors' bytes instead of copying them into protobuf's
-// strings and again into gRPC's buffers. Building messages as they are written made sonic-7b's
-// shape 15% faster through the service with two micro-batches in flight and a trainer that
-// retains freed memory (bench/results/2026-11-22-h100-lazy-response and -2); building the next
-// message while the previous is written, under a lock since reactions may run concurrently,
-// measured no better (-ed9e20e-response-pipeline).
+// strings and again into gRPC's buffers (docs/decisions/0007-lazy-response-encoding.md).
 template <typename Resp>
 using ChunkedResponse = wire::ChunkedMessages<Resp>;
 

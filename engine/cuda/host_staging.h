@@ -2,14 +2,9 @@
 //
 // The CUDA layer's inputs and outputs are the caller's pageable host buffers (a request's x or
 // dout, the result's out or dx). cudaMemcpy from or to pageable memory runs through the
-// driver's own small staging at ~7-9 GB/s on the H100 machine (75 MB: 10.8 ms up, 8.5 ms
-// down), while a copy between pageable and pinned memory split over 8 threads plus a DMA from
-// pinned memory took 3.3-3.5 ms for the same bytes one after the other
-// (bench/results/2026-11-22-h100-e794a38-host-staging); overlapping the two piece by piece then
-// took a training Forward's host work from 11-12 to 8.3-8.8 ms
-// (bench/results/2026-11-22-h100-a3054f7-staging).
-// So transfers of at least kMinStagedBytes from or to pageable memory go through one pinned
-// buffer per device, at most
+// driver's own small staging at a fraction of the bandwidth that 8 threads copying into pinned
+// memory plus a DMA reach (docs/decisions/0004-host-staging.md). So transfers of at least
+// kMinStagedBytes from or to pageable memory go through one pinned buffer per device, at most
 // kMaxStagingBytes long (larger transfers go through it in pieces), shared by every layer on
 // that device under a mutex and kept for the life of the process. Within a transfer the copies
 // between pageable and pinned memory and the DMAs overlap, piece by piece (kPipelineBytes).

@@ -662,11 +662,10 @@ DispatchConfig DispatchHeuristic(int64_t num_tokens, int32_t top_k, int32_t expe
       break;
     }
   }
-  // Staged entries and PDL only for large tiles (at least 4096 (t,k) each). Measured on an
-  // H100 (bench/results/2026-11-21-h100-dispatch-i): with tiles of 4096-16384 (t,k)
-  // (scale-128k, -512k, -2m) both together cut the dispatch by 26-33%; with tiles of 512-1024
-  // (t,k) (scale-8k, olmoe, deepseek-v3) staging cost up to 15%, and PDL, though 12% faster
-  // on deepseek-v3, was 50% slower on olmoe, for a reason not yet found.
+  // Staged entries and PDL only for large tiles (at least 4096 (t,k) each): there an expert's
+  // run of a tile is long enough for staging's coalesced copy-out to pay for its round trip;
+  // on small tiles staging costs more than it saves and PDL was erratic
+  // (docs/decisions/0014-dispatch-staging-and-pdl.md).
   const int64_t tile_entries =
       expert_count < 1 ? 0 : MakeTiling(num_tokens, expert_count, c).tile_tokens * top_k;
   const bool large_tiles = tile_entries >= 4096;

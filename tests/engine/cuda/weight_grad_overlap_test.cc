@@ -9,8 +9,8 @@
 // runs far enough behind the host, so the test makes the GPU wait (gpu_delay.h) at the two
 // points the engine's hook names: the layer's stream before dA, and the lane before its first
 // GEMM. A build whose lane does not wait for the layer's stream fails all seven cases, one whose
-// layer stream does not wait for the lane six (all but the one-chunk hybrid), on an H100
-// (bench/results/2026-11-22-h100-920e1a3-overlap-mutants). Several dispatch chunks make one
+// layer stream does not wait for the lane six, all but the one-chunk hybrid
+// (docs/decisions/0010-weight-grad-side-stream.md). Several dispatch chunks make one
 // chunk's lane meet the next chunk's dA; each backward path is forced in turn, since they hand
 // the lane different buffers (gathered dout reused for x in the unfused path, a fresh gathered
 // x in the hybrid, none in the fused ones).
