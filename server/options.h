@@ -18,6 +18,15 @@ struct ServerOptions {
   std::string checkpoint_dir;   // empty: Save/LoadCheckpoint fail FAILED_PRECONDITION
   int64_t context_budget_bytes = int64_t{4} << 30;  // saved training contexts, all layers
   double context_ttl_seconds = 600;                 // a context older than this is freed
+  // A context made outside a session is freed after this: nothing else frees it when its
+  // client goes away.
+  double sessionless_context_ttl_seconds = 30;
+  // Memory admission (server/memory_ledger.h): the bytes layer state and saved contexts (and,
+  // with the CPU engine, request tensors in flight) may hold in the engine's memory. 0 derives
+  // it from the cgroup limit and MemTotal, or the GPU's free memory (server/memory_limits.h).
+  int64_t memory_budget_bytes = 0;
+  int64_t principal_layer_bytes_quota = 0;    // layer-state bytes per principal; 0: unlimited
+  int64_t principal_context_bytes_quota = 0;  // saved-context bytes per principal; 0: unlimited
   int64_t max_message_bytes = int64_t{64} << 20;    // largest request message accepted
   int max_layers = 64;                              // bounds the `layer` metric label too
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
