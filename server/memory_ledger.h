@@ -1,11 +1,13 @@
 // MemoryLedger: admission control for moe-server's memory, and per-principal quotas.
 //
-// Every byte the server holds for a client is charged here BEFORE it is allocated, against the
+// What the server keeps for its clients is charged here BEFORE it is allocated, against the
 // budget of the memory it lives in (memory_limits.h): a layer's state (Engine::LayerStateBytes,
 // reconciled with the layer's resident_bytes() once built), every saved context, and the
 // tensors of each request being assembled. A charge that does not fit is refused with
 // RESOURCE_EXHAUSTED naming the bytes needed and free, and nothing changes; a refused request
-// allocates nothing, so the server is never OOM-killed by what a client asks for.
+// allocates nothing. What is not charged (a call's working memory and results, weight exports,
+// checkpoint bytes being read or written, the process itself) is what the margin of a derived
+// budget is for.
 //
 // Two budgets: the engine's memory holds layer state and saved contexts; request tensors are
 // in host memory. With the CPU engine both are host memory and one budget covers all three.

@@ -267,7 +267,16 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       const std::vector<grpc::CallbackServerContext*>& calls) = 0;
 
   bool striped() const { return stripe_.count() != 0; }
-  wire::TensorAssembler& assembler(size_t i) { return assemblers_[i]; }
+  // Room for `bytes` of input i before its first chunk, charged to the memory ledger first
+  // (ResourceExhausted, nothing reserved, when it does not fit).
+  absl::Status ReserveInput(size_t i, int64_t bytes) {
+    held_[i].claimed = std::max(held_[i].claimed, bytes);
+    int64_t total = 0;
+    for (const HeldBytes& h : held_) total = SaturatingAdd(total, h.held());
+    if (absl::Status st = charge_.Set(total, inputs_[i].name); !st.ok()) return st;
+    assemblers_[i].Reserve(static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
 
   ExpertServiceImpl* service_;
   grpc::CallbackServerContext* ctx_;
@@ -667,9 +676,8 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     auto entry = service_->FindLayer(layer_);
     auto tokens = service_->contexts().NumTokens(layer_, context_id_, principal_);
     if (entry.ok() && tokens.ok()) {
-      assembler(0).Reserve(static_cast<size_t>(*tokens) *
-                           static_cast<size_t>((*entry)->config.d_model) *
-                           DTypeSize((*entry)->config.dtype));
+      return ReserveInput(0, *tokens * (*entry)->config.d_model *
+                                 static_cast<int64_t>(DTypeSize((*entry)->config.dtype)));
     }
     return absl::OkStatus();
   }

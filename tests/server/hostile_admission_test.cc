@@ -172,6 +172,35 @@ TEST(HostileAdmissionTest, ContextsPastTheContextQuotaAreRefusedNamingIt) {
   s.ExpectServingAndReferenceUnchanged();
 }
 
+// Training that fills the memory budget with contexts is refused its next context, and never
+// locked out of the Backwards that drain it: a Forward's x is charged while its context is
+// admitted, so room for a dout of the same size is left beside every context.
+TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
+  AdmissionServer probe;
+  ASSERT_NO_FATAL_FAILURE(probe.Start(AdmissionOptions()));
+  std::mt19937 rng(12);
+  const int64_t tokens = 16, d = ReferenceConfig().d_model;
+  Tensor x = RandomTensor(rng, {tokens, d}), dout = RandomTensor(rng, {tokens, d});
+  const char* ref = AdmissionServer::kReference;
+  ASSERT_TRUE(probe.conn().Forward(ref, 1, true, x.view(), {}, {}).get().ok());
+  const int64_t context = probe.conn().GetStats()->saved_context_bytes();
+  const int64_t dout_bytes = tokens * d * 4;
+
+  server::ServerOptions options = AdmissionOptions();
+  options.memory_budget_bytes =
+      CpuStateBytes(ReferenceConfig()) + 2 * context + dout_bytes - 1;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  client::Connection& c = s.conn();
+  ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
+  ExpectExhausted(c.Forward(ref, 2, true, x.view(), {}, {}).get().status(),
+                  absl::StrCat("memory budget: this saved context needs ", context, " bytes"));
+  EXPECT_TRUE(c.Backward(ref, 1, dout.view()).get().ok());
+  ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
+  EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
+  s.ExpectServingAndReferenceUnchanged();
+}
+
 TEST(HostileAdmissionTest, ContextsOutsideASessionAreFreedAfterTheShortTtl) {
   server::ServerOptions options = AdmissionOptions();
   options.sessionless_context_ttl_seconds = 0.3;  // contexts of a session keep the 600 s default
