@@ -10,7 +10,6 @@
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <limits>
 #include <random>
 #include <utility>
 #include <vector>
@@ -22,6 +21,7 @@
 #include "proto/wire.h"
 #include "server/auth.h"
 #include "server/checkpoint.h"
+#include "server/held_bytes.h"
 #include "server/status_map.h"
 #include "server/stripe_join.h"
 
@@ -60,39 +60,6 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
   auto it = ctx->client_metadata().find(kSessionMetadataKey);
   if (it == ctx->client_metadata().end()) return "";
   return std::string(it->second.data(), it->second.size());
-}
-
-// The bytes `t`'s dtype and shape claim; 0 when they do not say (an unknown dtype, a negative
-// extent or a product past int64, which the assembler's own checks report).
-int64_t ClaimedBytes(const v1::Tensor& t) {
-  absl::StatusOr<DType> dtype = wire::DTypeFromProto(t.dtype(), "");
-  if (!dtype.ok()) return 0;
-  int64_t bytes = static_cast<int64_t>(DTypeSize(*dtype));
-  for (int64_t extent : t.shape()) {
-    if (extent < 0 || __builtin_mul_overflow(bytes, extent, &bytes)) return 0;
-  }
-  return bytes;
-}
-
-// What one request tensor holds while it is assembled, for the memory ledger: the larger of
-// the bytes received and the bytes its shape claims (the assembler reserves the claim once an
-// eighth of it has arrived, and keeps what arrives past a claim too small).
-struct HeldBytes {
-  int64_t received = 0;
-  int64_t claimed = 0;
-  int64_t held() const { return std::max(received, claimed); }
-  // Accounts a chunk: its claim and its payload; returns the change of held().
-  int64_t Add(const v1::Tensor& chunk, absl::Span<const absl::string_view> payload) {
-    const int64_t before = held();
-    claimed = std::max(claimed, ClaimedBytes(chunk));
-    for (absl::string_view p : payload) received += static_cast<int64_t>(p.size());
-    return held() - before;
-  }
-};
-
-int64_t SaturatingAdd(int64_t a, int64_t b) {
-  int64_t sum = 0;
-  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
 }
 
 // A micro-batch's response (proto/raw_message.h): the result tensors, kept until the last message
