@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
       "  health [SERVICE]     grpc.health.v1 check of the server, or of SERVICE\n"
       "                       (moe.v1.ExpertService: what readiness probes ask)\n"
       "  list                 layers on the server\n"
-      "  stats                device memory, saved contexts, sessions, layers\n"
+      "  stats                device memory, saved contexts, sessions, memory budget, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
       "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer "
       "--lr ...]\n"
@@ -189,6 +189,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(s->saved_context_bytes()),
                 static_cast<long long>(s->saved_context_budget_bytes()),
                 static_cast<long long>(s->sessions()));
+    std::printf("memory admitted %lld of %lld budget bytes\n",
+                static_cast<long long>(s->memory_admitted_bytes()),
+                static_cast<long long>(s->memory_budget_bytes()));
     for (const auto& l : s->layers()) std::printf("  %s\n", Describe(l).c_str());
   } else if (cmd == "create" && need(1)) {
     auto proto = ConfigFromFlags();
