@@ -53,9 +53,8 @@ absl::Status ContextStore::CheckSessionLocked(const std::string& session,
         absl::StrCat("moe-session-id: session ", session, " is not open"));
   }
   if (it->second != principal) {
-    return absl::PermissionDeniedError(absl::StrCat("moe-session-id: session ", session,
-                                                    " is not a session of principal \"",
-                                                    principal, "\""));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "moe-session-id: session ", session, " is not a session of principal \"", principal, "\""));
   }
   return absl::OkStatus();
 }

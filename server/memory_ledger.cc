@@ -96,10 +96,10 @@ absl::Status MemoryLedger::AdmitLayer(const std::string& principal, const std::s
   const int64_t held = Get(principal_layer_bytes_, principal);
   if (quota > 0 && bytes > quota - held) {
     if (metrics_) metrics_->AdmissionRejected("layer_quota");
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "--principal_layer_bytes_quota: principal \"", principal, "\" holds ", held,
-        " bytes of layer state; layer \"", layer, "\" needs ", bytes,
-        " more, past its quota of ", quota, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("--principal_layer_bytes_quota: principal \"", principal, "\" holds ", held,
+                     " bytes of layer state; layer \"", layer, "\" needs ", bytes,
+                     " more, past its quota of ", quota, " bytes"));
   }
   const int64_t free = EngineFreeLocked();
   if (bytes > free) {
@@ -146,16 +146,16 @@ absl::Status MemoryLedger::AdmitContext(const std::string& principal, int64_t by
     if (metrics_) metrics_->AdmissionRejected("context_quota");
     return absl::ResourceExhaustedError(absl::StrCat(
         "--principal_context_bytes_quota: principal \"", principal, "\" holds ", held,
-        " bytes of saved contexts; this context needs ", bytes, " more, past its quota of ",
-        quota, " bytes; run Backward for outstanding contexts or send smaller micro-batches"));
+        " bytes of saved contexts; this context needs ", bytes, " more, past its quota of ", quota,
+        " bytes; run Backward for outstanding contexts or send smaller micro-batches"));
   }
   const int64_t free = EngineFreeLocked();
   if (bytes > free) {
     if (metrics_) metrics_->AdmissionRejected("memory_budget");
     return absl::ResourceExhaustedError(absl::StrCat(
-        "memory budget: this saved context needs ", bytes, " bytes; ",
-        std::max<int64_t>(free, 0), " of the ", limits_.budget.engine_bytes, "-byte budget of ",
-        limits_.budget.engine_memory, " are free (--memory_budget_bytes)"));
+        "memory budget: this saved context needs ", bytes, " bytes; ", std::max<int64_t>(free, 0),
+        " of the ", limits_.budget.engine_bytes, "-byte budget of ", limits_.budget.engine_memory,
+        " are free (--memory_budget_bytes)"));
   }
   Add(principal_context_bytes_, principal, bytes);
   usage_.context_bytes += bytes;

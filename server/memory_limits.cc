@@ -143,8 +143,8 @@ MemoryBudget DeriveMemoryBudget(int64_t configured, const std::string& engine_na
   }
   budget.engine_memory = absl::StrCat(engine_name, " memory");
   budget.engine_bytes = configured > 0 ? configured : BudgetWithinLimit(device.free_bytes);
-  budget.host_bytes = host_limit < 0 ? std::numeric_limits<int64_t>::max()
-                                     : BudgetWithinLimit(host_limit);
+  budget.host_bytes =
+      host_limit < 0 ? std::numeric_limits<int64_t>::max() : BudgetWithinLimit(host_limit);
   return budget;
 }
 

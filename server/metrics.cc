@@ -124,8 +124,9 @@ Metrics::Metrics(std::string device)
   admitted_requests_ = &admitted.Add({{"kind", "requests"}});
   admission_rejections_ = &prometheus::BuildCounter()
                                .Name("moe_admission_rejections_total")
-                               .Help("Requests refused for the memory budget or a principal's "
-                                     "quota, by reason")
+                               .Help(
+                                   "Requests refused for the memory budget or a principal's "
+                                   "quota, by reason")
                                .Register(r);
 }
 

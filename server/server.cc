@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
 #include "proto/tls.h"
-#include "server/metrics.h"
 #include "server/memory_limits.h"
+#include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
 
@@ -39,10 +39,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError("memory_budget_bytes: must be >= 0 (0 derives it)");
   }
   if (options.principal_layer_bytes_quota < 0 || options.principal_context_bytes_quota < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        options.principal_layer_bytes_quota < 0 ? "principal_layer_bytes_quota"
-                                                : "principal_context_bytes_quota",
-        ": must be >= 0 (0 is unlimited)"));
+    return absl::InvalidArgumentError(absl::StrCat(options.principal_layer_bytes_quota < 0
+                                                       ? "principal_layer_bytes_quota"
+                                                       : "principal_context_bytes_quota",
+                                                   ": must be >= 0 (0 is unlimited)"));
   }
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{2} << 30) - 1) {
     return absl::InvalidArgumentError("max_message_bytes: must be in [1024, 2^31)");
@@ -72,8 +72,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->device_ = (*engine)->name();
   server->memory_budget_ = budget;
   server->metrics_ = std::make_unique<Metrics>(server->device_);
-  server->service_ = std::make_unique<ExpertServiceImpl>(options, std::move(budget),
-                                                         std::move(*engine), server->metrics_.get());
+  server->service_ = std::make_unique<ExpertServiceImpl>(
+      options, std::move(budget), std::move(*engine), server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -23,8 +23,8 @@ namespace moe::testing {
 
 inline std::string AdmissionTempDir(const std::string& name) {
   static int counter = 0;
-  std::string dir = absl::StrCat(::testing::TempDir(), "/moe_admission_", name, "_", ::getpid(),
-                                 "_", counter++);
+  std::string dir =
+      absl::StrCat(::testing::TempDir(), "/moe_admission_", name, "_", ::getpid(), "_", counter++);
   ::mkdir(dir.c_str(), 0755);
   return dir;
 }

@@ -105,7 +105,8 @@ TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
   tight.memory_budget_bytes = CpuStateBytes(medium) - 1 + CpuStateBytes(ReferenceConfig());
   AdmissionServer reader;
   ASSERT_NO_FATAL_FAILURE(reader.Start(tight));
-  absl::StatusOr<v1::LayerInfo> loaded = reader.conn().LoadCheckpoint("medium", "medium.safetensors");
+  absl::StatusOr<v1::LayerInfo> loaded =
+      reader.conn().LoadCheckpoint("medium", "medium.safetensors");
   ExpectExhausted(loaded.status(), absl::StrCat("needs ", CpuStateBytes(medium), " bytes"));
   EXPECT_EQ(reader.conn().GetLayer("medium").status().code(), absl::StatusCode::kNotFound);
   reader.ExpectServingAndReferenceUnchanged();
@@ -145,9 +146,8 @@ TEST(HostileAdmissionTest, ContextsPastTheContextQuotaAreRefusedNamingIt) {
   std::mt19937 rng(8);
   const int64_t d = ReferenceConfig().d_model;
   Tensor x = RandomTensor(rng, {16, d}), dout = RandomTensor(rng, {16, d});
-  ASSERT_TRUE(probe.conn().Forward(AdmissionServer::kReference, 1, true, x.view(), {}, {})
-                  .get()
-                  .ok());
+  ASSERT_TRUE(
+      probe.conn().Forward(AdmissionServer::kReference, 1, true, x.view(), {}, {}).get().ok());
   const int64_t one = probe.conn().GetStats()->saved_context_bytes();
   ASSERT_GT(one, 0);
 
@@ -187,8 +187,7 @@ TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
   const int64_t dout_bytes = tokens * d * 4;
 
   server::ServerOptions options = AdmissionOptions();
-  options.memory_budget_bytes =
-      CpuStateBytes(ReferenceConfig()) + 2 * context + dout_bytes - 1;
+  options.memory_budget_bytes = CpuStateBytes(ReferenceConfig()) + 2 * context + dout_bytes - 1;
   AdmissionServer s;
   ASSERT_NO_FATAL_FAILURE(s.Start(options));
   client::Connection& c = s.conn();

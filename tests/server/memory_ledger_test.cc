@@ -39,7 +39,7 @@ TEST(MemoryLedgerTest, ALayerPastTheBudgetIsRefusedNamingTheBytes) {
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
   EXPECT_TRUE(Contains(st, "\"big\" needs 2001 bytes")) << st;
   EXPECT_TRUE(Contains(st, "2000 of the 3000-byte budget of host memory are free")) << st;
-  EXPECT_EQ(ledger.usage().layer_bytes, 1000);  // the refusal changed nothing
+  EXPECT_EQ(ledger.usage().layer_bytes, 1000);                // the refusal changed nothing
   EXPECT_TRUE(ledger.AdmitLayer(kAlice, "fits", 2000).ok());  // exactly the rest
   EXPECT_EQ(ledger.usage().engine_bytes(), 3000);
   ledger.ReleaseLayer("small");
@@ -146,8 +146,7 @@ TEST(MemoryLedgerTest, PublishesBudgetAdmittedBytesAndRefusals) {
   const std::string s = text.str();
   EXPECT_NE(s.find("moe_memory_budget_bytes{memory=\"host\"} 1000"), std::string::npos) << s;
   EXPECT_NE(s.find("moe_memory_admitted_bytes{kind=\"layer_state\"} 80"), std::string::npos) << s;
-  EXPECT_NE(s.find("moe_memory_admitted_bytes{kind=\"saved_contexts\"} 7"), std::string::npos)
-      << s;
+  EXPECT_NE(s.find("moe_memory_admitted_bytes{kind=\"saved_contexts\"} 7"), std::string::npos) << s;
   EXPECT_NE(s.find("moe_admission_rejections_total{reason=\"layer_quota\"} 1"), std::string::npos)
       << s;
 }

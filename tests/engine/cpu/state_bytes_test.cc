@@ -32,10 +32,9 @@ TEST(CpuStateBytesTest, LayerStateBytesIsWhatTheLayerHolds) {
             c.routing = routing;
             c.expert_first = count < 0 ? 0 : 3;
             c.expert_count = count;
-            const std::string what =
-                absl::StrCat("act ", static_cast<int>(act), " dtype ", DTypeName(dtype), " opt ",
-                             static_cast<int>(opt), " routing ", static_cast<int>(routing),
-                             " count ", count);
+            const std::string what = absl::StrCat(
+                "act ", static_cast<int>(act), " dtype ", DTypeName(dtype), " opt ",
+                static_cast<int>(opt), " routing ", static_cast<int>(routing), " count ", count);
             absl::StatusOr<int64_t> bytes = engine->LayerStateBytes(c);
             ASSERT_TRUE(bytes.ok()) << what << ": " << bytes.status();
             absl::StatusOr<std::unique_ptr<Layer>> layer = engine->CreateLayer(c);
