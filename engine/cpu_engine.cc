@@ -739,6 +739,25 @@ class CpuEngine : public Engine {
       return absl::ResourceExhaustedError("layer config: weights do not fit in host memory");
     }
   }
+  // Per parameter, fp32 each: the weight, its gradient, the first moment (AdamW) or momentum
+  // (SGD), the second moment (AdamW) and the master copy (bf16 storage): Param::bytes().
+  absl::StatusOr<int64_t> LayerStateBytes(const LayerConfig& config) const override {
+    const int64_t per_param = 4 * (3 + (config.optimizer.kind == OptimizerKind::kAdamW ? 1 : 0) +
+                                   (config.dtype == DType::kBFloat16 ? 1 : 0));
+    return LayerStateBytesFor(config, per_param);
+  }
+  absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const override {
+    const long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES),
+               page = sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || avail < 0 || page <= 0) {
+      return absl::UnavailableError("host memory: sysconf does not report the physical pages");
+    }
+    DeviceMemoryInfo info;
+    info.total_bytes = static_cast<int64_t>(pages) * page;
+    info.free_bytes = static_cast<int64_t>(avail) * page;
+    info.host = true;
+    return info;
+  }
   int64_t memory_in_use_bytes() const override { return memory_->load(); }
   int64_t memory_total_bytes() const override {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);

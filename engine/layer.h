@@ -164,12 +164,28 @@ class Layer {
   virtual int64_t resident_bytes() const = 0;
 };
 
+// The memory a device offers its layers and saved contexts.
+struct DeviceMemoryInfo {
+  int64_t total_bytes = 0;  // capacity (the CPU engine: the machine's physical memory)
+  int64_t free_bytes = 0;   // free now, to any process
+  bool host = false;        // it is this process's host memory (the CPU engine)
+};
+
 // A device. Creates layers on it; reports its memory.
 class Engine {
  public:
   virtual ~Engine() = default;
   virtual std::string name() const = 0;   // "cpu", "cuda:0"
   virtual absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) = 0;
+  // The bytes of state (weights, gradients, optimizer state, fp32 masters) a layer of `config`
+  // would hold on this engine: exactly what its resident_bytes() reports once created. Computed
+  // from the config alone, so a server can refuse a layer that does not fit before anything is
+  // allocated. InvalidArgument for a config CreateLayer would refuse; ResourceExhausted when the
+  // count does not fit in int64.
+  virtual absl::StatusOr<int64_t> LayerStateBytes(const LayerConfig& config) const = 0;
+  // The device's memory now (cudaMemGetInfo for a GPU; the host's for the CPU engine).
+  // Unavailable when it cannot be read.
+  virtual absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const = 0;
   virtual int64_t memory_in_use_bytes() const = 0;
   virtual int64_t memory_total_bytes() const = 0;
   // Page-locked host memory the engine holds for the process's large tensors (the CUDA engine's

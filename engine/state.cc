@@ -89,4 +89,24 @@ absl::Status ValidateStateTensor(
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t bytes_per_param) {
+  if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
+  const int64_t d = config.d_model, h = config.d_hidden, count = config.local_experts();
+  // Every product and sum is checked: a valid config bounds the expert weights, not the router
+  // (d * E) nor the product with the bytes per parameter.
+  int64_t expert = 0, per_expert = 0, router = 0, params = 0, bytes = 0;
+  const int64_t matrices = config.gated() ? 3 : 2;  // w1, [w3], w2, each [h, d] or [d, h]
+  const bool overflow = __builtin_mul_overflow(d, h, &per_expert) ||
+                        __builtin_mul_overflow(per_expert, matrices, &per_expert) ||
+                        __builtin_mul_overflow(per_expert, count, &expert) ||
+                        (config.routing == RoutingMode::kServer &&
+                         __builtin_mul_overflow(d, config.num_experts, &router)) ||
+                        __builtin_add_overflow(expert, router, &params) ||
+                        __builtin_mul_overflow(params, bytes_per_param, &bytes);
+  if (overflow) {
+    return absl::ResourceExhaustedError("layer config: its state would need more than 2^63 bytes");
+  }
+  return bytes;
+}
+
 }  // namespace moe

@@ -41,6 +41,13 @@ absl::Status ValidateStateTensor(
     const LayerConfig& config, const std::string& name, const Tensor& tensor,
     const std::function<const std::vector<int64_t>*(const std::string&)>& param_shape);
 
+// The bytes of a layer's state on an engine that keeps `bytes_per_param` bytes for each of its
+// parameters (weights, gradient, optimizer state and master together): the layer's parameter
+// count (w1, w3 when gated, w2 of its local experts, the router with server routing) times
+// that. Validates the config first (ValidateLayerConfig); ResourceExhausted, naming the layer
+// config, when the product does not fit in int64.
+absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t bytes_per_param);
+
 }  // namespace moe
 
 #endif  // MOE_ENGINE_STATE_H_

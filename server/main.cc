@@ -4,11 +4,16 @@
 // contexts are freed).
 #include <csignal>
 #include <cstdio>
+#include <limits>
+#include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "engine/host_memory.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -29,6 +34,19 @@ ABSL_FLAG(int64_t, context_budget_bytes, kDefaults.context_budget_bytes,
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, context_ttl_seconds, kDefaults.context_ttl_seconds,
           "Saved contexts older than this are freed (abandoned by their client)");
+ABSL_FLAG(double, sessionless_context_ttl_seconds, kDefaults.sessionless_context_ttl_seconds,
+          "Saved contexts made outside a session (no moe-session-id) are freed after this; "
+          "contexts of an open session keep --context_ttl_seconds");
+ABSL_FLAG(int64_t, memory_budget_bytes, kDefaults.memory_budget_bytes,
+          "Bytes that layer state and saved contexts (and, on the CPU, request tensors in flight) "
+          "may hold; CreateLayer, LoadCheckpoint, training Forwards and requests past it get "
+          "RESOURCE_EXHAUSTED. 0 derives it from the cgroup memory limit and MemTotal (CPU) or "
+          "the GPU's free memory, less a tenth (at least 256 MiB)");
+ABSL_FLAG(int64_t, principal_layer_bytes_quota, kDefaults.principal_layer_bytes_quota,
+          "Bytes of layer state (weights, gradients, optimizer state) the layers one principal "
+          "created may hold; 0 is unlimited");
+ABSL_FLAG(int64_t, principal_context_bytes_quota, kDefaults.principal_context_bytes_quota,
+          "Bytes of saved training contexts one principal may hold; 0 is unlimited");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest request message accepted; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "Most layers the server holds at once");
@@ -53,7 +71,15 @@ void OnSignal(int) { g_stop = 1; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("moe-server: Mixture-of-Experts layers as a gRPC service");
+  // --help lists this file's flags: absl's default lists only those of a file named after the
+  // binary (it compares with its name normalized, which drops the leading '/').
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(__FILE__, file);
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage("Mixture-of-Experts layers as a gRPC service");
   absl::ParseCommandLine(argc, argv);
   // Before Server::Start starts any thread (engine/host_memory.h says why and what it gains).
   if (absl::GetFlag(FLAGS_retain_freed_memory) && !moe::RetainFreedHeapMemory()) {
@@ -68,6 +94,10 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.context_budget_bytes = absl::GetFlag(FLAGS_context_budget_bytes);
   options.context_ttl_seconds = absl::GetFlag(FLAGS_context_ttl_seconds);
+  options.sessionless_context_ttl_seconds = absl::GetFlag(FLAGS_sessionless_context_ttl_seconds);
+  options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  options.principal_layer_bytes_quota = absl::GetFlag(FLAGS_principal_layer_bytes_quota);
+  options.principal_context_bytes_quota = absl::GetFlag(FLAGS_principal_context_bytes_quota);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
@@ -88,6 +118,16 @@ int main(int argc, char** argv) {
   std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d, transport %s\n",
               (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
               (*server)->metrics_port(), transport);
+  const moe::server::MemoryBudget& budget = (*server)->memory_budget();
+  std::string requests;
+  if (!budget.shared) {
+    requests = budget.host_bytes == std::numeric_limits<int64_t>::max()
+                   ? ", host memory for requests unlimited"
+                   : absl::StrCat(", ", budget.host_bytes, " bytes of host memory for requests");
+  }
+  std::printf("moe-server: memory budget %lld bytes of %s%s\n",
+              static_cast<long long>(budget.engine_bytes), budget.engine_memory.c_str(),
+              requests.c_str());
   std::fflush(stdout);
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("moe-server: shutting down\n");

@@ -111,6 +111,23 @@ Metrics::Metrics(std::string device)
                    .Help("Open client sessions")
                    .Register(r)
                    .Add({});
+  memory_budget_ = &prometheus::BuildGauge()
+                        .Name("moe_memory_budget_bytes")
+                        .Help("Bytes the server admits into each memory (device, host)")
+                        .Register(r);
+  auto& admitted = prometheus::BuildGauge()
+                       .Name("moe_memory_admitted_bytes")
+                       .Help("Bytes admitted against the memory budget, by kind")
+                       .Register(r);
+  admitted_layer_state_ = &admitted.Add({{"kind", "layer_state"}});
+  admitted_contexts_ = &admitted.Add({{"kind", "saved_contexts"}});
+  admitted_requests_ = &admitted.Add({{"kind", "requests"}});
+  admission_rejections_ = &prometheus::BuildCounter()
+                               .Name("moe_admission_rejections_total")
+                               .Help(
+                                   "Requests refused for the memory budget or a principal's "
+                                   "quota, by reason")
+                               .Register(r);
 }
 
 void Metrics::Request(const std::string& method, const char* code) {
@@ -169,6 +186,17 @@ void Metrics::StreamClosed(const std::string& method) {
   streams_->Add({{"method", method}}).Decrement();
 }
 void Metrics::Sessions(int64_t n) { sessions_->Set(static_cast<double>(n)); }
+void Metrics::MemoryBudgetBytes(const char* memory, int64_t bytes) {
+  memory_budget_->Add({{"memory", memory}}).Set(static_cast<double>(bytes));
+}
+void Metrics::MemoryAdmitted(int64_t layer_state, int64_t saved_contexts, int64_t requests) {
+  admitted_layer_state_->Set(static_cast<double>(layer_state));
+  admitted_contexts_->Set(static_cast<double>(saved_contexts));
+  admitted_requests_->Set(static_cast<double>(requests));
+}
+void Metrics::AdmissionRejected(const char* reason) {
+  admission_rejections_->Add({{"reason", reason}}).Increment();
+}
 
 void Metrics::RemoveLayer(const std::string& layer, int64_t num_experts) {
   for (const char* dir : {"forward", "backward"}) {

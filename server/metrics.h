@@ -45,6 +45,11 @@ class Metrics {
   void StreamClosed(const std::string& method);
   void StripedMicroBatch(const std::string& method);
   void Sessions(int64_t n);
+  // Admission (memory_ledger.h): a budget by memory ("device" or "host"), what is admitted by
+  // kind, and refusals by reason ("memory_budget", "layer_quota", "context_quota").
+  void MemoryBudgetBytes(const char* memory, int64_t bytes);
+  void MemoryAdmitted(int64_t layer_state, int64_t saved_contexts, int64_t requests);
+  void AdmissionRejected(const char* reason);
   // Drops every series labelled with `layer` (num_experts: how many expert series it may have).
   void RemoveLayer(const std::string& layer, int64_t num_experts);
 
@@ -72,6 +77,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* streams_;
   prometheus::Family<prometheus::Counter>* striped_;
   prometheus::Gauge* sessions_;
+  prometheus::Family<prometheus::Gauge>* memory_budget_;
+  prometheus::Gauge* admitted_layer_state_;
+  prometheus::Gauge* admitted_contexts_;
+  prometheus::Gauge* admitted_requests_;
+  prometheus::Family<prometheus::Counter>* admission_rejections_;
 };
 
 }  // namespace moe::server

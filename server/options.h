@@ -17,9 +17,20 @@ struct ServerOptions {
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
   std::string checkpoint_dir;   // empty: Save/LoadCheckpoint fail FAILED_PRECONDITION
   int64_t context_budget_bytes = int64_t{4} << 30;  // saved training contexts, all layers
-  double context_ttl_seconds = 600;                 // a context older than this is freed
+  double context_ttl_seconds = 600;                 // a session's context older: freed
   int64_t max_message_bytes = int64_t{64} << 20;    // largest request message accepted
   int max_layers = 64;                              // bounds the `layer` metric label too
+  // A context made outside a session is freed after this: nothing else frees it when its
+  // client goes away.
+  double sessionless_context_ttl_seconds = 30;
+  // Memory admission (server/memory_ledger.h): the bytes layer state and saved contexts (and,
+  // with the CPU engine, request tensors in flight) may hold in the engine's memory. 0 derives
+  // it from the cgroup limit and MemTotal, or the GPU's free memory (server/memory_limits.h).
+  int64_t memory_budget_bytes = 0;
+  // Per principal (server/auth.h), 0 unlimited: layer-state bytes of the layers it created, and
+  // bytes of its saved contexts.
+  int64_t principal_layer_bytes_quota = 0;
+  int64_t principal_context_bytes_quota = 0;
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
   // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
 #include "proto/tls.h"
+#include "server/memory_limits.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
@@ -31,6 +32,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (options.context_ttl_seconds <= 0) {
     return absl::InvalidArgumentError("context_ttl_seconds: must be > 0");
   }
+  if (options.sessionless_context_ttl_seconds <= 0) {
+    return absl::InvalidArgumentError("sessionless_context_ttl_seconds: must be > 0");
+  }
+  if (options.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError("memory_budget_bytes: must be >= 0 (0 derives it)");
+  }
+  if (options.principal_layer_bytes_quota < 0 || options.principal_context_bytes_quota < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(options.principal_layer_bytes_quota < 0
+                                                       ? "principal_layer_bytes_quota"
+                                                       : "principal_context_bytes_quota",
+                                                   ": must be >= 0 (0 is unlimited)"));
+  }
   if (options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{2} << 30) - 1) {
     return absl::InvalidArgumentError("max_message_bytes: must be in [1024, 2^31)");
   }
@@ -44,11 +57,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   auto engine = CreateEngine(options.device);
   if (!engine.ok()) return engine.status();
 
+  absl::StatusOr<DeviceMemoryInfo> device_memory = (*engine)->DeviceMemory();
+  if (!device_memory.ok()) return device_memory.status();
+  const HostMemoryLimits host_limits = ReadHostMemoryLimits();
+  MemoryBudget budget = DeriveMemoryBudget(options.memory_budget_bytes, (*engine)->name(),
+                                           *device_memory, host_limits);
+  if (budget.engine_bytes <= 0 || budget.host_bytes <= 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "memory_budget_bytes: no memory left to admit anything (", budget.engine_memory, ": ",
+        budget.engine_bytes, " bytes, host: ", budget.host_bytes, " bytes after the margin)"));
+  }
+
   std::unique_ptr<Server> server(new Server());
   server->device_ = (*engine)->name();
+  server->memory_budget_ = budget;
   server->metrics_ = std::make_unique<Metrics>(server->device_);
-  server->service_ =
-      std::make_unique<ExpertServiceImpl>(options, std::move(*engine), server->metrics_.get());
+  server->service_ = std::make_unique<ExpertServiceImpl>(
+      options, std::move(budget), std::move(*engine), server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

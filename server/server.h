@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "server/memory_limits.h"
 #include "server/options.h"
 
 namespace grpc {
@@ -28,6 +29,8 @@ class Server {
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& device() const { return device_; }
+  // What the server admits into (memory_ledger.h).
+  const MemoryBudget& memory_budget() const { return memory_budget_; }
   Metrics& metrics() { return *metrics_; }
 
   void Wait();
@@ -39,6 +42,7 @@ class Server {
   int port_ = 0;
   int metrics_port_ = -1;
   std::string device_;
+  MemoryBudget memory_budget_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;

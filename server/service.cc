@@ -19,7 +19,9 @@
 #include "engine/host_memory.h"
 #include "proto/raw_message.h"
 #include "proto/wire.h"
+#include "server/auth.h"
 #include "server/checkpoint.h"
+#include "server/held_bytes.h"
 #include "server/status_map.h"
 #include "server/stripe_join.h"
 
@@ -109,13 +111,16 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
         ctx_(ctx),
         method_(method),
         session_(SessionOf(ctx)),
+        principal_(CallerPrincipal(ctx)),
         inputs_(std::move(inputs)),
-        output_fields_(std::move(output_fields)) {
+        output_fields_(std::move(output_fields)),
+        charge_(service->ledger().NewRequestCharge()) {
     for (const Input& in : inputs_) {
       input_fields_.push_back(in.field);
       assemblers_.emplace_back(in.name, in.sizing);
     }
     stream_carries_.assign(inputs_.size(), false);
+    held_.assign(inputs_.size(), HeldBytes{});
     service_->metrics().StreamOpened(method_);
   }
 
@@ -146,6 +151,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
         incoming_.Decode(&buffer_, input_fields_, &request_, Req::descriptor()->full_name());
     service_->metrics().BytesIn(method_, static_cast<int64_t>(incoming_.wire_bytes()));
     if (st.ok()) st = first ? BeginBatch() : CheckSameBatch();
+    if (st.ok()) st = ChargeInputs();
     if (st.ok()) st = AddInputs();
     if (!st.ok()) {
       Fail(st);
@@ -224,12 +230,22 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       const std::vector<grpc::CallbackServerContext*>& calls) = 0;
 
   bool striped() const { return stripe_.count() != 0; }
-  wire::TensorAssembler& assembler(size_t i) { return assemblers_[i]; }
+  // Room for `bytes` of input i before its first chunk, charged to the memory ledger first
+  // (ResourceExhausted, nothing reserved, when it does not fit).
+  absl::Status ReserveInput(size_t i, int64_t bytes) {
+    held_[i].claimed = std::max(held_[i].claimed, bytes);
+    int64_t total = 0;
+    for (const HeldBytes& h : held_) total = SaturatingAdd(total, h.held());
+    if (absl::Status st = charge_.Set(total, inputs_[i].name); !st.ok()) return st;
+    assemblers_[i].Reserve(static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
 
   ExpertServiceImpl* service_;
   grpc::CallbackServerContext* ctx_;
   const std::string method_;
   const std::string session_;
+  const std::string principal_;  // who the call acts for (auth.h)
   std::string layer_;
   uint64_t context_id_ = 0;
 
@@ -261,13 +277,19 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       std::lock_guard<std::mutex> lock(join_mu_);
       stripe_ = request_.stripe();
     }
-    absl::Status st = ReadHeader(request_);
+    // Another principal's session is refused at once (not-open is left to the work that needs
+    // the session, as before).
+    absl::Status st = service_->contexts().CheckSession(session_, principal_);
+    if (st.code() != absl::StatusCode::kPermissionDenied) st = absl::OkStatus();
+    if (st.ok()) st = ReadHeader(request_);
     if (!st.ok() || !striped()) return st;
     if (context_id_ == 0) {
       return absl::InvalidArgumentError(
           "context_id: a striped micro-batch needs a nonzero context_id, which joins its streams");
     }
-    const std::string key = StripeJoins::Key(method_, layer_, session_, context_id_);
+    // Principals never join each other's micro-batches: the principal qualifies the session.
+    const std::string key = StripeJoins::Key(
+        method_, layer_, absl::StrCat(principal_.size(), ":", principal_, session_), context_id_);
     std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key);
     {
       std::lock_guard<std::mutex> lock(join_mu_);
@@ -298,6 +320,21 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       return absl::InvalidArgumentError("stripe: must be the same in every chunk of a micro-batch");
     }
     return CheckSame(request_);
+  }
+
+  // Charges this message's tensors to the memory ledger before they are copied in (HeldBytes);
+  // past the budget the micro-batch fails with ResourceExhausted and nothing of it is added.
+  absl::Status ChargeInputs() {
+    int64_t total = 0;
+    const char* grown = inputs_[0].name;
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      const v1::Tensor* t = InputOf(request_, i);
+      if (t != nullptr && held_[i].Add(*t, incoming_.payload(input_fields_[i])) > 0) {
+        grown = inputs_[i].name;
+      }
+      total = SaturatingAdd(total, held_[i].held());
+    }
+    return charge_.Set(total, grown);
   }
 
   absl::Status AddInputs() {
@@ -337,6 +374,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     for (wire::TensorAssembler& a : assemblers_) a.Reset();
     shared_inputs_.reset();
     stream_carries_.assign(inputs_.size(), false);
+    held_.assign(inputs_.size(), HeldBytes{});
+    charge_.Reset();
   }
 
   // Counts this stream out of its join; returns the join (null when not striped).
@@ -402,11 +441,16 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       for (Self* s : streams) s->Fail(inputs.status());
       return;
     }
-    for (Self* s : streams) s->ResetInputs();
+    // The streams' charges stay with the whole inputs until the micro-batch has run.
+    auto charges = std::make_shared<std::vector<MemoryLedger::RequestCharge>>();
+    for (Self* s : streams) {
+      charges->push_back(std::move(s->charge_));
+      s->ResetInputs();
+    }
     auto shared = std::make_shared<const std::vector<Tensor>>(std::move(*inputs));
     ExpertServiceImpl* service = service_;
     const std::string method = method_;
-    service_->executor().Submit([this, service, method, streams, shared](double queued) {
+    service_->executor().Submit([this, service, method, streams, shared, charges](double queued) {
       service->metrics().Stage(method, "queue", queued);
       service->metrics().StripedMicroBatch(method);
       std::vector<grpc::CallbackServerContext*> calls;
@@ -469,6 +513,9 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   int64_t row_begin_ = 0;
   int64_t rows_ = 0;
   std::vector<bool> stream_carries_;
+  // What the inputs of the micro-batch being read hold, and its charge to the memory ledger.
+  std::vector<HeldBytes> held_;
+  MemoryLedger::RequestCharge charge_;
   std::shared_ptr<std::deque<wire::StripedAssembler>> shared_inputs_;
   std::mutex join_mu_;
   v1::Stripe stripe_;
@@ -525,9 +572,10 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
       const std::vector<grpc::CallbackServerContext*>& calls) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
-    if (training_ && !session_.empty() && !service_->contexts().SessionOpen(session_)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(kSessionMetadataKey, ": session ", session_, " is not open"));
+    if (training_) {
+      if (absl::Status st = service_->contexts().CheckSession(session_, principal_); !st.ok()) {
+        return st;
+      }
     }
     ForwardRequest request;
     request.training = training_;
@@ -543,8 +591,8 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
       for (grpc::CallbackServerContext* call : calls) {
         if (call->IsCancelled()) return absl::CancelledError("the client cancelled the call");
       }
-      absl::Status put =
-          service_->contexts().Put(layer_, context_id_, session_, std::move(result->context));
+      absl::Status put = service_->contexts().Put(layer_, context_id_, principal_, session_,
+                                                  std::move(result->context));
       if (!put.ok()) return put;
     }
     service_->metrics().Tokens(layer_, "forward", tokens);
@@ -589,11 +637,10 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
     // own numbers, not the client's claim (Compute still checks the shape).
     auto entry = service_->FindLayer(layer_);
-    auto tokens = service_->contexts().NumTokens(layer_, context_id_);
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_, principal_);
     if (entry.ok() && tokens.ok()) {
-      assembler(0).Reserve(static_cast<size_t>(*tokens) *
-                           static_cast<size_t>((*entry)->config.d_model) *
-                           DTypeSize((*entry)->config.dtype));
+      return ReserveInput(0, *tokens * (*entry)->config.d_model *
+                                 static_cast<int64_t>(DTypeSize((*entry)->config.dtype)));
     }
     return absl::OkStatus();
   }
@@ -609,13 +656,13 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     LayerEntry& e = **entry;
-    auto tokens = service_->contexts().NumTokens(layer_, context_id_);
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_, principal_);
     if (!tokens.ok()) return tokens.status();
     const TensorView& dout = inputs[0];
     // Checked here, before the context is consumed, so a bad dout does not lose it.
     absl::Status shape = CheckTensor(dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
     if (!shape.ok()) return shape;
-    auto context = service_->contexts().Take(layer_, context_id_);
+    auto context = service_->contexts().Take(layer_, context_id_, principal_);
     if (!context.ok()) return context.status();
     auto result = e.layer->Backward(std::move(*context), dout);
     if (!result.ok()) return result.status();
@@ -720,7 +767,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
  public:
   ImportReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx,
                 v1::ImportWeightsResponse* resp)
-      : service_(s), ctx_(ctx), resp_(resp) {
+      : service_(s), ctx_(ctx), resp_(resp), charge_(s->ledger().NewRequestCharge()) {
     StartRead(&chunk_);
     receive_start_ = Clock::now();
   }
@@ -765,6 +812,15 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
                             wire::TensorAssembler::Sizing::kClaimedOnceAnEighthArrived))
                .first;
     }
+    // Charged to the memory ledger before it is copied in, as a micro-batch's tensors are.
+    const absl::string_view data = chunk_.tensor().data();
+    held_total_ = SaturatingAdd(
+        held_total_, held_[chunk_.name()].Add(chunk_.tensor(), absl::MakeConstSpan(&data, 1)));
+    if (absl::Status st = charge_.Set(held_total_, absl::StrCat("tensor ", chunk_.name()));
+        !st.ok()) {
+      Done(st);
+      return;
+    }
     if (absl::Status st = it->second->Add(chunk_.tensor()); !st.ok()) {
       Done(st);
       return;
@@ -802,17 +858,20 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
   v1::WeightChunk chunk_;
   std::string layer_;
   std::map<std::string, std::unique_ptr<wire::TensorAssembler>> parts_;
+  std::map<std::string, HeldBytes> held_;  // what each part holds, for the ledger
+  int64_t held_total_ = 0;
+  MemoryLedger::RequestCharge charge_;
   Clock::time_point receive_start_;
 };
 
 // --- Sessions -----------------------------------------------------------------------------
 class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
  public:
-  SessionReactor(ExpertServiceImpl* s) : service_(s) {
+  SessionReactor(ExpertServiceImpl* s, const std::string& principal) : service_(s) {
     std::random_device rd;
     std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
     id_ = absl::StrFormat("%016x%016x", gen(), gen());
-    service_->contexts().OpenSession(id_);
+    service_->contexts().OpenSession(id_, principal);
     service_->metrics().StreamOpened("OpenSession");
     event_.set_session_id(id_);
     StartWrite(&event_);
@@ -839,15 +898,20 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
 }  // namespace
 
 // --- ExpertServiceImpl ----------------------------------------------------------------------
-ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, std::unique_ptr<Engine> engine,
-                                     Metrics* metrics)
+ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, MemoryBudget budget,
+                                     std::unique_ptr<Engine> engine, Metrics* metrics)
     : options_(options),
       metrics_(metrics),
       engine_(std::move(engine)),
       started_(Clock::now()),
+      ledger_({std::move(budget), options.principal_layer_bytes_quota,
+               options.principal_context_bytes_quota},
+              metrics),
       contexts_(options.context_budget_bytes,
                 std::chrono::milliseconds(static_cast<int64_t>(options.context_ttl_seconds * 1000)),
-                metrics) {
+                std::chrono::milliseconds(
+                    static_cast<int64_t>(options.sessionless_context_ttl_seconds * 1000)),
+                &ledger_, metrics) {
   metrics_->Layers(0);
   executor_.Submit([this](double) { SampleMemory(); });
   sweeper_ = std::thread([this] { SweepLoop(); });
@@ -864,8 +928,10 @@ ExpertServiceImpl::~ExpertServiceImpl() {
 
 void ExpertServiceImpl::SweepLoop() {
   // Sweep often enough that a context outlives its TTL by at most a quarter of it (or 1 s).
-  const auto period = std::chrono::milliseconds(
-      std::clamp<int64_t>(static_cast<int64_t>(options_.context_ttl_seconds * 250), 10, 1000));
+  const double ttl =
+      std::min(options_.context_ttl_seconds, options_.sessionless_context_ttl_seconds);
+  const auto period =
+      std::chrono::milliseconds(std::clamp<int64_t>(static_cast<int64_t>(ttl * 250), 10, 1000));
   std::unique_lock<std::mutex> lock(sweep_mu_);
   while (!sweep_cv_.wait_for(lock, period, [this] { return sweep_stop_; })) {
     contexts_.Expire();
@@ -937,6 +1003,22 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
   return reactor;
 }
 
+absl::StatusOr<std::unique_ptr<Layer>> ExpertServiceImpl::CreateAdmittedLayer(
+    const std::string& principal, const std::string& name, const LayerConfig& config) {
+  absl::StatusOr<int64_t> need = engine_->LayerStateBytes(config);
+  if (!need.ok()) return need.status();
+  if (absl::Status st = ledger_.AdmitLayer(principal, name, *need); !st.ok()) return st;
+  absl::StatusOr<std::unique_ptr<Layer>> layer = engine_->CreateLayer(config);
+  if (!layer.ok()) {
+    ledger_.ReleaseLayer(name);
+    return layer.status();
+  }
+  // LayerStateBytes promises resident_bytes(); should they ever differ, what the layer holds
+  // is what the ledger must count.
+  if ((*layer)->resident_bytes() != *need) ledger_.SetLayerBytes(name, (*layer)->resident_bytes());
+  return layer;
+}
+
 absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const LayerConfig& config,
                                             std::unique_ptr<Layer> layer,
                                             std::shared_ptr<LayerEntry>* out) {
@@ -957,7 +1039,8 @@ absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const Layer
 grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerContext* ctx,
                                                          const v1::CreateLayerRequest* req,
                                                          v1::LayerInfo* resp) {
-  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp]() -> absl::Status {
+  const std::string principal = CallerPrincipal(ctx);
+  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp, principal]() -> absl::Status {
     if (auto st = ValidateLayerName(req->name(), "name"); !st.ok()) return st;
     auto config = wire::LayerConfigFromProto(req->config());
     if (!config.ok()) return config.status();
@@ -980,7 +1063,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerCon
             absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
-    auto layer = engine_->CreateLayer(*config);
+    auto layer = CreateAdmittedLayer(principal, req->name(), *config);
     if (!layer.ok()) return layer.status();
     std::shared_ptr<LayerEntry> entry;
     if (auto st = InsertLayer(req->name(), *config, std::move(*layer), &entry); !st.ok()) return st;
@@ -1031,6 +1114,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::DeleteLayer(grpc::CallbackServerCon
     contexts_.DropLayer(req->name());
     metrics_->RemoveLayer(req->name(), entry->config.num_experts);
     entry.reset();  // the layer is freed here, on the executor
+    ledger_.ReleaseLayer(req->name());
     SampleMemory();
     return absl::OkStatus();
   });
@@ -1107,7 +1191,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::LoadCheckpointRequest* req,
                                                             v1::LoadCheckpointResponse* resp) {
-  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
+  const std::string principal = CallerPrincipal(ctx);
+  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp, principal]() -> absl::Status {
     if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
     auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
     if (!path.ok()) return path.status();
@@ -1130,9 +1215,13 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
             absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
-    auto layer = engine_->CreateLayer(decoded->config);
+    auto layer = CreateAdmittedLayer(principal, req->layer(), decoded->config);
     if (!layer.ok()) return layer.status();
-    if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) return st;
+    if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) {
+      layer->reset();
+      ledger_.ReleaseLayer(req->layer());
+      return st;
+    }
     std::shared_ptr<LayerEntry> created;
     if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), &created);
         !st.ok()) {
@@ -1154,6 +1243,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContex
   resp->set_saved_context_budget_bytes(contexts_.budget());
   resp->set_saved_contexts(contexts_.count());
   resp->set_sessions(contexts_.sessions());
+  resp->set_memory_budget_bytes(ledger_.limits().budget.engine_bytes);
+  resp->set_memory_admitted_bytes(ledger_.usage().engine_bytes());
   resp->set_uptime_seconds(SecondsSince(started_));
   std::vector<std::shared_ptr<LayerEntry>> entries;
   {
@@ -1166,8 +1257,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContex
 }
 
 grpc::ServerWriteReactor<v1::SessionEvent>* ExpertServiceImpl::OpenSession(
-    grpc::CallbackServerContext*, const v1::OpenSessionRequest*) {
-  return new SessionReactor(this);
+    grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest*) {
+  return new SessionReactor(this, CallerPrincipal(ctx));
 }
 
 }  // namespace moe::server

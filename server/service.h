@@ -23,6 +23,7 @@
 #include "moe/v1/moe.grpc.pb.h"
 #include "server/context_store.h"
 #include "server/executor.h"
+#include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/options.h"
 #include "server/stripe_join.h"
@@ -62,7 +63,10 @@ using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
 
 class ExpertServiceImpl final : public ExpertServiceBase {
  public:
-  ExpertServiceImpl(const ServerOptions& options, std::unique_ptr<Engine> engine, Metrics* metrics);
+  // `budget`: what layer state, saved contexts and request tensors are admitted into
+  // (memory_ledger.h).
+  ExpertServiceImpl(const ServerOptions& options, MemoryBudget budget,
+                    std::unique_ptr<Engine> engine, Metrics* metrics);
   ~ExpertServiceImpl() override;
 
   grpc::ServerUnaryReactor* CreateLayer(grpc::CallbackServerContext* ctx,
@@ -106,6 +110,7 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // For the reactors (service.cc).
   Metrics& metrics() { return *metrics_; }
   ContextStore& contexts() { return contexts_; }
+  MemoryLedger& ledger() { return ledger_; }
   DeviceExecutor& executor() { return executor_; }
   StripeJoins& stripes() { return stripes_; }
   const ServerOptions& options() const { return options_; }
@@ -124,6 +129,12 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
                                      const google::protobuf::Message* req,
                                      const google::protobuf::Message* resp, Work work);
+  // Creates the layer once the ledger admits its state (Engine::LayerStateBytes) for
+  // `principal`; ResourceExhausted, with nothing allocated, when it does not fit. The charge is
+  // set to what the layer reports once built, and dropped when creation fails.
+  absl::StatusOr<std::unique_ptr<Layer>> CreateAdmittedLayer(const std::string& principal,
+                                                             const std::string& name,
+                                                             const LayerConfig& config);
   absl::Status InsertLayer(const std::string& name, const LayerConfig& config,
                            std::unique_ptr<Layer> layer, std::shared_ptr<LayerEntry>* out);
   void SampleMemory();  // executor only
@@ -135,6 +146,7 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   const std::chrono::steady_clock::time_point started_;
   std::atomic<int64_t> memory_used_{0};
   std::atomic<int64_t> memory_total_{0};
+  MemoryLedger ledger_;  // before contexts_, which charges it
   ContextStore contexts_;
   StripeJoins stripes_;
   mutable std::mutex mu_;

@@ -11,6 +11,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "bench/service/service_bench.h"
 
@@ -60,6 +62,14 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags: absl's default lists only those of a file named after the
+  // binary (it compares with its name normalized, which drops the leading '/').
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(__FILE__, file);
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "moe-service-bench: MoE tokens/s through moe-server vs the same engine in process");
   absl::ParseCommandLine(argc, argv);

@@ -14,6 +14,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
@@ -126,12 +128,20 @@ absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags: absl's default lists only those of a file named after the
+  // binary (it compares with its name normalized, which drops the leading '/').
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(__FILE__, file);
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "usage: moe-cli [--server=HOST:PORT] COMMAND\n"
       "  health [SERVICE]     grpc.health.v1 check of the server, or of SERVICE\n"
       "                       (moe.v1.ExpertService: what readiness probes ask)\n"
       "  list                 layers on the server\n"
-      "  stats                device memory, saved contexts, sessions, layers\n"
+      "  stats                device memory, saved contexts, sessions, memory budget, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
       "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer "
       "--lr ...]\n"
@@ -179,6 +189,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(s->saved_context_bytes()),
                 static_cast<long long>(s->saved_context_budget_bytes()),
                 static_cast<long long>(s->sessions()));
+    std::printf("memory admitted %lld of %lld budget bytes\n",
+                static_cast<long long>(s->memory_admitted_bytes()),
+                static_cast<long long>(s->memory_budget_bytes()));
     for (const auto& l : s->layers()) std::printf("  %s\n", Describe(l).c_str());
   } else if (cmd == "create" && need(1)) {
     auto proto = ConfigFromFlags();

@@ -18,6 +18,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "engine/host_memory.h"
@@ -94,6 +96,14 @@ struct MicroBatch {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags: absl's default lists only those of a file named after the
+  // binary (it compares with its name normalized, which drops the leading '/').
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(__FILE__, file);
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "moe-demo --server=HOST:PORT: train a student MoE layer on moe-server");
   absl::ParseCommandLine(argc, argv);

@@ -15,6 +15,7 @@
 #include "engine/cuda/cuda_layer.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/pinned_pool.h"
+#include "engine/state.h"
 
 namespace moe {
 namespace {
@@ -25,6 +26,28 @@ class CudaEngine : public Engine {
   std::string name() const override { return absl::StrCat("cuda:", device_); }
   absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) override {
     return cuda::CreateCudaLayer(config, device_);
+  }
+  // Per parameter: the fp32 master, gradient and first moment (AdamW) or momentum (SGD), the
+  // fp32 second moment (AdamW) and the bf16 copy the GEMMs read (bf16 storage): the flat
+  // buffers of cuda_layer.cc, whose resident_bytes() sums them.
+  absl::StatusOr<int64_t> LayerStateBytes(const LayerConfig& config) const override {
+    const int64_t per_param = 12 + (config.optimizer.kind == OptimizerKind::kAdamW ? 4 : 0) +
+                              (config.dtype == DType::kBFloat16 ? 2 : 0);
+    return LayerStateBytesFor(config, per_param);
+  }
+  absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const override {
+    size_t free_b = 0, total_b = 0;
+    cudaError_t err = cudaSetDevice(device_);
+    if (err == cudaSuccess) err = cudaMemGetInfo(&free_b, &total_b);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::UnavailableError(
+          absl::StrCat(name(), ": cudaMemGetInfo failed: ", cudaGetErrorString(err)));
+    }
+    DeviceMemoryInfo info;
+    info.total_bytes = static_cast<int64_t>(total_b);
+    info.free_bytes = static_cast<int64_t>(free_b);
+    return info;
   }
   int64_t memory_in_use_bytes() const override {
     size_t free_b = 0, total_b = 0;

@@ -55,6 +55,9 @@ TEST(CliTest, EveryCommand) {
   EXPECT_EQ(RunCli(srv + "stats", &out), 0) << out;
   EXPECT_NE(out.find("device cpu"), std::string::npos) << out;
   EXPECT_NE(out.find("l3"), std::string::npos) << out;
+  // l1 and l3: 4 experts of [16, 8] w1, w3 and [8, 16] w2 and an [8, 4] router, fp32 AdamW (16
+  // bytes a parameter): 2 * 1568 * 16.
+  EXPECT_NE(out.find("memory admitted 50176 of "), std::string::npos) << out;
   EXPECT_EQ(RunCli(srv + "delete l1", &out), 0) << out;
   EXPECT_EQ(RunCli(srv + "delete l1", &out), 1) << out;
   EXPECT_NE(out.find("NOT_FOUND"), std::string::npos) << out;

@@ -542,5 +542,43 @@ TEST(CudaEngineStateTest, ImportFromCpuRoundTrips) {
   }
 }
 
+// The server admits layers on LayerStateBytes before allocating: it must be exactly what the
+// created layer holds, for every kind of layer. DeviceMemory reports the device's memory.
+TEST(CudaEngineStateTest, LayerStateBytesIsWhatTheLayerHolds) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto engine = CreateCudaEngine(0);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (OptimizerKind opt : {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
+      for (RoutingMode routing : {RoutingMode::kClient, RoutingMode::kServer}) {
+        for (Activation act : {Activation::kSwiGLU, Activation::kReLU}) {
+          LayerConfig c;
+          c.num_experts = 5;
+          c.top_k = 2;
+          c.d_model = 64;
+          c.d_hidden = 96;
+          c.dtype = dtype;
+          c.optimizer.kind = opt;
+          c.routing = routing;
+          c.activation = act;
+          absl::StatusOr<int64_t> bytes = (*engine)->LayerStateBytes(c);
+          ASSERT_TRUE(bytes.ok()) << bytes.status();
+          auto layer = (*engine)->CreateLayer(c);
+          ASSERT_TRUE(layer.ok()) << layer.status();
+          EXPECT_EQ(*bytes, (*layer)->resident_bytes())
+              << "dtype " << DTypeName(dtype) << " opt " << static_cast<int>(opt) << " routing "
+              << static_cast<int>(routing) << " act " << static_cast<int>(act);
+        }
+      }
+    }
+  }
+  absl::StatusOr<DeviceMemoryInfo> info = (*engine)->DeviceMemory();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->host);
+  EXPECT_GT(info->total_bytes, 0);
+  EXPECT_GT(info->free_bytes, 0);
+  EXPECT_LE(info->free_bytes, info->total_bytes);
+}
+
 }  // namespace
 }  // namespace moe

@@ -1,0 +1,306 @@
+// Memory admission through the service, as a hostile or careless client meets it: a layer or a
+// checkpoint that does not fit the memory budget, creates and contexts past a principal's quota,
+// contexts left behind by clients without a session, and request tensors streamed past the
+// budget. Each is answered RESOURCE_EXHAUSTED (naming the bytes or the quota) at once, with
+// nothing allocated; afterwards the server still serves and a trained reference layer's weights
+// and optimizer state are bitwise unchanged.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "proto/wire.h"
+#include "tests/server/admission_fixture.h"
+
+namespace moe::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+void ExpectExhausted(const absl::Status& st, const std::string& needle) {
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(std::string(st.message()).find(needle), std::string::npos)
+      << "message lacks \"" << needle << "\": " << st;
+}
+
+void ExpectExhausted(const grpc::Status& st, const std::string& needle) {
+  ExpectExhausted(client::FromGrpcStatus(st), needle);
+}
+
+// The state bytes the CPU engine keeps for `config` (AdamW, fp32): weight, gradient, two moments.
+int64_t CpuStateBytes(const LayerConfig& c) {
+  const int64_t params = c.local_experts() * c.d_model * c.d_hidden * (c.gated() ? 3 : 2) +
+                         (c.routing == RoutingMode::kServer ? c.d_model * c.num_experts : 0);
+  return params * 16;
+}
+
+// E = 32, d = h = 2048, fp32, AdamW: 7.5 GiB of state.
+LayerConfig HugeConfig() {
+  LayerConfig c;
+  c.num_experts = 32;
+  c.top_k = 2;
+  c.d_model = 2048;
+  c.d_hidden = 2048;
+  return c;
+}
+
+int64_t Admitted(client::Connection& conn) {
+  auto stats = conn.GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return stats.ok() ? stats->memory_admitted_bytes() : -1;
+}
+
+// What the server admits once a failed call's reactor is gone (which happens just after the
+// client sees the status).
+int64_t AdmittedSettled(client::Connection& conn, int64_t want) {
+  int64_t got = Admitted(conn);
+  for (int i = 0; i < 100 && got != want; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    got = Admitted(conn);
+  }
+  return got;
+}
+
+TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
+  server::ServerOptions options = AdmissionOptions();
+  options.memory_budget_bytes = int64_t{3} << 30;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  auto stats = s.conn().GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->memory_budget_bytes(), int64_t{3} << 30);
+  const int64_t reference = CpuStateBytes(ReferenceConfig());
+  EXPECT_EQ(stats->memory_admitted_bytes(), reference);
+
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<v1::LayerInfo> created = s.conn().CreateLayer("huge", HugeConfig());
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  ExpectExhausted(created.status(),
+                  absl::StrCat("needs ", CpuStateBytes(HugeConfig()), " bytes of state"));
+  ExpectExhausted(created.status(), absl::StrCat((int64_t{3} << 30) - reference, " of the ",
+                                                 int64_t{3} << 30, "-byte budget"));
+  EXPECT_LT(seconds, 2.0) << "refused only after " << seconds << " s";
+  EXPECT_EQ(s.conn().GetLayer("huge").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Admitted(s.conn()), reference);
+  s.ExpectServingAndReferenceUnchanged();
+
+  // LoadCheckpoint of a new layer is admitted the same way: a checkpoint of a layer larger than
+  // the budget, written by a server with room for it, is refused by this one.
+  LayerConfig medium = ReferenceConfig();
+  medium.num_experts = 8;
+  medium.d_model = 64;
+  medium.d_hidden = 256;
+  server::ServerOptions roomy = AdmissionOptions();
+  roomy.checkpoint_dir = options.checkpoint_dir;
+  AdmissionServer writer;
+  ASSERT_NO_FATAL_FAILURE(writer.Start(roomy));
+  ASSERT_TRUE(writer.conn().CreateLayer("medium", medium).ok());
+  ASSERT_TRUE(writer.conn().SaveCheckpoint("medium", "medium.safetensors").ok());
+
+  server::ServerOptions tight = options;
+  tight.memory_budget_bytes = CpuStateBytes(medium) - 1 + CpuStateBytes(ReferenceConfig());
+  AdmissionServer reader;
+  ASSERT_NO_FATAL_FAILURE(reader.Start(tight));
+  absl::StatusOr<v1::LayerInfo> loaded =
+      reader.conn().LoadCheckpoint("medium", "medium.safetensors");
+  ExpectExhausted(loaded.status(), absl::StrCat("needs ", CpuStateBytes(medium), " bytes"));
+  EXPECT_EQ(reader.conn().GetLayer("medium").status().code(), absl::StatusCode::kNotFound);
+  reader.ExpectServingAndReferenceUnchanged();
+  // One byte more and it fits, and the layer holds what was admitted for it.
+  tight.memory_budget_bytes += 1;
+  AdmissionServer roomier;
+  ASSERT_NO_FATAL_FAILURE(roomier.Start(tight));
+  loaded = roomier.conn().LoadCheckpoint("medium", "medium.safetensors");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->resident_bytes(), CpuStateBytes(medium));
+  EXPECT_EQ(Admitted(roomier.conn()), tight.memory_budget_bytes);
+}
+
+TEST(HostileAdmissionTest, CreatesPastTheLayerQuotaAreRefusedNamingIt) {
+  LayerConfig second = ReferenceConfig();
+  second.seed = 9;
+  server::ServerOptions options = AdmissionOptions();
+  options.principal_layer_bytes_quota = 2 * CpuStateBytes(ReferenceConfig());
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ASSERT_TRUE(s.conn().CreateLayer("second", second).ok());
+  absl::StatusOr<v1::LayerInfo> third = s.conn().CreateLayer("third", second);
+  ExpectExhausted(third.status(), "--principal_layer_bytes_quota");
+  ExpectExhausted(third.status(), "\"anonymous\"");
+  EXPECT_EQ(s.conn().GetLayer("third").status().code(), absl::StatusCode::kNotFound);
+  s.ExpectServingAndReferenceUnchanged();
+  // Deleting a layer gives its bytes back.
+  ASSERT_TRUE(s.conn().DeleteLayer("second").ok());
+  EXPECT_TRUE(s.conn().CreateLayer("third", second).ok());
+  EXPECT_EQ(Admitted(s.conn()), 2 * CpuStateBytes(ReferenceConfig()));
+}
+
+TEST(HostileAdmissionTest, ContextsPastTheContextQuotaAreRefusedNamingIt) {
+  // One context's size, measured on a server without a quota.
+  AdmissionServer probe;
+  ASSERT_NO_FATAL_FAILURE(probe.Start(AdmissionOptions()));
+  std::mt19937 rng(8);
+  const int64_t d = ReferenceConfig().d_model;
+  Tensor x = RandomTensor(rng, {16, d}), dout = RandomTensor(rng, {16, d});
+  ASSERT_TRUE(
+      probe.conn().Forward(AdmissionServer::kReference, 1, true, x.view(), {}, {}).get().ok());
+  const int64_t one = probe.conn().GetStats()->saved_context_bytes();
+  ASSERT_GT(one, 0);
+
+  server::ServerOptions options = AdmissionOptions();
+  options.principal_context_bytes_quota = 2 * one;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  client::Connection& c = s.conn();
+  const char* ref = AdmissionServer::kReference;
+  ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
+  ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
+  absl::Status st = c.Forward(ref, 3, true, x.view(), {}, {}).get().status();
+  ExpectExhausted(st, "--principal_context_bytes_quota");
+  ExpectExhausted(st, absl::StrCat("holds ", 2 * one, " bytes of saved contexts"));
+  EXPECT_EQ(c.GetStats()->saved_contexts(), 2);
+  // Inference keeps no context and still runs; the two contexts are whole.
+  EXPECT_TRUE(c.Forward(ref, 0, false, x.view(), {}, {}).get().ok());
+  EXPECT_TRUE(c.Backward(ref, 1, dout.view()).get().ok());
+  EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
+  EXPECT_TRUE(c.Forward(ref, 3, true, x.view(), {}, {}).get().ok());  // room again
+  EXPECT_TRUE(c.Backward(ref, 3, dout.view()).get().ok());
+  s.ExpectServingAndReferenceUnchanged();
+}
+
+// Training that fills the memory budget with contexts is refused its next context, and never
+// locked out of the Backwards that drain it: a Forward's x is charged while its context is
+// admitted, so room for a dout of the same size is left beside every context.
+TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
+  AdmissionServer probe;
+  ASSERT_NO_FATAL_FAILURE(probe.Start(AdmissionOptions()));
+  std::mt19937 rng(12);
+  const int64_t tokens = 16, d = ReferenceConfig().d_model;
+  Tensor x = RandomTensor(rng, {tokens, d}), dout = RandomTensor(rng, {tokens, d});
+  const char* ref = AdmissionServer::kReference;
+  ASSERT_TRUE(probe.conn().Forward(ref, 1, true, x.view(), {}, {}).get().ok());
+  const int64_t context = probe.conn().GetStats()->saved_context_bytes();
+  const int64_t dout_bytes = tokens * d * 4;
+
+  server::ServerOptions options = AdmissionOptions();
+  options.memory_budget_bytes = CpuStateBytes(ReferenceConfig()) + 2 * context + dout_bytes - 1;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  client::Connection& c = s.conn();
+  ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
+  ExpectExhausted(c.Forward(ref, 2, true, x.view(), {}, {}).get().status(),
+                  absl::StrCat("memory budget: this saved context needs ", context, " bytes"));
+  EXPECT_TRUE(c.Backward(ref, 1, dout.view()).get().ok());
+  ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
+  EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
+  s.ExpectServingAndReferenceUnchanged();
+}
+
+TEST(HostileAdmissionTest, ContextsOutsideASessionAreFreedAfterTheShortTtl) {
+  server::ServerOptions options = AdmissionOptions();
+  options.sessionless_context_ttl_seconds = 0.3;  // contexts of a session keep the 600 s default
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  client::ClientOptions no_session;
+  no_session.open_session = false;
+  auto gone = client::Connection::Connect(s.target(), no_session);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  std::mt19937 rng(9);
+  const int64_t d = ReferenceConfig().d_model;
+  Tensor x = RandomTensor(rng, {8, d}), dout = RandomTensor(rng, {8, d});
+  const char* ref = AdmissionServer::kReference;
+  ASSERT_TRUE((*gone)->Forward(ref, 11, true, x.view(), {}, {}).get().ok());
+  ASSERT_TRUE((*gone)->Forward(ref, 12, true, x.view(), {}, {}).get().ok());
+  ASSERT_TRUE(s.conn().Forward(ref, 13, true, x.view(), {}, {}).get().ok());
+  EXPECT_EQ(s.conn().GetStats()->saved_contexts(), 3);
+  const int64_t with_contexts = Admitted(s.conn());
+  gone->reset();  // the sessionless client goes away without a Backward
+
+  int64_t left = -1;
+  const Clock::time_point t0 = Clock::now();
+  while (left != 1 && Clock::now() - t0 < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    left = s.conn().GetStats()->saved_contexts();
+  }
+  EXPECT_EQ(left, 1);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+  EXPECT_LT(Admitted(s.conn()), with_contexts);
+  // The session's context is still there; the session-less ones are gone.
+  EXPECT_TRUE(s.conn().Backward(ref, 13, dout.view()).get().ok());
+  auto other = client::Connection::Connect(s.target(), no_session);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ((*other)->Backward(ref, 11, dout.view()).get().status().code(),
+            absl::StatusCode::kNotFound);
+  s.ExpectServingAndReferenceUnchanged();
+}
+
+// Sends up to `chunks` Forward messages of one micro-batch on the reference layer, each with
+// `chunk_bytes` of x's data and x's shape `claimed`, then ends the stream: the status.
+grpc::Status StreamX(client::Connection& conn, std::vector<int64_t> claimed, int64_t chunk_bytes,
+                     int chunks) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = conn.stub()->Forward(&ctx);
+  v1::ForwardRequest req;
+  req.set_layer(AdmissionServer::kReference);
+  wire::SetTensorHeader(DType::kFloat32, claimed, req.mutable_x());
+  req.mutable_x()->set_data(std::string(static_cast<size_t>(chunk_bytes), '\0'));
+  for (int i = 0; i < chunks; ++i) {
+    req.set_last_chunk(i + 1 == chunks);
+    if (!stream->Write(req)) break;  // the server has answered
+  }
+  stream->WritesDone();
+  return stream->Finish();
+}
+
+TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
+  server::ServerOptions options = AdmissionOptions();
+  options.memory_budget_bytes = 16 * kMiB;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  const int64_t reference = CpuStateBytes(ReferenceConfig());
+  const int64_t d = ReferenceConfig().d_model;
+
+  // An x whose shape claims 64 MiB: refused at its first chunk, before anything is reserved.
+  grpc::Status st = StreamX(s.conn(), {int64_t{1} << 20, d}, kMiB, 64);
+  ExpectExhausted(st, "memory budget: x: this request's tensors would hold 67108864 bytes");
+  EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
+  s.ExpectServingAndReferenceUnchanged();
+
+  // An x that claims 1 KiB and keeps sending: refused once what arrived passes the budget.
+  st = StreamX(s.conn(), {16, d}, kMiB, 64);
+  ExpectExhausted(st, "memory budget: x:");
+  EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
+  s.ExpectServingAndReferenceUnchanged();
+
+  // The same for ImportWeights: a tensor streamed past the budget.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::ImportWeightsResponse resp;
+    auto stream = s.conn().stub()->ImportWeights(&ctx, &resp);
+    v1::WeightChunk chunk;
+    chunk.set_layer(AdmissionServer::kReference);
+    chunk.set_name("w1");
+    wire::SetTensorHeader(DType::kFloat32, {int64_t{1} << 22, d}, chunk.mutable_tensor());
+    chunk.mutable_tensor()->set_data(std::string(static_cast<size_t>(kMiB), '\0'));
+    for (int i = 0; i < 64 && stream->Write(chunk); ++i) {
+    }
+    stream->WritesDone();
+    ExpectExhausted(stream->Finish(), "memory budget: tensor w1:");
+  }
+  EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
+  s.ExpectServingAndReferenceUnchanged();
+
+  // A micro-batch within the budget still runs.
+  std::mt19937 rng(2);
+  Tensor x = RandomTensor(rng, {1024, d});
+  EXPECT_TRUE(s.conn().Forward(AdmissionServer::kReference, 0, false, x.view(), {}, {}).get().ok());
+}
+
+}  // namespace
+}  // namespace moe::testing
