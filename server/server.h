@@ -15,6 +15,7 @@ class Server;
 
 namespace moe::server {
 
+class Authenticator;
 class Metrics;
 class ExpertServiceImpl;
 class MetricsHttpServer;
@@ -30,6 +31,11 @@ class Server {
   const std::string& device() const { return device_; }
   Metrics& metrics() { return *metrics_; }
 
+  // Reads --tokens_file again (SIGHUP); on an error the tokens in use stay.
+  absl::Status ReloadTokens();
+  // The same if the file changed since it was last read; whether it was read.
+  absl::StatusOr<bool> ReloadTokensIfChanged();
+
   void Wait();
   // Cancels open calls (sessions end, their contexts are freed) and stops serving.
   void Shutdown();
@@ -39,6 +45,7 @@ class Server {
   int port_ = 0;
   int metrics_port_ = -1;
   std::string device_;
+  std::shared_ptr<Authenticator> auth_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;
