@@ -203,8 +203,11 @@ def run(args):
         override = {"host": "127.0.0.1", "metrics_host": "127.0.0.1", "port": str(grpc_port),
                     "metrics_port": str(metrics_port), "device": "cpu", "checkpoint_dir": ckpt,
                     "tokens_file": tokens}
-        argv = [a for a in shipped_server_args(repo)["deploy/kubernetes/deployment.yaml"]
-                if a[2:].split("=", 1)[0] not in override]
+        shipped = shipped_server_args(repo)["deploy/kubernetes/deployment.yaml"]
+        if not any(a.startswith("--tokens_file=") for a in shipped):
+            raise TestFailure("the Deployment runs moe-server without --tokens_file: "
+                              "authentication is off")
+        argv = [a for a in shipped if a[2:].split("=", 1)[0] not in override]
         argv += [f"--{k}={v}" for k, v in override.items()]
         server = start("moe-server", [args.server] + argv)
         target = f"127.0.0.1:{grpc_port}"

@@ -168,6 +168,8 @@ def run(args):
             f.write("moe-admin " + os.urandom(16).hex() + "\n")
 
         def start(argv, port, metrics_port, name):
+            if not any(a.startswith("--tokens_file=") for a in argv):
+                raise TestFailure(f"the {name} manifests run moe-server without --tokens_file")
             ckpt = os.path.join(tmp, f"checkpoints-{name}")
             os.makedirs(ckpt)
             override = {"host": "127.0.0.1", "metrics_host": "127.0.0.1", "port": str(port),
