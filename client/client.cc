@@ -10,8 +10,8 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
-#include <sstream>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -369,7 +369,9 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
   std::ostringstream text;
   text << in.rdbuf();
   std::string token(absl::StripAsciiWhitespace(text.str()));
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, " is empty"));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, " is empty"));
+  }
   return token;
 }
 
@@ -425,9 +427,8 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
     auto id = s->first_event();
     s->Start(c->stub_.get(), options.token);
     if (id.wait_for(options.timeout) != std::future_status::ready) {
-      return absl::UnavailableError(
-          absl::StrCat("OpenSession on ", target, " did not answer within ",
-                       options.timeout.count(), " ms"));
+      return absl::UnavailableError(absl::StrCat(
+          "OpenSession on ", target, " did not answer within ", options.timeout.count(), " ms"));
     }
     if ((c->session_id_ = id.get()).empty()) {
       // The server's refusal (UNAUTHENTICATED without a valid token, say) as it gave it.
@@ -480,9 +481,10 @@ absl::Status Connection::Health(const std::string& service) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::LayerInfo> Connection::CreateLayer(
-    const std::string& name, const LayerConfig& config, bool attach_if_exists,
-    const std::vector<std::string>& shared_with) {
+absl::StatusOr<v1::LayerInfo> Connection::CreateLayer(const std::string& name,
+                                                      const LayerConfig& config,
+                                                      bool attach_if_exists,
+                                                      const std::vector<std::string>& shared_with) {
   v1::CreateLayerRequest req;
   req.set_name(name);
   *req.mutable_config() = wire::LayerConfigToProto(config);

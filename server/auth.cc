@@ -25,8 +25,8 @@ constexpr size_t kMaxPrincipalLength = 256;
 constexpr char kBearer[] = "bearer";
 
 bool Token68Char(char c) {
-  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ||
-         c == '_' || c == '~' || c == '+' || c == '/';
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_' ||
+         c == '~' || c == '+' || c == '/';
 }
 
 // RFC 6750's b64token: token68 characters, then only '='.
@@ -116,8 +116,8 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
         absl::StrSplit(line, absl::ByAnyChar(" \t\r\f\v"), absl::SkipEmpty());
     if (fields.empty()) continue;
     if (fields.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": expected \"PRINCIPAL TOKEN\", found ", fields.size(), " fields"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected \"PRINCIPAL TOKEN\", found ", fields.size(), " fields"));
     }
     if (absl::Status st = ValidatePrincipal(fields[0], where); !st.ok()) return st;
     const absl::string_view token = fields[1];

@@ -127,8 +127,9 @@ class Authenticator {
   std::set<std::string> admins_;
   mutable std::mutex mu_;
   std::shared_ptr<const std::vector<Entry>> tokens_;  // replaced whole by Reload
-  std::mutex reload_mu_;  // one reload at a time
-  FileStamp loaded_;      // of the version last read (or tried), under reload_mu_
+  // One reload at a time; guards loaded_, the version of the file last read (or tried).
+  std::mutex reload_mu_;
+  FileStamp loaded_;
 };
 
 // Allocates the server's callback contexts with a link back to the Authenticator, so that

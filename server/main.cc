@@ -92,8 +92,8 @@ int main(int argc, char** argv) {
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
   options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
-  options.admin_principals = absl::StrSplit(absl::GetFlag(FLAGS_admin_principals), ',',
-                                            absl::SkipWhitespace());
+  options.admin_principals =
+      absl::StrSplit(absl::GetFlag(FLAGS_admin_principals), ',', absl::SkipWhitespace());
 
   if (absl::GetFlag(FLAGS_tokens_reload_seconds) < 0) {
     std::fprintf(stderr, "moe-server: INVALID_ARGUMENT: tokens_reload_seconds: must be >= 0\n");
@@ -116,10 +116,10 @@ int main(int argc, char** argv) {
       "%s\n",
       (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
       options.metrics_host.c_str(), (*server)->metrics_port(), transport,
-      !auth                                 ? "off (every caller is \"anonymous\")"
-      : options.tokens_file.empty()         ? "client certificates"
+      !auth                                ? "off (every caller is \"anonymous\")"
+      : options.tokens_file.empty()        ? "client certificates"
       : options.tls.client_ca_file.empty() ? "bearer tokens"
-                                            : "bearer tokens and client certificates");
+                                           : "bearer tokens and client certificates");
   std::fflush(stdout);
   const int reload_seconds = absl::GetFlag(FLAGS_tokens_reload_seconds);
   auto next_check = std::chrono::steady_clock::now() + std::chrono::seconds(reload_seconds);

@@ -64,8 +64,8 @@ constexpr int kMaxSharedWith = 64;
 absl::StatusOr<std::set<std::string>> SharedWith(
     const google::protobuf::RepeatedPtrField<std::string>& list) {
   if (list.size() > kMaxSharedWith) {
-    return absl::InvalidArgumentError(absl::StrCat("shared_with: at most ", kMaxSharedWith,
-                                                   " principals, got ", list.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_with: at most ", kMaxSharedWith, " principals, got ", list.size()));
   }
   std::set<std::string> out;
   for (int i = 0; i < list.size(); ++i) {
@@ -888,7 +888,8 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
   SessionReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx) : service_(s) {
     service_->metrics().StreamOpened("OpenSession");
     if (absl::StatusOr<Caller> caller = s->Authenticate(ctx); !caller.ok()) {
-      service_->metrics().Request("OpenSession", GrpcCodeName(ToGrpcStatus(caller.status()).error_code()));
+      service_->metrics().Request("OpenSession",
+                                  GrpcCodeName(ToGrpcStatus(caller.status()).error_code()));
       Finish(ToGrpcStatus(caller.status()));
       return;
     }
@@ -993,8 +994,8 @@ absl::Status ExpertServiceImpl::AuthorizeLayer(const Caller& caller, const Layer
         "\", import weights into it or load a checkpoint over it; only its owner and admins may"));
   }
   return absl::PermissionDeniedError(
-      absl::StrCat(field, ": principal \"", caller.principal, "\" may not use layer \"",
-                   entry.name, "\": it belongs to another principal and is not shared with it"));
+      absl::StrCat(field, ": principal \"", caller.principal, "\" may not use layer \"", entry.name,
+                   "\": it belongs to another principal and is not shared with it"));
 }
 
 absl::StatusOr<std::string> ExpertServiceImpl::CheckpointRoot(const Caller& caller) const {
@@ -1002,9 +1003,8 @@ absl::StatusOr<std::string> ExpertServiceImpl::CheckpointRoot(const Caller& call
   if (root.empty() || auth_ == nullptr || !auth_->enabled() || caller.admin) return root;
   const std::string dir = absl::StrCat(root, "/", PrincipalDirectoryName(caller.principal));
   if (::mkdir(dir.c_str(), 0750) != 0 && errno != EEXIST) {
-    return absl::InternalError(absl::StrCat("checkpoint directory ", dir,
-                                            " of principal \"", caller.principal,
-                                            "\": ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("checkpoint directory ", dir, " of principal \"",
+                                            caller.principal, "\": ", std::strerror(errno)));
   }
   return dir;
 }
@@ -1059,8 +1059,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
     FinishUnary(reactor, method, authenticated.status());
     return reactor;
   }
-  executor_.Submit([this, ctx, reactor, method, resp, work,
-                    caller = *std::move(authenticated)](double queued) {
+  Caller caller = *std::move(authenticated);
+  executor_.Submit([this, ctx, reactor, method, resp, work, caller](double queued) {
     metrics_->Stage(method, "queue", queued);
     absl::Status st = CallAlive(ctx);
     if (st.ok()) {
@@ -1097,8 +1097,7 @@ absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const Layer
 grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerContext* ctx,
                                                          const v1::CreateLayerRequest* req,
                                                          v1::LayerInfo* resp) {
-  return RunUnary(ctx, "CreateLayer", req, resp,
-                  [this, req, resp](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp](const Caller& caller) {
     if (auto st = ValidateLayerName(req->name(), "name"); !st.ok()) return st;
     auto config = wire::LayerConfigFromProto(req->config());
     if (!config.ok()) return config.status();
@@ -1171,7 +1170,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::ListLayers(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* ExpertServiceImpl::DeleteLayer(grpc::CallbackServerContext* ctx,
                                                          const v1::DeleteLayerRequest* req,
                                                          v1::DeleteLayerResponse* resp) {
-  return RunUnary(ctx, "DeleteLayer", req, resp, [this, req](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "DeleteLayer", req, resp, [this, req](const Caller& caller) {
     std::shared_ptr<LayerEntry> entry;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -1206,7 +1205,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ExpertServiceImpl::
 grpc::ServerUnaryReactor* ExpertServiceImpl::Step(grpc::CallbackServerContext* ctx,
                                                   const v1::StepRequest* req,
                                                   v1::StepResponse* resp) {
-  return RunUnary(ctx, "Step", req, resp, [this, req, resp](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "Step", req, resp, [this, req, resp](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
     if (auto st = AuthorizeLayer(caller, **entry, Access::kTrain, "layer"); !st.ok()) return st;
@@ -1225,7 +1224,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::Step(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* ExpertServiceImpl::ZeroGrad(grpc::CallbackServerContext* ctx,
                                                       const v1::ZeroGradRequest* req,
                                                       v1::ZeroGradResponse* resp) {
-  return RunUnary(ctx, "ZeroGrad", req, resp, [this, req](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "ZeroGrad", req, resp, [this, req](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
     if (auto st = AuthorizeLayer(caller, **entry, Access::kTrain, "layer"); !st.ok()) return st;
@@ -1246,8 +1245,7 @@ grpc::ServerReadReactor<v1::WeightChunk>* ExpertServiceImpl::ImportWeights(
 grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::SaveCheckpointRequest* req,
                                                             v1::SaveCheckpointResponse* resp) {
-  return RunUnary(ctx, "SaveCheckpoint", req, resp,
-                  [this, req, resp](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
     if (auto st = AuthorizeLayer(caller, **entry, Access::kRead, "layer"); !st.ok()) return st;
@@ -1270,8 +1268,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::LoadCheckpointRequest* req,
                                                             v1::LoadCheckpointResponse* resp) {
-  return RunUnary(ctx, "LoadCheckpoint", req, resp,
-                  [this, req, resp](const Caller& caller) -> absl::Status {
+  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
     if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
     if (auto existing = FindLayer(req->layer()); existing.ok()) {
       absl::Status allowed = AuthorizeLayer(caller, **existing, Access::kManage, "layer");

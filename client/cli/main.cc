@@ -77,15 +77,14 @@ int Usage(const std::string& why) {
 
 std::string Describe(const moe::v1::LayerInfo& l) {
   const auto& c = l.config();
-  return absl::StrCat(l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(),
-                      " h=", c.d_hidden(), " ", moe::v1::Activation_Name(c.activation()), " ",
-                      moe::v1::DType_Name(c.dtype()), " ", moe::v1::RoutingMode_Name(c.routing()),
-                      " experts [", c.expert_first(), ", ", c.expert_first() + c.expert_count(),
-                      ")  step=", l.step(), " resident_bytes=", l.resident_bytes(),
-                      " contexts=", l.saved_contexts(), " (", l.saved_context_bytes(),
-                      " bytes) device=", l.device(), " owner=", l.owner(),
-                      l.shared_with().empty() ? "" : " shared_with=",
-                      absl::StrJoin(l.shared_with(), ","));
+  return absl::StrCat(
+      l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(), " h=", c.d_hidden(),
+      " ", moe::v1::Activation_Name(c.activation()), " ", moe::v1::DType_Name(c.dtype()), " ",
+      moe::v1::RoutingMode_Name(c.routing()), " experts [", c.expert_first(), ", ",
+      c.expert_first() + c.expert_count(), ")  step=", l.step(),
+      " resident_bytes=", l.resident_bytes(), " contexts=", l.saved_contexts(), " (",
+      l.saved_context_bytes(), " bytes) device=", l.device(), " owner=", l.owner(),
+      l.shared_with().empty() ? "" : " shared_with=", absl::StrJoin(l.shared_with(), ","));
 }
 
 absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {

@@ -39,10 +39,10 @@ std::shared_ptr<Authenticator> Make(const std::string& tokens_text, bool certifi
 std::string Bearer(const std::string& token) { return absl::StrCat("Bearer ", token); }
 
 TEST(ParseTokensTest, ReadsPairsCommentsAndBlankLines) {
-  auto parsed = ParseTokens(absl::StrCat("# who may call\n\n  alice   ", kAliceToken,
-                                         "  # trailing comment\n\tbob\t", kBobToken,
-                                         "\r\nalice ", kBobToken, "x\n"),
-                            "t");
+  auto parsed = ParseTokens(
+      absl::StrCat("# who may call\n\n  alice   ", kAliceToken, "  # trailing comment\n\tbob\t",
+                   kBobToken, "\r\nalice ", kBobToken, "x\n"),
+      "t");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   ASSERT_EQ(parsed->size(), 3u);
   EXPECT_EQ((*parsed)[0].principal, "alice");
@@ -89,8 +89,8 @@ TEST(ParseTokensTest, RefusesBadLinesNamingTheLineButNeverTheToken) {
 }
 
 TEST(PrincipalTest, ValidNamesAndDirectoryNames) {
-  for (const char* p : {"alice", "trainer-0", "svc@corp.example", "spiffe://c/ns/moe/sa/t",
-                        "a+b=c", "A.b_C-9:x"}) {
+  for (const char* p :
+       {"alice", "trainer-0", "svc@corp.example", "spiffe://c/ns/moe/sa/t", "a+b=c", "A.b_C-9:x"}) {
     EXPECT_TRUE(ValidatePrincipal(p, "f").ok()) << p;
   }
   EXPECT_EQ(PrincipalDirectoryName("alice"), "alice");
@@ -104,8 +104,7 @@ TEST(PrincipalTest, CreateRefusesBadAdminsAndAdminsWithoutAuthentication) {
   o.admin_principals = {"root"};
   auto off = Authenticator::Create(o);
   ASSERT_FALSE(off.ok());
-  EXPECT_NE(off.status().message().find("admin_principals: needs tokens_file"),
-            std::string::npos);
+  EXPECT_NE(off.status().message().find("admin_principals: needs tokens_file"), std::string::npos);
   o.tokens_file = WriteFile("tokens", absl::StrCat("alice ", kAliceToken, "\n"));
   o.admin_principals = {"root", "has space"};
   auto bad = Authenticator::Create(o);
@@ -140,8 +139,7 @@ TEST(AuthenticatorTest, OffMakesEveryCallerAnonymous) {
 }
 
 TEST(AuthenticatorTest, BearerTokensNameTheirPrincipal) {
-  auto auth = Make(absl::StrCat("alice ", kAliceToken, "\nbob ", kBobToken, "\n"), false,
-                   {"bob"});
+  auto auth = Make(absl::StrCat("alice ", kAliceToken, "\nbob ", kBobToken, "\n"), false, {"bob"});
   ASSERT_NE(auth, nullptr);
   EXPECT_TRUE(auth->enabled());
   const std::string a = Bearer(kAliceToken), b = Bearer(kBobToken);

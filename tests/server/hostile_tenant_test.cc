@@ -39,20 +39,17 @@ using State = std::map<std::string, Tensor>;
 constexpr char kVictim[] = "victim";
 const std::map<std::string, std::string> kTokens = {
     {"alice", "alice-0123456789abcdef0123456789"},  // owns the victim layer
-    {"bob", "bob-0123456789abcdef0123456789abc"},    // a stranger to it
+    {"bob", "bob-0123456789abcdef0123456789abc"},   // a stranger to it
     {"carol", "carol-0123456789abcdef0123456789"},  // the victim is shared with her
-    {"root", "root-0123456789abcdef0123456789ab"},   // an admin
+    {"root", "root-0123456789abcdef0123456789ab"},  // an admin
 };
 
 std::string TempPath(const std::string& name) {
   static int counter = 0;
-  return absl::StrCat(::testing::TempDir(), "/moe_hostile_", name, "_", ::getpid(), "_",
-                      counter++);
+  return absl::StrCat(::testing::TempDir(), "/moe_hostile_", name, "_", ::getpid(), "_", counter++);
 }
 
-std::string TlsFile(const std::string& name) {
-  return absl::StrCat(MOE_TLS_TESTDATA, "/", name);
-}
+std::string TlsFile(const std::string& name) { return absl::StrCat(MOE_TLS_TESTDATA, "/", name); }
 
 LayerConfig VictimConfig() {
   LayerConfig c;
@@ -192,7 +189,8 @@ class HostileTenantTest : public ::testing::Test {
         {"ZeroGrad", [&c] { return c.ZeroGrad(kVictim); }},
         {"ExportWeights", [&c] { return c.ExportWeights(kVictim, false).status(); }},
         {"ExportWeights (optimizer)", [&c] { return c.ExportWeights(kVictim, true).status(); }},
-        {"SaveCheckpoint", [&c] { return c.SaveCheckpoint(kVictim, "taken.safetensors").status(); }},
+        {"SaveCheckpoint",
+         [&c] { return c.SaveCheckpoint(kVictim, "taken.safetensors").status(); }},
         {"CreateLayer attach_if_exists",
          [&c] { return c.CreateLayer(kVictim, VictimConfig(), true).status(); }},
         {"RemoteLayer::Create (attach)",
@@ -298,6 +296,8 @@ TEST_F(HostileTenantTest, OwnerAndAdminMayDoEverything) {
     const uint64_t context = OwnersContext();
     for (const Row& row : CallsOnVictim(*c, context)) {
       if (row.call == "DeleteLayer") continue;  // last, below
+      // A saved context is its own principal's, admins' included (server/context_store.h).
+      if (c == &root() && row.call == "Backward on the owner's context") continue;
       SCOPED_TRACE(absl::StrCat(c == &root() ? "root: " : "alice: ", row.call));
       EXPECT_TRUE(row.run().ok());
     }
@@ -318,9 +318,10 @@ TEST_F(HostileTenantTest, ListsAndStatsShowOnlyWhatTheCallerMaySee) {
   EXPECT_EQ(names(*bob().ListLayers()), V({"bobs"}));
   EXPECT_EQ(names(*carol().ListLayers()), V({"victim"}));
   EXPECT_EQ(names(*root().ListLayers()), V({"bobs", "victim"}));
-  for (auto& [principal, want] : std::map<std::string, V>{
-           {"alice", {"victim"}}, {"bob", {"bobs"}}, {"carol", {"victim"}},
-           {"root", {"bobs", "victim"}}}) {
+  for (auto& [principal, want] : std::map<std::string, V>{{"alice", {"victim"}},
+                                                          {"bob", {"bobs"}},
+                                                          {"carol", {"victim"}},
+                                                          {"root", {"bobs", "victim"}}}) {
     auto stats = conns_[principal]->GetStats();
     ASSERT_TRUE(stats.ok());
     EXPECT_EQ(names({stats->layers().begin(), stats->layers().end()}), want) << principal;
@@ -500,8 +501,8 @@ TEST(CallerPrincipalTest, NamesTheAuthenticatedPrincipal) {
     builder.SetContextAllocator(std::make_unique<server::AuthContextAllocator>(*auth));
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     ASSERT_NE(server, nullptr);
-    auto stub = v1::ExpertService::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    auto stub = v1::ExpertService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
     const std::string alice = absl::StrCat("Bearer ", kTokens.at("alice"));
     EXPECT_EQ(WhoAmIOn(*stub, alice), on ? "alice" : "anonymous");
     EXPECT_EQ(WhoAmIOn(*stub, ""), on ? "" : "anonymous");
