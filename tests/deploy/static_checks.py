@@ -7,12 +7,12 @@ ctest runs each check as its own test (tests/deploy/CMakeLists.txt):
   kubernetes      the manifests agree with each other, with the image and with the proto:
                   ports, probe service names, GPU requests, volume, scrape annotations, SRV name;
                   authentication on (tokens file from a read-only Secret mount, an admin
-                  principal) and the listening addresses set for a pod
+                  principal), per-principal quotas, and the listening addresses set for a pod
   compose         compose.yaml's mounts exist and its Prometheus/Grafana wiring lines up;
-                  authentication on with a git-ignored tokens file as a compose secret
+                  authentication on with a git-ignored tokens file as a compose secret, quotas
   dockerfile      multi-stage CUDA devel -> runtime, non-root, no RUN in the final stage, and
                   every RUN is a script that CI also runs; the default command has
-                  authentication on
+                  authentication and quotas on
   dashboard       the Grafana JSON is well formed and its PromQL parses into metric selectors
 Each prints what it checked and exits 1 with the reasons when something is wrong.
 
@@ -82,6 +82,17 @@ def check_auth_args(where, args):
     admins = [a for a in args.get("admin_principals", "").split(",") if a]
     if not admins:
         fail(f"{where}: no --admin_principals")
+    # Admission control and per-principal quotas, so one principal cannot lock the others out:
+    # the quotas and the short TTL must be on (> 0); the budget may be derived (0).
+    for flag, least in (("principal_layer_bytes_quota", 1), ("principal_context_bytes_quota", 1),
+                        ("sessionless_context_ttl_seconds", 1), ("memory_budget_bytes", 0)):
+        try:
+            value = float(args[flag])
+        except (KeyError, ValueError):
+            fail(f"{where}: no numeric --{flag}")
+            continue
+        if value < least:
+            fail(f"{where}: --{flag}={args[flag]} turns it off")
     return tokens
 
 
