@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,44 @@ TEST(PrincipalTest, ValidNamesAndDirectoryNames) {
   EXPECT_EQ(PrincipalDirectoryName("spiffe://c/x"), "spiffe:%2F%2Fc%2Fx");
   EXPECT_EQ(PrincipalDirectoryName("a%2Fb"), "a%252Fb");  // no two principals share a name
   EXPECT_EQ(PrincipalDirectoryName("x$y"), "x%24y");
+}
+
+// The properties a TLS handshake leaves in a call's AuthContext, without the handshake.
+class FakeAuthContext final : public grpc::AuthContext {
+ public:
+  explicit FakeAuthContext(std::multimap<std::string, std::string> properties)
+      : properties_(std::move(properties)) {}
+  bool IsPeerAuthenticated() const override { return !properties_.empty(); }
+  std::vector<grpc::string_ref> GetPeerIdentity() const override { return {}; }
+  std::string GetPeerIdentityPropertyName() const override { return ""; }
+  std::vector<grpc::string_ref> FindPropertyValues(const std::string& name) const override {
+    std::vector<grpc::string_ref> out;
+    for (auto [it, end] = properties_.equal_range(name); it != end; ++it) {
+      out.emplace_back(it->second);
+    }
+    return out;
+  }
+  grpc::AuthPropertyIterator begin() const override { return NoProperties(); }
+  grpc::AuthPropertyIterator end() const override { return NoProperties(); }
+  void AddProperty(const std::string&, const grpc::string_ref&) override {}
+  bool SetPeerIdentityPropertyName(const std::string&) override { return false; }
+
+ private:
+  struct NoProperties : grpc::AuthPropertyIterator {};
+  std::multimap<std::string, std::string> properties_;
+};
+
+TEST(PrincipalTest, CertificatePrincipalIsTheCommonNameElseTheFirstSubjectAltName) {
+  using Props = std::multimap<std::string, std::string>;
+  const char* cn = GRPC_X509_CN_PROPERTY_NAME;
+  const char* san = GRPC_X509_SAN_PROPERTY_NAME;
+  EXPECT_EQ(CertificatePrincipal(FakeAuthContext(Props{{cn, "trainer-0"}, {san, "a.example"}})),
+            "trainer-0");
+  EXPECT_EQ(CertificatePrincipal(FakeAuthContext(
+                Props{{san, "spiffe://c/ns/moe/sa/trainer"}, {san, "trainer.example"}})),
+            "spiffe://c/ns/moe/sa/trainer");
+  EXPECT_EQ(CertificatePrincipal(FakeAuthContext(Props{{"transport_security_type", "ssl"}})), "");
+  EXPECT_EQ(CertificatePrincipal(FakeAuthContext(Props{})), "");
 }
 
 TEST(PrincipalTest, CreateRefusesBadAdminsAndAdminsWithoutAuthentication) {
