@@ -148,7 +148,10 @@ class AuthContextAllocator final : public grpc::ContextAllocator {
 
 // The principal making the call: "anonymous" when authentication is off, "" when the call did
 // not authenticate (every ExpertService handler has refused it by then) or its context was not
-// allocated by an AuthContextAllocator.
+// allocated by an AuthContextAllocator. Computed anew each time (a token hash and compare, no
+// lock held long). With client certificates, gRPC builds a context's AuthContext on first use
+// without a lock: the handler's own Authenticate, first thing on gRPC's thread, builds it, so
+// later calls from other threads only read it.
 std::string CallerPrincipal(const grpc::CallbackServerContext* ctx);
 
 }  // namespace moe::server
