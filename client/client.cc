@@ -5,13 +5,17 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "engine/host_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -23,6 +27,21 @@ namespace moe::client {
 namespace {
 
 constexpr char kSessionMetadataKey[] = "moe-session-id";
+constexpr char kAuthorizationMetadataKey[] = "authorization";
+
+// A token gRPC can send as a metadata value and the server's tokens file can hold: printable
+// ASCII without spaces.
+absl::Status CheckToken(const std::string& token) {
+  for (char c : token) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u >= 0x7f) {
+      return absl::InvalidArgumentError(
+          "token: may hold only printable ASCII without spaces (a stray newline from a token "
+          "file?)");
+    }
+  }
+  return absl::OkStatus();
+}
 
 // One unary ExpertService call with the connection's deadline and session metadata; the
 // server's status comes back as absl::Status carrying its message.
@@ -304,7 +323,8 @@ Tensor ToTensor(const TensorView& view) {
 // session; cancelling the call (destructor) tells the server to free the session's contexts.
 class Connection::SessionCall final : public grpc::ClientReadReactor<v1::SessionEvent> {
  public:
-  void Start(v1::ExpertService::Stub* stub) {
+  void Start(v1::ExpertService::Stub* stub, const std::string& token) {
+    if (!token.empty()) ctx_.AddMetadata(kAuthorizationMetadataKey, absl::StrCat("Bearer ", token));
     stub->async()->OpenSession(&ctx_, &request_, this);
     StartRead(&event_);
     StartCall();
@@ -317,13 +337,16 @@ class Connection::SessionCall final : public grpc::ClientReadReactor<v1::Session
     }
     if (ok) StartRead(&event_);
   }
-  void OnDone(const grpc::Status&) override {
+  void OnDone(const grpc::Status& status) override {
     if (!got_) {
       got_ = true;
+      status_ = status;
       id_.set_value("");
     }
     done_.set_value();
   }
+  // Why the session ended before it began (read once first_event() gave "").
+  const grpc::Status& status() const { return status_; }
   void Cancel() { ctx_.TryCancel(); }
   std::future<void> done() { return done_.get_future(); }
   grpc::ClientContext ctx_;
@@ -332,14 +355,31 @@ class Connection::SessionCall final : public grpc::ClientReadReactor<v1::Session
   v1::OpenSessionRequest request_;
   v1::SessionEvent event_;
   bool got_ = false;
+  grpc::Status status_;
   std::promise<std::string> id_;
   std::promise<void> done_;
 };
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& field) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(text.str()));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, " is empty"));
+  }
+  return token;
+}
 
 absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::string& target,
                                                                 ClientOptions options) {
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
   if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
+  if (absl::Status st = CheckToken(options.token); !st.ok()) return st;
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       wire::MakeChannelCredentials(options.tls, "tls.");
   if (!credentials.ok()) return credentials.status();
@@ -385,9 +425,18 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
     c->session_ = s;
     s->ctx_.set_wait_for_ready(true);
     auto id = s->first_event();
-    s->Start(c->stub_.get());
-    if (id.wait_for(options.timeout) != std::future_status::ready ||
-        (c->session_id_ = id.get()).empty()) {
+    s->Start(c->stub_.get(), options.token);
+    if (id.wait_for(options.timeout) != std::future_status::ready) {
+      return absl::UnavailableError(absl::StrCat(
+          "OpenSession on ", target, " did not answer within ", options.timeout.count(), " ms"));
+    }
+    if ((c->session_id_ = id.get()).empty()) {
+      // The server's refusal (UNAUTHENTICATED without a valid token, say) as it gave it.
+      const grpc::Status& why = s->status();
+      if (!why.ok()) {
+        return absl::Status(FromGrpcStatus(why).code(),
+                            absl::StrCat("OpenSession on ", target, ": ", why.error_message()));
+      }
       return absl::UnavailableError(absl::StrCat("OpenSession on ", target, " failed"));
     }
   }
@@ -410,6 +459,9 @@ uint64_t Connection::NextContextId() {
 void Connection::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
   if (!session_id_.empty()) ctx->AddMetadata(kSessionMetadataKey, session_id_);
+  if (!options_.token.empty()) {
+    ctx->AddMetadata(kAuthorizationMetadataKey, absl::StrCat("Bearer ", options_.token));
+  }
 }
 
 absl::Status Connection::Health(const std::string& service) {
@@ -431,11 +483,13 @@ absl::Status Connection::Health(const std::string& service) {
 
 absl::StatusOr<v1::LayerInfo> Connection::CreateLayer(const std::string& name,
                                                       const LayerConfig& config,
-                                                      bool attach_if_exists) {
+                                                      bool attach_if_exists,
+                                                      const std::vector<std::string>& shared_with) {
   v1::CreateLayerRequest req;
   req.set_name(name);
   *req.mutable_config() = wire::LayerConfigToProto(config);
   req.set_attach_if_exists(attach_if_exists);
+  for (const std::string& p : shared_with) req.add_shared_with(p);
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::CreateLayer, req);
 }
 
@@ -773,21 +827,23 @@ absl::StatusOr<v1::SaveCheckpointResponse> Connection::SaveCheckpoint(const std:
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::SaveCheckpoint, req);
 }
 
-absl::StatusOr<v1::LayerInfo> Connection::LoadCheckpoint(const std::string& layer,
-                                                         const std::string& path) {
+absl::StatusOr<v1::LayerInfo> Connection::LoadCheckpoint(
+    const std::string& layer, const std::string& path,
+    const std::vector<std::string>& shared_with) {
   v1::LoadCheckpointRequest req;
   req.set_layer(layer);
   req.set_path(path);
+  for (const std::string& p : shared_with) req.add_shared_with(p);
   auto resp = CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::LoadCheckpoint, req);
   if (!resp.ok()) return resp.status();
   return resp->layer();
 }
 
 // --- RemoteLayer -----------------------------------------------------------------------------
-absl::StatusOr<std::unique_ptr<RemoteLayer>> RemoteLayer::Create(std::shared_ptr<Connection> conn,
-                                                                 const std::string& name,
-                                                                 const LayerConfig& config) {
-  auto info = conn->CreateLayer(name, config, /*attach_if_exists=*/true);
+absl::StatusOr<std::unique_ptr<RemoteLayer>> RemoteLayer::Create(
+    std::shared_ptr<Connection> conn, const std::string& name, const LayerConfig& config,
+    const std::vector<std::string>& shared_with) {
+  auto info = conn->CreateLayer(name, config, /*attach_if_exists=*/true, shared_with);
   if (!info.ok()) return info.status();
   auto c = wire::LayerConfigFromProto(info->config());
   if (!c.ok()) return c.status();

@@ -65,7 +65,15 @@ struct ClientOptions {
   // Plaintext unless set: TLS to a server started with a certificate, mutual TLS with this
   // client's own certificate as well (proto/tls.h; docs/OPERATIONS.md, "Transport security").
   wire::ClientTls tls;
+  // The bearer token of this client's principal, for a server started with --tokens_file: sent
+  // as "authorization: Bearer <token>" on every call, the session's included. Empty: none (the
+  // server then knows the client by its TLS certificate, or has authentication off).
+  std::string token;
 };
+
+// The bearer token a file holds (ClientOptions::token), surrounding whitespace removed;
+// InvalidArgument naming `field` and the path when it cannot be read or is empty.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& field);
 
 // grpc::Status -> absl::Status, code and message unchanged.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -106,8 +114,11 @@ class Connection {
   // grpc.health.v1 Check of `service` ("" = the whole server). OK only when SERVING.
   absl::Status Health(const std::string& service = "");
 
+  // `shared_with`: principals that may read and train the layer besides its creator
+  // (moe.proto CreateLayerRequest.shared_with).
   absl::StatusOr<v1::LayerInfo> CreateLayer(const std::string& name, const LayerConfig& config,
-                                            bool attach_if_exists = false);
+                                            bool attach_if_exists = false,
+                                            const std::vector<std::string>& shared_with = {});
   absl::StatusOr<v1::LayerInfo> GetLayer(const std::string& name);
   absl::StatusOr<std::vector<v1::LayerInfo>> ListLayers();
   absl::Status DeleteLayer(const std::string& name);
@@ -139,12 +150,14 @@ class Connection {
   absl::Status ImportWeights(const std::string& layer, const std::map<std::string, Tensor>& state);
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& layer,
                                                             const std::string& path);
-  absl::StatusOr<v1::LayerInfo> LoadCheckpoint(const std::string& layer, const std::string& path);
+  // `shared_with` applies when the checkpoint creates the layer.
+  absl::StatusOr<v1::LayerInfo> LoadCheckpoint(const std::string& layer, const std::string& path,
+                                               const std::vector<std::string>& shared_with = {});
 
   // A context id unique to this connection (random prefix, counter).
   uint64_t NextContextId();
   v1::ExpertService::Stub* stub() { return stub_.get(); }
-  // A ClientContext with this connection's deadline and session metadata.
+  // A ClientContext with this connection's deadline, session and token metadata.
   void Prepare(grpc::ClientContext* ctx) const;
 
  private:
@@ -187,10 +200,11 @@ class Connection {
 // A layer on one server.
 class RemoteLayer {
  public:
-  // Creates the layer, or attaches to an existing one with an identical config.
-  static absl::StatusOr<std::unique_ptr<RemoteLayer>> Create(std::shared_ptr<Connection> conn,
-                                                             const std::string& name,
-                                                             const LayerConfig& config);
+  // Creates the layer (shared with `shared_with`, besides this client's principal), or attaches
+  // to an existing one with an identical config that this client's principal may train.
+  static absl::StatusOr<std::unique_ptr<RemoteLayer>> Create(
+      std::shared_ptr<Connection> conn, const std::string& name, const LayerConfig& config,
+      const std::vector<std::string>& shared_with = {});
   // Attaches to an existing layer (NotFound if there is none).
   static absl::StatusOr<std::unique_ptr<RemoteLayer>> Attach(std::shared_ptr<Connection> conn,
                                                              const std::string& name);

@@ -1,7 +1,8 @@
 // moe-server: serves MoE layers to remote trainers over gRPC (moe.v1.ExpertService), with
-// Prometheus metrics on --metrics_port. Every flag lives here and fills ServerOptions; the rest
-// of the server never reads flags. SIGINT/SIGTERM shut down cleanly (open sessions end, their
-// contexts are freed).
+// Prometheus metrics on --metrics_port, both on loopback unless --host/--metrics_host say
+// otherwise. Every flag lives here and fills ServerOptions; the rest of the server never reads
+// flags. SIGINT/SIGTERM shut down cleanly (open sessions end, their contexts are freed); SIGHUP
+// reads --tokens_file again, as does a change to it seen within --tokens_reload_seconds.
 #include <csignal>
 #include <cstdio>
 #include <limits>
@@ -14,6 +15,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "engine/host_memory.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -22,7 +24,10 @@ namespace {
 const moe::server::ServerOptions kDefaults;
 }  // namespace
 
-ABSL_FLAG(std::string, host, kDefaults.host, "Address to listen on (gRPC and metrics)");
+ABSL_FLAG(std::string, host, kDefaults.host,
+          "Address gRPC listens on; 0.0.0.0 (or [::]) for every interface");
+ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
+          "Address the /metrics endpoint listens on; 0.0.0.0 for every interface");
 ABSL_FLAG(int, port, kDefaults.port, "gRPC port; 0 picks a free one");
 ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
           "Prometheus /metrics port; 0 picks a free one, -1 disables");
@@ -59,6 +64,15 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(int, tls_reload_seconds, kDefaults.tls.reload_seconds,
           "Read the --tls_ files again this often, so renewed certificates are served without a "
           "restart; 0 reads them once");
+ABSL_FLAG(std::string, tokens_file, "",
+          "Bearer tokens: one \"PRINCIPAL TOKEN\" pair per line, '#' comments; every "
+          "ExpertService call must then send \"authorization: Bearer TOKEN\" (or, with "
+          "--tls_client_ca_file, a client certificate). Read again on SIGHUP");
+ABSL_FLAG(int, tokens_reload_seconds, 60,
+          "Read --tokens_file again this often if it changed (a renewed Kubernetes Secret); 0: "
+          "only on SIGHUP");
+ABSL_FLAG(std::string, admin_principals, "",
+          "Comma-separated principals that may do everything on every layer");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory instead of handing it back to the OS (glibc malloc: large "
           "blocks from the heap, not from fresh mmaps; no trimming; one arena). Each micro-batch "
@@ -67,7 +81,9 @@ ABSL_FLAG(bool, retain_freed_memory, true,
 
 namespace {
 volatile std::sig_atomic_t g_stop = 0;
+volatile std::sig_atomic_t g_reload = 0;
 void OnSignal(int) { g_stop = 1; }
+void OnHangup(int) { g_reload = 1; }
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,6 +104,7 @@ int main(int argc, char** argv) {
   }
   moe::server::ServerOptions options;
   options.host = absl::GetFlag(FLAGS_host);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.device = absl::GetFlag(FLAGS_device);
@@ -104,7 +121,14 @@ int main(int argc, char** argv) {
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
+  options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  options.admin_principals =
+      absl::StrSplit(absl::GetFlag(FLAGS_admin_principals), ',', absl::SkipWhitespace());
 
+  if (absl::GetFlag(FLAGS_tokens_reload_seconds) < 0) {
+    std::fprintf(stderr, "moe-server: INVALID_ARGUMENT: tokens_reload_seconds: must be >= 0\n");
+    return 1;
+  }
   auto server = moe::server::Server::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "moe-server: %s\n", server.status().ToString().c_str());
@@ -112,12 +136,20 @@ int main(int argc, char** argv) {
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
+  std::signal(SIGHUP, OnHangup);
   const char* transport = options.tls.cert_file.empty()        ? "plaintext"
                           : options.tls.client_ca_file.empty() ? "TLS"
                                                                : "mutual TLS";
-  std::printf("moe-server: device %s, gRPC on %s:%d, metrics on :%d, transport %s\n",
-              (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
-              (*server)->metrics_port(), transport);
+  const bool auth = !options.tokens_file.empty() || !options.tls.client_ca_file.empty();
+  std::printf(
+      "moe-server: device %s, gRPC on %s:%d, metrics on %s:%d, transport %s, authentication "
+      "%s\n",
+      (*server)->device().c_str(), options.host.c_str(), (*server)->port(),
+      options.metrics_host.c_str(), (*server)->metrics_port(), transport,
+      !auth                                ? "off (every caller is \"anonymous\")"
+      : options.tokens_file.empty()        ? "client certificates"
+      : options.tls.client_ca_file.empty() ? "bearer tokens"
+                                           : "bearer tokens and client certificates");
   const moe::server::MemoryBudget& budget = (*server)->memory_budget();
   std::string requests;
   if (!budget.shared) {
@@ -129,7 +161,30 @@ int main(int argc, char** argv) {
               static_cast<long long>(budget.engine_bytes), budget.engine_memory.c_str(),
               requests.c_str());
   std::fflush(stdout);
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int reload_seconds = absl::GetFlag(FLAGS_tokens_reload_seconds);
+  auto next_check = std::chrono::steady_clock::now() + std::chrono::seconds(reload_seconds);
+  while (!g_stop) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    absl::StatusOr<bool> reloaded = false;
+    const char* why = "SIGHUP";
+    if (g_reload) {
+      g_reload = 0;
+      absl::Status st = (*server)->ReloadTokens();
+      reloaded = st.ok() ? absl::StatusOr<bool>(true) : st;
+    } else if (reload_seconds > 0 && std::chrono::steady_clock::now() >= next_check) {
+      next_check = std::chrono::steady_clock::now() + std::chrono::seconds(reload_seconds);
+      why = "tokens_file changed";
+      reloaded = (*server)->ReloadTokensIfChanged();
+    }
+    if (!reloaded.ok()) {
+      std::printf("moe-server: %s: %s; the tokens in use stay\n", why,
+                  reloaded.status().ToString().c_str());
+      std::fflush(stdout);
+    } else if (*reloaded) {
+      std::printf("moe-server: %s: tokens read again\n", why);
+      std::fflush(stdout);
+    }
+  }
   std::printf("moe-server: shutting down\n");
   (*server)->Shutdown();
   return 0;

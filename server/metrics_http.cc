@@ -47,7 +47,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   const std::string port_text = std::to_string(port);
   if (int rc = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res); rc != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("host: cannot resolve \"", host, "\": ", ::gai_strerror(rc)));
+        absl::StrCat("metrics_host: cannot resolve \"", host, "\": ", ::gai_strerror(rc)));
   }
   std::string error = "no address";
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {

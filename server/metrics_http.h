@@ -21,8 +21,8 @@ namespace moe::server {
 
 class MetricsHttpServer {
  public:
-  // Listens on host:port (port 0 picks a free one). Unavailable naming "metrics_port" if it
-  // cannot bind.
+  // Listens on host:port (port 0 picks a free one). InvalidArgument naming "metrics_host" if
+  // the host does not resolve; Unavailable naming "metrics_port" if it cannot bind.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
       const std::string& host, int port, std::shared_ptr<prometheus::Registry> registry);
   ~MetricsHttpServer();  // stops accepting and joins within one poll interval

@@ -5,13 +5,17 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "proto/tls.h"
 
 namespace moe::server {
 
 struct ServerOptions {
-  std::string host = "0.0.0.0";
+  // Loopback unless told otherwise: a server reachable from the network must be meant to be
+  // (docs/OPERATIONS.md, "Security").
+  std::string host = "127.0.0.1";          // gRPC
+  std::string metrics_host = "127.0.0.1";  // the /metrics endpoint
   int port = 50051;             // 0: pick a free port (Server::port() tells which)
   int metrics_port = 9464;      // 0: pick a free port; -1: no metrics endpoint
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
@@ -34,6 +38,12 @@ struct ServerOptions {
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
   // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;
+  // Authentication (server/auth.h): bearer tokens from this file ("PRINCIPAL TOKEN" lines);
+  // with tls.client_ca_file the client certificate's identity is a principal as well. Neither:
+  // every caller is "anonymous" and may use every layer.
+  std::string tokens_file;
+  // Principals that may do everything on every layer; needs authentication on.
+  std::vector<std::string> admin_principals;
 };
 
 }  // namespace moe::server

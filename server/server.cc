@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
 #include "proto/tls.h"
+#include "server/auth.h"
 #include "server/memory_limits.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
@@ -53,6 +54,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       wire::MakeServerCredentials(options.tls, "tls_");
   if (!credentials.ok()) return credentials.status();
+  // So is a bad tokens file.
+  absl::StatusOr<std::shared_ptr<Authenticator>> auth = Authenticator::Create(
+      {options.tokens_file, !options.tls.client_ca_file.empty(), options.admin_principals});
+  if (!auth.ok()) return auth.status();
 
   auto engine = CreateEngine(options.device);
   if (!engine.ok()) return engine.status();
@@ -72,8 +77,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->device_ = (*engine)->name();
   server->memory_budget_ = budget;
   server->metrics_ = std::make_unique<Metrics>(server->device_);
+  server->auth_ = *auth;
   server->service_ = std::make_unique<ExpertServiceImpl>(
-      options, std::move(budget), std::move(*engine), server->metrics_.get());
+      options, std::move(budget), std::move(*engine), server->metrics_.get(), server->auth_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -93,6 +99,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   // reach two servers with different layers and contexts. A busy port is an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(server->service_.get());
+  // Every ExpertService call's context leads back to the Authenticator (CallerPrincipal).
+  builder.SetContextAllocator(std::make_unique<AuthContextAllocator>(server->auth_));
   server->grpc_server_ = builder.BuildAndStart();
   if (!server->grpc_server_ || server->port_ == 0) {
     return absl::UnavailableError(
@@ -104,8 +112,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
 
   if (options.metrics_port >= 0) {
-    auto http =
-        MetricsHttpServer::Start(options.host, options.metrics_port, server->metrics_->registry());
+    auto http = MetricsHttpServer::Start(options.metrics_host, options.metrics_port,
+                                         server->metrics_->registry());
     if (!http.ok()) {
       server->Shutdown();
       return http.status();
@@ -117,6 +125,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 }
 
 Server::~Server() { Shutdown(); }
+
+absl::Status Server::ReloadTokens() { return auth_->Reload(); }
+
+absl::StatusOr<bool> Server::ReloadTokensIfChanged() { return auth_->ReloadIfChanged(); }
 
 void Server::Wait() {
   if (grpc_server_) grpc_server_->Wait();

@@ -16,6 +16,7 @@ class Server;
 
 namespace moe::server {
 
+class Authenticator;
 class Metrics;
 class ExpertServiceImpl;
 class MetricsHttpServer;
@@ -33,6 +34,11 @@ class Server {
   const MemoryBudget& memory_budget() const { return memory_budget_; }
   Metrics& metrics() { return *metrics_; }
 
+  // Reads --tokens_file again (SIGHUP); on an error the tokens in use stay.
+  absl::Status ReloadTokens();
+  // The same if the file changed since it was last read; whether it was read.
+  absl::StatusOr<bool> ReloadTokensIfChanged();
+
   void Wait();
   // Cancels open calls (sessions end, their contexts are freed) and stops serving.
   void Shutdown();
@@ -43,6 +49,7 @@ class Server {
   int metrics_port_ = -1;
   std::string device_;
   MemoryBudget memory_budget_;
+  std::shared_ptr<Authenticator> auth_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;

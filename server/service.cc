@@ -6,7 +6,10 @@
 // failure finishes the stream with that micro-batch's status.
 #include "server/service.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -54,6 +57,25 @@ absl::Status ValidateLayerName(const std::string& name, const char* field) {
     }
   }
   return absl::OkStatus();
+}
+
+// At most this many principals in a layer's shared_with: the list is kept per layer and
+// searched on every call.
+constexpr int kMaxSharedWith = 64;
+
+absl::StatusOr<std::set<std::string>> SharedWith(
+    const google::protobuf::RepeatedPtrField<std::string>& list) {
+  if (list.size() > kMaxSharedWith) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_with: at most ", kMaxSharedWith, " principals, got ", list.size()));
+  }
+  std::set<std::string> out;
+  for (int i = 0; i < list.size(); ++i) {
+    absl::Status st = ValidatePrincipal(list[i], absl::StrCat("shared_with[", i, "]"));
+    if (!st.ok()) return st;
+    out.insert(list[i]);
+  }
+  return out;
 }
 
 std::string SessionOf(grpc::CallbackServerContext* ctx) {
@@ -111,7 +133,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
         ctx_(ctx),
         method_(method),
         session_(SessionOf(ctx)),
-        principal_(CallerPrincipal(ctx)),
+        caller_(service->Authenticate(ctx)),
         inputs_(std::move(inputs)),
         output_fields_(std::move(output_fields)),
         charge_(service->ledger().NewRequestCharge()) {
@@ -124,7 +146,14 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     service_->metrics().StreamOpened(method_);
   }
 
-  void Start() { this->StartRead(&buffer_); }
+  // A caller that does not authenticate gets its status before any message is read.
+  void Start() {
+    if (!caller_.ok()) {
+      Fail(caller_.status());
+      return;
+    }
+    this->StartRead(&buffer_);
+  }
 
   void OnReadDone(bool ok) override {
     // The inputs assembled here are the engine's to copy to the device: page-locked where the
@@ -240,12 +269,14 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     assemblers_[i].Reserve(static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
+  wire::TensorAssembler& assembler(size_t i) { return assemblers_[i]; }
+  const Caller& caller() const { return *caller_; }  // authenticated once Start() reads
 
   ExpertServiceImpl* service_;
   grpc::CallbackServerContext* ctx_;
   const std::string method_;
   const std::string session_;
-  const std::string principal_;  // who the call acts for (auth.h)
+  const absl::StatusOr<Caller> caller_;
   std::string layer_;
   uint64_t context_id_ = 0;
 
@@ -277,9 +308,15 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       std::lock_guard<std::mutex> lock(join_mu_);
       stripe_ = request_.stripe();
     }
+    // Refused at its first message, before a byte of its tensors is buffered; Compute checks
+    // again, on the executor, against the layer it runs on.
+    if (auto entry = service_->FindLayer(layer_); entry.ok()) {
+      absl::Status allowed = service_->AuthorizeLayer(caller(), **entry, Access::kTrain, "layer");
+      if (!allowed.ok()) return allowed;
+    }
     // Another principal's session is refused at once (not-open is left to the work that needs
-    // the session, as before).
-    absl::Status st = service_->contexts().CheckSession(session_, principal_);
+    // the session).
+    absl::Status st = service_->contexts().CheckSession(session_, caller().principal);
     if (st.code() != absl::StatusCode::kPermissionDenied) st = absl::OkStatus();
     if (st.ok()) st = ReadHeader(request_);
     if (!st.ok() || !striped()) return st;
@@ -289,7 +326,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     }
     // Principals never join each other's micro-batches: the principal qualifies the session.
     const std::string key = StripeJoins::Key(
-        method_, layer_, absl::StrCat(principal_.size(), ":", principal_, session_), context_id_);
+        method_, layer_, absl::StrCat(caller().principal.size(), ":", caller().principal, session_),
+        context_id_);
     std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key);
     {
       std::lock_guard<std::mutex> lock(join_mu_);
@@ -572,8 +610,13 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
       const std::vector<grpc::CallbackServerContext*>& calls) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
+    if (absl::Status st = service_->AuthorizeLayer(caller(), **entry, Access::kTrain, "layer");
+        !st.ok()) {
+      return st;
+    }
     if (training_) {
-      if (absl::Status st = service_->contexts().CheckSession(session_, principal_); !st.ok()) {
+      if (absl::Status st = service_->contexts().CheckSession(session_, caller().principal);
+          !st.ok()) {
         return st;
       }
     }
@@ -591,7 +634,7 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
       for (grpc::CallbackServerContext* call : calls) {
         if (call->IsCancelled()) return absl::CancelledError("the client cancelled the call");
       }
-      absl::Status put = service_->contexts().Put(layer_, context_id_, principal_, session_,
+      absl::Status put = service_->contexts().Put(layer_, context_id_, caller().principal, session_,
                                                   std::move(result->context));
       if (!put.ok()) return put;
     }
@@ -637,7 +680,7 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
     // own numbers, not the client's claim (Compute still checks the shape).
     auto entry = service_->FindLayer(layer_);
-    auto tokens = service_->contexts().NumTokens(layer_, context_id_, principal_);
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_, caller().principal);
     if (entry.ok() && tokens.ok()) {
       return ReserveInput(0, *tokens * (*entry)->config.d_model *
                                  static_cast<int64_t>(DTypeSize((*entry)->config.dtype)));
@@ -655,14 +698,18 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
       const std::vector<grpc::CallbackServerContext*>&) override {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
+    if (absl::Status st = service_->AuthorizeLayer(caller(), **entry, Access::kTrain, "layer");
+        !st.ok()) {
+      return st;
+    }
     LayerEntry& e = **entry;
-    auto tokens = service_->contexts().NumTokens(layer_, context_id_, principal_);
+    auto tokens = service_->contexts().NumTokens(layer_, context_id_, caller().principal);
     if (!tokens.ok()) return tokens.status();
     const TensorView& dout = inputs[0];
     // Checked here, before the context is consumed, so a bad dout does not lose it.
     absl::Status shape = CheckTensor(dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
     if (!shape.ok()) return shape;
-    auto context = service_->contexts().Take(layer_, context_id_, principal_);
+    auto context = service_->contexts().Take(layer_, context_id_, caller().principal);
     if (!context.ok()) return context.status();
     auto result = e.layer->Backward(std::move(*context), dout);
     if (!result.ok()) return result.status();
@@ -686,8 +733,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
  public:
   ExportReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx,
                 const v1::ExportWeightsRequest* req)
-      : service_(s), ctx_(ctx), req_(*req) {
+      : service_(s), ctx_(ctx), req_(*req), caller_(s->Authenticate(ctx)) {
     s->metrics().BytesIn("ExportWeights", static_cast<int64_t>(req->ByteSizeLong()));
+    if (!caller_.ok()) {
+      Done(caller_.status());
+      return;
+    }
     s->executor().Submit([this](double queued) {
       service_->metrics().Stage("ExportWeights", "queue", queued);
       absl::Status st = CallAlive(ctx_);
@@ -729,6 +780,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
   absl::Status Build() {
     auto entry = service_->FindLayer(req_.layer());
     if (!entry.ok()) return entry.status();
+    if (absl::Status st = service_->AuthorizeLayer(*caller_, **entry, Access::kRead, "layer");
+        !st.ok()) {
+      return st;
+    }
     auto state = (*entry)->layer->ExportState(req_.include_optimizer());
     if (!state.ok()) return state.status();
     const int64_t chunk = req_.max_chunk_bytes() > 0
@@ -758,6 +813,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
   ExpertServiceImpl* service_;
   grpc::CallbackServerContext* ctx_;
   const v1::ExportWeightsRequest req_;
+  const absl::StatusOr<Caller> caller_;
   std::vector<v1::WeightChunk> chunks_;
   size_t next_ = 0;
   Clock::time_point send_start_;
@@ -767,7 +823,15 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
  public:
   ImportReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx,
                 v1::ImportWeightsResponse* resp)
-      : service_(s), ctx_(ctx), resp_(resp), charge_(s->ledger().NewRequestCharge()) {
+      : service_(s),
+        ctx_(ctx),
+        resp_(resp),
+        caller_(s->Authenticate(ctx)),
+        charge_(s->ledger().NewRequestCharge()) {
+    if (!caller_.ok()) {
+      Done(caller_.status());
+      return;
+    }
     StartRead(&chunk_);
     receive_start_ = Clock::now();
   }
@@ -797,6 +861,15 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
       if (layer_.empty()) {
         Done(absl::InvalidArgumentError("layer: required in the first WeightChunk"));
         return;
+      }
+      // Refused before any tensor is buffered; Apply checks again on the executor.
+      if (auto entry = service_->FindLayer(layer_); entry.ok()) {
+        absl::Status allowed =
+            service_->AuthorizeLayer(*caller_, **entry, Access::kManage, "layer");
+        if (!allowed.ok()) {
+          Done(allowed);
+          return;
+        }
       }
     }
     if (chunk_.name().empty()) {
@@ -833,6 +906,10 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
   absl::Status Apply() {
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
+    if (absl::Status st = service_->AuthorizeLayer(*caller_, **entry, Access::kManage, "layer");
+        !st.ok()) {
+      return st;
+    }
     std::map<std::string, Tensor> state;
     for (auto& [name, assembler] : parts_) {
       auto t = assembler->Finish();
@@ -855,6 +932,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
   ExpertServiceImpl* service_;
   grpc::CallbackServerContext* ctx_;
   v1::ImportWeightsResponse* resp_;
+  const absl::StatusOr<Caller> caller_;
   v1::WeightChunk chunk_;
   std::string layer_;
   std::map<std::string, std::unique_ptr<wire::TensorAssembler>> parts_;
@@ -867,24 +945,32 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
 // --- Sessions -----------------------------------------------------------------------------
 class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
  public:
-  SessionReactor(ExpertServiceImpl* s, const std::string& principal) : service_(s) {
+  SessionReactor(ExpertServiceImpl* s, grpc::CallbackServerContext* ctx) : service_(s) {
+    service_->metrics().StreamOpened("OpenSession");
+    absl::StatusOr<Caller> caller = s->Authenticate(ctx);
+    if (!caller.ok()) {
+      service_->metrics().Request("OpenSession",
+                                  GrpcCodeName(ToGrpcStatus(caller.status()).error_code()));
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
     std::random_device rd;
     std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
     id_ = absl::StrFormat("%016x%016x", gen(), gen());
-    service_->contexts().OpenSession(id_, principal);
-    service_->metrics().StreamOpened("OpenSession");
+    service_->contexts().OpenSession(id_, caller->principal);
     event_.set_session_id(id_);
     StartWrite(&event_);
   }
   void OnWriteDone(bool) override {}  // the stream then stays open until the client leaves
   void OnCancel() override {
+    if (id_.empty()) return;  // refused: already finished
     // The client cancelled, exited or lost its connection: its contexts go now.
     service_->contexts().CloseSession(id_);
     service_->metrics().Request("OpenSession", "CANCELLED");
     Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session closed"));
   }
   void OnDone() override {
-    service_->contexts().CloseSession(id_);  // idempotent
+    if (!id_.empty()) service_->contexts().CloseSession(id_);  // idempotent
     service_->metrics().StreamClosed("OpenSession");
     delete this;
   }
@@ -899,8 +985,10 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
 
 // --- ExpertServiceImpl ----------------------------------------------------------------------
 ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, MemoryBudget budget,
-                                     std::unique_ptr<Engine> engine, Metrics* metrics)
+                                     std::unique_ptr<Engine> engine, Metrics* metrics,
+                                     std::shared_ptr<const Authenticator> auth)
     : options_(options),
+      auth_(std::move(auth)),
       metrics_(metrics),
       engine_(std::move(engine)),
       started_(Clock::now()),
@@ -956,6 +1044,50 @@ absl::StatusOr<std::shared_ptr<LayerEntry>> ExpertServiceImpl::FindLayer(
   return it->second;
 }
 
+absl::StatusOr<Caller> ExpertServiceImpl::Authenticate(
+    const grpc::CallbackServerContext* ctx) const {
+  if (auth_ == nullptr) return Caller{kAnonymousPrincipal, false};
+  absl::StatusOr<std::string> principal = auth_->Authenticate(*ctx);
+  if (!principal.ok()) return principal.status();
+  return Caller{*principal, auth_->IsAdmin(*principal)};
+}
+
+absl::Status ExpertServiceImpl::AuthorizeLayer(const Caller& caller, const LayerEntry& entry,
+                                               Access access, const char* field) const {
+  if (caller.admin || caller.principal == entry.owner) return absl::OkStatus();
+  const bool shared = entry.shared_with.count(caller.principal) != 0;
+  if (shared && access != Access::kManage) return absl::OkStatus();
+  if (shared) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        field, ": principal \"", caller.principal, "\" may not delete layer \"", entry.name,
+        "\", import weights into it or load a checkpoint over it; only its owner and admins may"));
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat(field, ": principal \"", caller.principal, "\" may not use layer \"", entry.name,
+                   "\": it belongs to another principal and is not shared with it"));
+}
+
+absl::StatusOr<std::string> ExpertServiceImpl::CheckpointRoot(const Caller& caller) const {
+  const std::string& root = options_.checkpoint_dir;
+  if (root.empty() || auth_ == nullptr || !auth_->enabled() || caller.admin) return root;
+  const std::string dir = absl::StrCat(root, "/", PrincipalDirectoryName(caller.principal));
+  if (::mkdir(dir.c_str(), 0750) != 0 && errno != EEXIST) {
+    return absl::InternalError(absl::StrCat("checkpoint directory ", dir, " of principal \"",
+                                            caller.principal, "\": ", std::strerror(errno)));
+  }
+  return dir;
+}
+
+std::vector<std::shared_ptr<LayerEntry>> ExpertServiceImpl::VisibleLayers(
+    const Caller& caller) const {
+  std::vector<std::shared_ptr<LayerEntry>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, e] : layers_) {
+    if (AuthorizeLayer(caller, *e, Access::kRead, "").ok()) out.push_back(e);
+  }
+  return out;
+}
+
 void ExpertServiceImpl::RefreshLayer(LayerEntry& entry) {
   entry.step = entry.layer->step();
   entry.resident_bytes = entry.layer->resident_bytes();
@@ -972,6 +1104,8 @@ void ExpertServiceImpl::FillInfo(const LayerEntry& entry, v1::LayerInfo* info) c
   info->set_saved_contexts(n);
   info->set_saved_context_bytes(b);
   info->set_device(engine_->name());
+  info->set_owner(entry.owner);
+  for (const std::string& p : entry.shared_with) info->add_shared_with(p);
 }
 
 void ExpertServiceImpl::FinishUnary(grpc::ServerUnaryReactor* reactor, const char* method,
@@ -989,12 +1123,18 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
                                                       Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   metrics_->BytesIn(method, static_cast<int64_t>(req->ByteSizeLong()));
-  executor_.Submit([this, ctx, reactor, method, resp, work](double queued) {
+  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
+  if (!authenticated.ok()) {
+    FinishUnary(reactor, method, authenticated.status());
+    return reactor;
+  }
+  Caller caller = *std::move(authenticated);
+  executor_.Submit([this, ctx, reactor, method, resp, work, caller](double queued) {
     metrics_->Stage(method, "queue", queued);
     absl::Status st = CallAlive(ctx);
     if (st.ok()) {
       const Clock::time_point t0 = Clock::now();
-      st = work();
+      st = work(caller);
       metrics_->Stage(method, "compute", SecondsSince(t0));
     }
     if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
@@ -1020,11 +1160,14 @@ absl::StatusOr<std::unique_ptr<Layer>> ExpertServiceImpl::CreateAdmittedLayer(
 }
 
 absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const LayerConfig& config,
-                                            std::unique_ptr<Layer> layer,
+                                            std::unique_ptr<Layer> layer, const std::string& owner,
+                                            std::set<std::string> shared_with,
                                             std::shared_ptr<LayerEntry>* out) {
   auto entry = std::make_shared<LayerEntry>();
   entry->name = name;
   entry->config = config;
+  entry->owner = owner;
+  entry->shared_with = std::move(shared_with);
   entry->layer = std::move(layer);
   RefreshLayer(*entry);
   {
@@ -1039,13 +1182,18 @@ absl::Status ExpertServiceImpl::InsertLayer(const std::string& name, const Layer
 grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerContext* ctx,
                                                          const v1::CreateLayerRequest* req,
                                                          v1::LayerInfo* resp) {
-  const std::string principal = CallerPrincipal(ctx);
-  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp, principal]() -> absl::Status {
+  return RunUnary(ctx, "CreateLayer", req, resp, [this, req, resp](const Caller& caller) {
     if (auto st = ValidateLayerName(req->name(), "name"); !st.ok()) return st;
     auto config = wire::LayerConfigFromProto(req->config());
     if (!config.ok()) return config.status();
+    auto shared_with = SharedWith(req->shared_with());
+    if (!shared_with.ok()) return shared_with.status();
     auto existing = FindLayer(req->name());
     if (existing.ok()) {
+      if (req->attach_if_exists()) {
+        absl::Status allowed = AuthorizeLayer(caller, **existing, Access::kTrain, "name");
+        if (!allowed.ok()) return allowed;
+      }
       const std::string have = wire::LayerConfigToProto((*existing)->config).SerializeAsString();
       const std::string want = wire::LayerConfigToProto(*config).SerializeAsString();
       if (req->attach_if_exists() && have == want) {
@@ -1063,10 +1211,14 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::CreateLayer(grpc::CallbackServerCon
             absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
-    auto layer = CreateAdmittedLayer(principal, req->name(), *config);
+    auto layer = CreateAdmittedLayer(caller.principal, req->name(), *config);
     if (!layer.ok()) return layer.status();
     std::shared_ptr<LayerEntry> entry;
-    if (auto st = InsertLayer(req->name(), *config, std::move(*layer), &entry); !st.ok()) return st;
+    if (auto st = InsertLayer(req->name(), *config, std::move(*layer), caller.principal,
+                              *std::move(shared_with), &entry);
+        !st.ok()) {
+      return st;
+    }
     FillInfo(*entry, resp);
     return absl::OkStatus();
   });
@@ -1076,9 +1228,15 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::GetLayer(grpc::CallbackServerContex
                                                       const v1::GetLayerRequest* req,
                                                       v1::LayerInfo* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto entry = FindLayer(req->name());
-  if (entry.ok()) FillInfo(**entry, resp);
-  FinishUnary(reactor, "GetLayer", entry.status());
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  absl::Status st = caller.status();
+  if (st.ok()) {
+    auto entry = FindLayer(req->name());
+    st = entry.status();
+    if (st.ok()) st = AuthorizeLayer(*caller, **entry, Access::kRead, "name");
+    if (st.ok()) FillInfo(**entry, resp);
+  }
+  FinishUnary(reactor, "GetLayer", st);
   return reactor;
 }
 
@@ -1086,20 +1244,18 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::ListLayers(grpc::CallbackServerCont
                                                         const v1::ListLayersRequest*,
                                                         v1::ListLayersResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  std::vector<std::shared_ptr<LayerEntry>> entries;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [name, e] : layers_) entries.push_back(e);
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  if (caller.ok()) {
+    for (const auto& e : VisibleLayers(*caller)) FillInfo(*e, resp->add_layers());
   }
-  for (const auto& e : entries) FillInfo(*e, resp->add_layers());
-  FinishUnary(reactor, "ListLayers", absl::OkStatus());
+  FinishUnary(reactor, "ListLayers", caller.status());
   return reactor;
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::DeleteLayer(grpc::CallbackServerContext* ctx,
                                                          const v1::DeleteLayerRequest* req,
                                                          v1::DeleteLayerResponse* resp) {
-  return RunUnary(ctx, "DeleteLayer", req, resp, [this, req]() -> absl::Status {
+  return RunUnary(ctx, "DeleteLayer", req, resp, [this, req](const Caller& caller) {
     std::shared_ptr<LayerEntry> entry;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -1107,6 +1263,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::DeleteLayer(grpc::CallbackServerCon
       if (it == layers_.end()) {
         return absl::NotFoundError(absl::StrCat("name: no layer named \"", req->name(), "\""));
       }
+      absl::Status allowed = AuthorizeLayer(caller, *it->second, Access::kManage, "name");
+      if (!allowed.ok()) return allowed;
       entry = it->second;
       layers_.erase(it);
       metrics_->Layers(static_cast<int64_t>(layers_.size()));
@@ -1133,9 +1291,10 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ExpertServiceImpl::
 grpc::ServerUnaryReactor* ExpertServiceImpl::Step(grpc::CallbackServerContext* ctx,
                                                   const v1::StepRequest* req,
                                                   v1::StepResponse* resp) {
-  return RunUnary(ctx, "Step", req, resp, [this, req, resp]() -> absl::Status {
+  return RunUnary(ctx, "Step", req, resp, [this, req, resp](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
+    if (auto st = AuthorizeLayer(caller, **entry, Access::kTrain, "layer"); !st.ok()) return st;
     auto result = (*entry)->layer->Step();
     if (!result.ok()) return result.status();
     RefreshLayer(**entry);
@@ -1151,9 +1310,10 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::Step(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* ExpertServiceImpl::ZeroGrad(grpc::CallbackServerContext* ctx,
                                                       const v1::ZeroGradRequest* req,
                                                       v1::ZeroGradResponse* resp) {
-  return RunUnary(ctx, "ZeroGrad", req, resp, [this, req]() -> absl::Status {
+  return RunUnary(ctx, "ZeroGrad", req, resp, [this, req](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
+    if (auto st = AuthorizeLayer(caller, **entry, Access::kTrain, "layer"); !st.ok()) return st;
     return (*entry)->layer->ZeroGrad();
   });
 }
@@ -1171,10 +1331,13 @@ grpc::ServerReadReactor<v1::WeightChunk>* ExpertServiceImpl::ImportWeights(
 grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::SaveCheckpointRequest* req,
                                                             v1::SaveCheckpointResponse* resp) {
-  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
+  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
     auto entry = FindLayer(req->layer());
     if (!entry.ok()) return entry.status();
-    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
+    if (auto st = AuthorizeLayer(caller, **entry, Access::kRead, "layer"); !st.ok()) return st;
+    auto root = CheckpointRoot(caller);
+    if (!root.ok()) return root.status();
+    auto path = ResolveCheckpointPath(*root, req->path());
     if (!path.ok()) return path.status();
     auto state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
     if (!state.ok()) return state.status();
@@ -1191,10 +1354,17 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::LoadCheckpointRequest* req,
                                                             v1::LoadCheckpointResponse* resp) {
-  const std::string principal = CallerPrincipal(ctx);
-  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp, principal]() -> absl::Status {
+  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
     if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
-    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
+    if (auto existing = FindLayer(req->layer()); existing.ok()) {
+      absl::Status allowed = AuthorizeLayer(caller, **existing, Access::kManage, "layer");
+      if (!allowed.ok()) return allowed;
+    }
+    auto shared_with = SharedWith(req->shared_with());
+    if (!shared_with.ok()) return shared_with.status();
+    auto root = CheckpointRoot(caller);
+    if (!root.ok()) return root.status();
+    auto path = ResolveCheckpointPath(*root, req->path());
     if (!path.ok()) return path.status();
     auto bytes = ReadWholeFile(*path);
     if (!bytes.ok()) return bytes.status();
@@ -1215,7 +1385,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
             absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
       }
     }
-    auto layer = CreateAdmittedLayer(principal, req->layer(), decoded->config);
+    auto layer = CreateAdmittedLayer(caller.principal, req->layer(), decoded->config);
     if (!layer.ok()) return layer.status();
     if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) {
       layer->reset();
@@ -1223,7 +1393,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
       return st;
     }
     std::shared_ptr<LayerEntry> created;
-    if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), &created);
+    if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), caller.principal,
+                              *std::move(shared_with), &created);
         !st.ok()) {
       return st;
     }
@@ -1236,6 +1407,11 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContex
                                                       const v1::GetStatsRequest*,
                                                       v1::StatsResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  if (!caller.ok()) {
+    FinishUnary(reactor, "GetStats", caller.status());
+    return reactor;
+  }
   resp->set_device(engine_->name());
   resp->set_device_memory_used_bytes(memory_used_);
   resp->set_device_memory_total_bytes(memory_total_);
@@ -1246,19 +1422,14 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContex
   resp->set_memory_budget_bytes(ledger_.limits().budget.engine_bytes);
   resp->set_memory_admitted_bytes(ledger_.usage().engine_bytes());
   resp->set_uptime_seconds(SecondsSince(started_));
-  std::vector<std::shared_ptr<LayerEntry>> entries;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [name, e] : layers_) entries.push_back(e);
-  }
-  for (const auto& e : entries) FillInfo(*e, resp->add_layers());
+  for (const auto& e : VisibleLayers(*caller)) FillInfo(*e, resp->add_layers());
   FinishUnary(reactor, "GetStats", absl::OkStatus());
   return reactor;
 }
 
 grpc::ServerWriteReactor<v1::SessionEvent>* ExpertServiceImpl::OpenSession(
     grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest*) {
-  return new SessionReactor(this, CallerPrincipal(ctx));
+  return new SessionReactor(this, ctx);
 }
 
 }  // namespace moe::server

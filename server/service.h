@@ -15,12 +15,15 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "engine/layer.h"
 #include "moe/v1/moe.grpc.pb.h"
+#include "server/auth.h"
 #include "server/context_store.h"
 #include "server/executor.h"
 #include "server/memory_ledger.h"
@@ -38,9 +41,27 @@ inline constexpr int64_t kDefaultResponseChunkBytes = int64_t{1} << 20;
 struct LayerEntry {
   std::string name;
   LayerConfig config;
+  // Who may use it (fixed when the layer is created or loaded): its owner, the principals it
+  // is shared with, and admins (ExpertServiceImpl::AuthorizeLayer).
+  std::string owner;
+  std::set<std::string> shared_with;
   std::unique_ptr<Layer> layer;  // used only on the executor
   std::atomic<int64_t> step{0};
   std::atomic<int64_t> resident_bytes{0};
+};
+
+// The authenticated principal of a call.
+struct Caller {
+  std::string principal;
+  bool admin = false;
+};
+
+// What a call does to a layer. The owner and admins may do all of it; the principals the layer
+// is shared with may read and train it (docs/PROTOCOL.md, "Authorization").
+enum class Access {
+  kRead,    // GetLayer, ExportWeights, SaveCheckpoint
+  kTrain,   // Forward, Backward, Step, ZeroGrad, attach_if_exists
+  kManage,  // DeleteLayer, ImportWeights, LoadCheckpoint into it
 };
 
 // The callback service with Forward and Backward taking raw buffers: their tensors' bytes are
@@ -64,9 +85,10 @@ using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
 class ExpertServiceImpl final : public ExpertServiceBase {
  public:
   // `budget`: what layer state, saved contexts and request tensors are admitted into
-  // (memory_ledger.h).
+  // (memory_ledger.h). `auth` null: authentication off (every caller "anonymous").
   ExpertServiceImpl(const ServerOptions& options, MemoryBudget budget,
-                    std::unique_ptr<Engine> engine, Metrics* metrics);
+                    std::unique_ptr<Engine> engine, Metrics* metrics,
+                    std::shared_ptr<const Authenticator> auth = nullptr);
   ~ExpertServiceImpl() override;
 
   grpc::ServerUnaryReactor* CreateLayer(grpc::CallbackServerContext* ctx,
@@ -116,6 +138,16 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   const ServerOptions& options() const { return options_; }
   // NotFound naming the layer.
   absl::StatusOr<std::shared_ptr<LayerEntry>> FindLayer(const std::string& name) const;
+  // Who makes the call: every handler asks first, and answers Unauthenticated on an error.
+  absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
+  // OK when `caller` may do `access` to the layer; PermissionDenied naming `field`, the layer
+  // and the principal otherwise.
+  absl::Status AuthorizeLayer(const Caller& caller, const LayerEntry& entry, Access access,
+                              const char* field) const;
+  // Where the caller's checkpoint paths are relative to: --checkpoint_dir for admins and
+  // without authentication, else the caller's own directory below it (made if missing), so
+  // one principal's checkpoints are out of every other's reach.
+  absl::StatusOr<std::string> CheckpointRoot(const Caller& caller) const;
   void RefreshLayer(LayerEntry& entry);  // executor only: caches step and resident bytes
   void FillInfo(const LayerEntry& entry, v1::LayerInfo* info) const;
   // Records the request and finishes a unary call.
@@ -125,6 +157,8 @@ class ExpertServiceImpl final : public ExpertServiceBase {
  private:
   // Runs `work` on the executor (after the deadline/cancel check) and finishes the call with
   // its status; accounts queue and compute latency and bytes.
+  // `work` gets the authenticated Caller; a call that does not authenticate never reaches the
+  // executor.
   template <typename Work>
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
                                      const google::protobuf::Message* req,
@@ -136,11 +170,15 @@ class ExpertServiceImpl final : public ExpertServiceBase {
                                                              const std::string& name,
                                                              const LayerConfig& config);
   absl::Status InsertLayer(const std::string& name, const LayerConfig& config,
-                           std::unique_ptr<Layer> layer, std::shared_ptr<LayerEntry>* out);
+                           std::unique_ptr<Layer> layer, const std::string& owner,
+                           std::set<std::string> shared_with, std::shared_ptr<LayerEntry>* out);
+  // The layers `caller` may read (all for admins), in name order.
+  std::vector<std::shared_ptr<LayerEntry>> VisibleLayers(const Caller& caller) const;
   void SampleMemory();  // executor only
   void SweepLoop();
 
   const ServerOptions options_;
+  const std::shared_ptr<const Authenticator> auth_;
   Metrics* metrics_;
   std::unique_ptr<Engine> engine_;
   const std::chrono::steady_clock::time_point started_;

@@ -43,6 +43,8 @@ ABSL_FLAG(int, connections, moe::client::ClientOptions().connections,
           "TCP connections the client spreads Forward and Backward calls over");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "Connect to --server over TLS, trusting this PEM CA (ClientOptions::tls.ca_file)");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token, for a --server started with --tokens_file");
 ABSL_FLAG(bool, hand_over, false,
           "the trainer hands its tensors over (the client's Tensor&& overloads, no copy) instead "
           "of lending views; each rep's copies are made before its clock starts");
@@ -88,6 +90,11 @@ int main(int argc, char** argv) {
   options.stripe_bytes = absl::GetFlag(FLAGS_stripe_bytes);
   options.hand_over = absl::GetFlag(FLAGS_hand_over);
   options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = moe::client::ReadTokenFile(file, "token_file");
+    if (!token.ok()) return Fail(std::string(token.status().message()));
+    options.token = *token;
+  }
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   if (options.timeout_seconds <= 0) return Fail("timeout_seconds: must be positive");
 

@@ -486,6 +486,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   co.connections = options.connections;
   co.stripe_bytes = options.stripe_bytes;
   co.tls = options.tls;
+  co.token = options.token;
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);

@@ -49,6 +49,8 @@ struct BenchOptions {
   bool hand_over = false;
   // The client's TLS settings (ClientOptions::tls), for a --server started with a certificate.
   wire::ClientTls tls;
+  // The bearer token (ClientOptions::token), for a --server started with --tokens_file.
+  std::string token;
   int timeout_seconds = 300;  // deadline of every call
 };
 

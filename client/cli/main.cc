@@ -5,9 +5,15 @@
 //           [--activation=swiglu|silu|gelu|relu] [--dtype=float32|bfloat16] [--seed=S] ...
 //   moe-cli delete NAME | save NAME PATH | load NAME PATH
 //
+// A server with authentication on needs the caller's bearer token: --token_file (a file holding
+// the token; surrounding whitespace ignored), --token, or the environment variable MOE_TOKEN,
+// first given first used. --token shows in `ps`; prefer the file or the variable. `health`
+// needs none.
+//
 // Flags live here only. Exit status: 0 on success, 2 on a usage error, 1 when the server
 // answers with an error (printed as CODE: message).
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -18,6 +24,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/client.h"
 #include "proto/wire.h"
 
@@ -30,6 +38,12 @@ ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate, for a mutual-
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
 ABSL_FLAG(std::string, tls_server_name, "",
           "Name the server's certificate must carry, if not --server's host");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token for a server with --tokens_file (visible in ps: prefer --token_file or "
+          "MOE_TOKEN)");
+ABSL_FLAG(std::string, token_file, "", "File holding the bearer token");
+ABSL_FLAG(std::string, shared_with, "",
+          "create, load: comma-separated principals that may also read and train the layer");
 ABSL_FLAG(int64_t, experts, 8, "create: number of experts E");
 ABSL_FLAG(int64_t, top_k, 2, "create: experts per token K");
 ABSL_FLAG(int64_t, d_model, 64, "create: model width d");
@@ -65,13 +79,14 @@ int Usage(const std::string& why) {
 
 std::string Describe(const moe::v1::LayerInfo& l) {
   const auto& c = l.config();
-  return absl::StrCat(l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(),
-                      " h=", c.d_hidden(), " ", moe::v1::Activation_Name(c.activation()), " ",
-                      moe::v1::DType_Name(c.dtype()), " ", moe::v1::RoutingMode_Name(c.routing()),
-                      " experts [", c.expert_first(), ", ", c.expert_first() + c.expert_count(),
-                      ")  step=", l.step(), " resident_bytes=", l.resident_bytes(),
-                      " contexts=", l.saved_contexts(), " (", l.saved_context_bytes(),
-                      " bytes) device=", l.device());
+  return absl::StrCat(
+      l.name(), "  E=", c.num_experts(), " K=", c.top_k(), " d=", c.d_model(), " h=", c.d_hidden(),
+      " ", moe::v1::Activation_Name(c.activation()), " ", moe::v1::DType_Name(c.dtype()), " ",
+      moe::v1::RoutingMode_Name(c.routing()), " experts [", c.expert_first(), ", ",
+      c.expert_first() + c.expert_count(), ")  step=", l.step(),
+      " resident_bytes=", l.resident_bytes(), " contexts=", l.saved_contexts(), " (",
+      l.saved_context_bytes(), " bytes) device=", l.device(), " owner=", l.owner(),
+      l.shared_with().empty() ? "" : " shared_with=", absl::StrJoin(l.shared_with(), ","));
 }
 
 absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
@@ -125,6 +140,15 @@ absl::StatusOr<moe::v1::LayerConfig> ConfigFromFlags() {
   return c;
 }
 
+// The token from --token_file, --token or MOE_TOKEN (in that order); "" when none is given.
+absl::StatusOr<std::string> Token() {
+  const std::string file = absl::GetFlag(FLAGS_token_file);
+  if (!file.empty()) return moe::client::ReadTokenFile(file, "--token_file");
+  if (!absl::GetFlag(FLAGS_token).empty()) return absl::GetFlag(FLAGS_token);
+  const char* env = std::getenv("MOE_TOKEN");
+  return std::string(env == nullptr ? "" : absl::StripAsciiWhitespace(env));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,10 +168,13 @@ int main(int argc, char** argv) {
       "  stats                device memory, saved contexts, sessions, memory budget, layers\n"
       "  create NAME [--experts --top_k --d_model --d_hidden --activation --dtype --routing\n"
       "               --expert_first --expert_count --seed --init_scale --recompute_h --optimizer "
-      "--lr ...]\n"
+      "--lr ... --shared_with]\n"
       "  delete NAME\n"
-      "  save NAME PATH       checkpoint to PATH under the server's --checkpoint_dir\n"
-      "  load NAME PATH       load a checkpoint into NAME (created if absent)");
+      "  save NAME PATH       checkpoint to PATH under the server's --checkpoint_dir (with\n"
+      "                       authentication: under this principal's directory there)\n"
+      "  load NAME PATH       load a checkpoint into NAME (created if absent, --shared_with)\n"
+      "Authentication: --token_file, --token or MOE_TOKEN (bearer token); --tls_cert_file and\n"
+      "--tls_key_file (client certificate)");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) return Usage("missing command");
   const std::string cmd = args[1];
@@ -163,6 +190,11 @@ int main(int argc, char** argv) {
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  absl::StatusOr<std::string> token = Token();
+  if (!token.ok()) return Usage(std::string(token.status().message()));
+  options.token = *token;
+  const std::vector<std::string> shared_with =
+      absl::StrSplit(absl::GetFlag(FLAGS_shared_with), ',', absl::SkipWhitespace());
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Fail(conn.status());
   auto& c = **conn;
@@ -198,7 +230,7 @@ int main(int argc, char** argv) {
     if (!proto.ok()) return Usage(std::string(proto.status().message()));
     auto config = moe::wire::LayerConfigFromProto(*proto);
     if (!config.ok()) return Fail(config.status());
-    auto info = c.CreateLayer(args[2], *config);
+    auto info = c.CreateLayer(args[2], *config, /*attach_if_exists=*/false, shared_with);
     if (!info.ok()) return Fail(info.status());
     std::printf("created %s\n", Describe(*info).c_str());
   } else if (cmd == "delete" && need(1)) {
@@ -212,7 +244,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(r->step()), r->path().c_str(),
                 static_cast<long long>(r->bytes()));
   } else if (cmd == "load" && need(2)) {
-    auto r = c.LoadCheckpoint(args[2], args[3]);
+    auto r = c.LoadCheckpoint(args[2], args[3], shared_with);
     if (!r.ok()) return Fail(r.status());
     std::printf("loaded %s\n", Describe(*r).c_str());
   } else {

@@ -36,6 +36,8 @@ ABSL_FLAG(double, lr, 1e-2, "AdamW learning rate");
 ABSL_FLAG(std::string, checkpoint, "demo/student.safetensors",
           "checkpoint path under the server's --checkpoint_dir");
 ABSL_FLAG(double, timeout_seconds, 60, "deadline of each call");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token, for a server started with --tokens_file");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory in this trainer process (moe::RetainFreedHeapMemory, "
           "engine/host_memory.h): received tensors then land in pages already faulted in");
@@ -119,6 +121,11 @@ int main(int argc, char** argv) {
   moe::client::ClientOptions options;
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_seconds) * 1000));
+  if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
+    auto token = moe::client::ReadTokenFile(file, "--token_file");
+    if (!token.ok()) return Die("token", token.status());
+    options.token = *token;
+  }
   auto conn = moe::client::Connection::Connect(absl::GetFlag(FLAGS_server), options);
   if (!conn.ok()) return Die("connect", conn.status());
   if (auto st = (*conn)->Health(); !st.ok()) return Die("health", st);

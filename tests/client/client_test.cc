@@ -44,6 +44,32 @@ TEST(ClientTest, ConnectingToNothingIsUnavailable) {
 
 // A second server on a port already served fails to start instead of sharing the port (gRPC's
 // SO_REUSEPORT default would split a client's connections between the two).
+// A token gRPC could not send as metadata is refused before anything is sent; one that the
+// server does not hold is the server's UNAUTHENTICATED, from OpenSession.
+TEST(ClientTest, TokensAreCheckedAtConnect) {
+  client::ClientOptions o;
+  o.timeout = std::chrono::milliseconds(300);
+  o.token = "abcdefghijklmnop\n";
+  auto bad = client::Connection::Connect("127.0.0.1:1", o);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("token: "), std::string::npos) << bad.status();
+
+  server::ServerOptions so = testing_util::LoopbackOptions();
+  so.tokens_file = so.checkpoint_dir + "/tokens";
+  std::ofstream(so.tokens_file) << "alice alice-0123456789abcdef\n";
+  auto s = StartServer(so);
+  ASSERT_TRUE(s);
+  o.timeout = std::chrono::seconds(10);
+  o.token = "wrong-0123456789abcdef";
+  auto refused = client::Connection::Connect(Target(*s), o);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  EXPECT_NE(refused.status().message().find("OpenSession on "), std::string::npos);
+  o.token = "alice-0123456789abcdef";
+  auto alice = client::Connection::Connect(Target(*s), o);
+  ASSERT_TRUE(alice.ok()) << alice.status();
+  EXPECT_TRUE((*alice)->ListLayers().ok());
+}
+
 TEST(ClientTest, ASecondServerOnABusyPortDoesNotStart) {
   auto first = StartServer();
   ASSERT_TRUE(first);

@@ -1,10 +1,11 @@
 """A real Prometheus watching a real moe-server through a short training run.
 
-Starts moe-server on loopback (random free ports, --device=cpu, the remaining flags taken from
-the Kubernetes Deployment so that they are known to be accepted), checks the grpc.health.v1
-answers the manifests' probes rely on, starts Debian's Prometheus as a subprocess with a
-temporary config (1 s scrapes, the shipped alert rules), runs training_driver, and then asks
-Prometheus's HTTP API:
+Starts moe-server on loopback (random free ports, --device=cpu, its tokens file a temporary one
+naming the driver's principal, the remaining flags taken from the Kubernetes Deployment so that
+they are known to be accepted), checks the grpc.health.v1 answers the manifests' probes rely on
+(without a token), starts Debian's Prometheus as a subprocess with a temporary config (1 s
+scrapes, the shipped alert rules), runs training_driver with the token (which first checks that
+a connection without one is refused: authentication is on), and then asks Prometheus's HTTP API:
   - the forward and backward token rates are non-zero, and so is the optimizer step rate;
   - the context the driver abandoned is counted as dropped when its session closed;
   - every metric (and label, and literal label value) that the alert rules and the Grafana
@@ -192,10 +193,21 @@ def run(args):
         grpc_port, metrics_port, prom_port = free_ports(3)
         ckpt = os.path.join(tmp, "checkpoints")
         os.makedirs(ckpt)
-        override = {"host": "127.0.0.1", "port": str(grpc_port), "metrics_port": str(metrics_port),
-                    "device": "cpu", "checkpoint_dir": ckpt}
-        argv = [a for a in shipped_server_args(repo)["deploy/kubernetes/deployment.yaml"]
-                if a[2:].split("=", 1)[0] not in override]
+        tokens = os.path.join(tmp, "tokens")
+        token = "deploy-trainer-" + os.urandom(16).hex()
+        with open(tokens, "w") as f:
+            f.write(f"deploy-trainer {token}\n")
+        token_file = os.path.join(tmp, "token")
+        with open(token_file, "w") as f:
+            f.write(token + "\n")
+        override = {"host": "127.0.0.1", "metrics_host": "127.0.0.1", "port": str(grpc_port),
+                    "metrics_port": str(metrics_port), "device": "cpu", "checkpoint_dir": ckpt,
+                    "tokens_file": tokens}
+        shipped = shipped_server_args(repo)["deploy/kubernetes/deployment.yaml"]
+        if not any(a.startswith("--tokens_file=") for a in shipped):
+            raise TestFailure("the Deployment runs moe-server without --tokens_file: "
+                              "authentication is off")
+        argv = [a for a in shipped if a[2:].split("=", 1)[0] not in override]
         argv += [f"--{k}={v}" for k, v in override.items()]
         server = start("moe-server", [args.server] + argv)
         target = f"127.0.0.1:{grpc_port}"
@@ -237,7 +249,7 @@ def run(args):
 
         # 5. A short training run.
         t0 = time.time()
-        p = subprocess.run([args.driver, target, str(args.steps), str(args.pause_ms)],
+        p = subprocess.run([args.driver, target, str(args.steps), str(args.pause_ms), token_file],
                            capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             raise TestFailure(f"training_driver failed ({p.returncode}):\n{p.stdout}{p.stderr}")

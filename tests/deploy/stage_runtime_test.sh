@@ -4,8 +4,9 @@
 # confirms nothing is stale); scripts/stage-runtime must lay out moe-server with every library
 # it needs beyond what the CUDA runtime image provides; and the staged server, started with
 # nothing but the staged library directory and the image's default arguments (ports moved to
-# free loopback ones, device cpu), must answer its health check and serve /metrics, then exit
-# cleanly on SIGTERM.
+# free loopback ones, device cpu, a temporary tokens file), must answer its health check without
+# a token and serve /metrics, refuse an ExpertService call without a token and answer it with
+# one (authentication is on), then exit cleanly on SIGTERM.
 #
 # Usage: stage_runtime_test.sh REPO_ROOT BUILD_DIR HEALTH_PROBE PYTHON_WITH_YAML
 set -euo pipefail
@@ -58,11 +59,17 @@ mapfile -t cmd < <("$py" -c '
 import json, re, sys
 text = open(sys.argv[1]).read()
 for a in json.loads(re.search(r"^CMD\s+(\[.*\])", text, re.M).group(1)):
-    if a.split("=")[0] not in ("--port", "--metrics_port", "--device", "--checkpoint_dir"):
+    if a.split("=")[0] not in ("--host", "--metrics_host", "--port", "--metrics_port", "--device",
+                               "--checkpoint_dir", "--tokens_file"):
         print(a)' "$repo/docker/Dockerfile")
+grep -q -- '--tokens_file=' "$repo/docker/Dockerfile" || fail "the image's CMD has no --tokens_file"
+token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+echo "moe-admin $token" >"$tmp/tokens"
+echo "$token" >"$tmp/token"
 env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$lib" "$bin/moe-server" "${cmd[@]}" \
-  --host=127.0.0.1 --port="$grpc_port" --metrics_port="$metrics_port" --device=cpu \
-  --checkpoint_dir="$tmp/stage/var/lib/moe/checkpoints" >"$tmp/server.log" 2>&1 &
+  --host=127.0.0.1 --metrics_host=127.0.0.1 --port="$grpc_port" --metrics_port="$metrics_port" \
+  --device=cpu --checkpoint_dir="$tmp/stage/var/lib/moe/checkpoints" --tokens_file="$tmp/tokens" \
+  >"$tmp/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 1 120); do
   "$probe" "127.0.0.1:$grpc_port" moe.v1.ExpertService >/dev/null 2>&1 && break
@@ -86,6 +93,17 @@ for a in test[1:]:
 env -i PATH="$bin:/usr/bin:/bin" LD_LIBRARY_PATH="$lib" "${check[@]}" ||
   fail "the compose healthcheck (${check[*]}) fails against the staged server"
 echo "ok: the compose healthcheck passes: ${check[*]}"
+
+# Authentication is on: without a token an ExpertService call is refused, with one it runs.
+if out=$(env -i PATH="$bin:/usr/bin:/bin" LD_LIBRARY_PATH="$lib" moe-cli \
+    --server="127.0.0.1:$grpc_port" --timeout_seconds=5 list 2>&1); then
+  fail "moe-cli list without a token succeeded against the image's default command: $out"
+fi
+[[ "$out" == *UNAUTHENTICATED* ]] || fail "moe-cli list without a token: $out (not UNAUTHENTICATED)"
+env -i PATH="$bin:/usr/bin:/bin" LD_LIBRARY_PATH="$lib" moe-cli --server="127.0.0.1:$grpc_port" \
+  --timeout_seconds=5 --token_file="$tmp/token" list >/dev/null ||
+  fail "moe-cli list with the admin's token fails against the staged server"
+echo "ok: without a token ExpertService calls are UNAUTHENTICATED, with one they run"
 
 kill -TERM "$server_pid"
 rc=0

@@ -5,10 +5,14 @@ ctest runs each check as its own test (tests/deploy/CMakeLists.txt):
   promtool        promtool check config/rules on both Prometheus configs (the compose one laid
                   out as compose mounts it) and promtool test rules on alerts_test.yaml
   kubernetes      the manifests agree with each other, with the image and with the proto:
-                  ports, probe service names, GPU requests, volume, scrape annotations, SRV name
-  compose         compose.yaml's mounts exist and its Prometheus/Grafana wiring lines up
+                  ports, probe service names, GPU requests, volume, scrape annotations, SRV name;
+                  authentication on (tokens file from a read-only Secret mount, an admin
+                  principal), per-principal quotas, and the listening addresses set for a pod
+  compose         compose.yaml's mounts exist and its Prometheus/Grafana wiring lines up;
+                  authentication on with a git-ignored tokens file as a compose secret, quotas
   dockerfile      multi-stage CUDA devel -> runtime, non-root, no RUN in the final stage, and
-                  every RUN is a script that CI also runs
+                  every RUN is a script that CI also runs; the default command has
+                  authentication and quotas on
   dashboard       the Grafana JSON is well formed and its PromQL parses into metric selectors
 Each prints what it checked and exits 1 with the reasons when something is wrong.
 
@@ -63,6 +67,33 @@ def yaml_files():
             files += [os.path.relpath(os.path.join(d, x), ROOT) for x in names
                       if x.endswith((".yaml", ".yml"))]
     return sorted(files)
+
+
+def check_auth_args(where, args):
+    """The flags every shipped moe-server command line needs for a network-facing server with
+    authentication on. Returns the tokens file's path."""
+    for flag in ("host", "metrics_host"):
+        if args.get(flag) != "0.0.0.0":
+            fail(f"{where}: --{flag}={args.get(flag)}; a container's loopback is unreachable from "
+                 "outside it, so the shipped command lines set 0.0.0.0 explicitly")
+    tokens = args.get("tokens_file", "")
+    if not tokens.startswith("/"):
+        fail(f"{where}: no --tokens_file (absolute path): authentication is off")
+    admins = [a for a in args.get("admin_principals", "").split(",") if a]
+    if not admins:
+        fail(f"{where}: no --admin_principals")
+    # Admission control and per-principal quotas, so one principal cannot lock the others out:
+    # the quotas and the short TTL must be on (> 0); the budget may be derived (0).
+    for flag, least in (("principal_layer_bytes_quota", 1), ("principal_context_bytes_quota", 1),
+                        ("sessionless_context_ttl_seconds", 1), ("memory_budget_bytes", 0)):
+        try:
+            value = float(args[flag])
+        except (KeyError, ValueError):
+            fail(f"{where}: no numeric --{flag}")
+            continue
+        if value < least:
+            fail(f"{where}: --{flag}={args[flag]} turns it off")
+    return tokens
 
 
 def check_yamllint():
@@ -165,6 +196,29 @@ def check_kubernetes():
             fail(f"container resources.requests has no {r}")
     if not args.get("device", "").startswith("cuda"):
         fail(f"--device={args.get('device')} on a GPU pod")
+    # Authentication: the tokens file comes from a Secret, mounted read-only, not group- or
+    # world-writable and not readable by others.
+    tokens = check_auth_args("deployment.yaml", args)
+    token_mounts = [m for m in c.get("volumeMounts", [])
+                    if tokens.startswith(m["mountPath"].rstrip("/") + "/")]
+    if len(token_mounts) != 1:
+        fail(f"--tokens_file={tokens} is not in exactly one volume mount")
+    else:
+        m = token_mounts[0]
+        vol = {v["name"]: v for v in spec.get("volumes", [])}.get(m["name"], {})
+        secret = vol.get("secret")
+        if not secret or not secret.get("secretName"):
+            fail(f"--tokens_file={tokens} is not in a Secret volume")
+        else:
+            rel = tokens[len(m["mountPath"].rstrip("/")) + 1:]
+            items = {i["path"]: i["key"] for i in secret.get("items", [])}
+            if items and rel not in items:
+                fail(f"the Secret volume {m['name']} holds {sorted(items)}, not {rel}")
+            if int(secret.get("defaultMode", 0o644)) & 0o027:
+                fail(f"the tokens Secret's defaultMode {oct(secret.get('defaultMode', 0o644))} lets "
+                     "others read it or the group write it")
+        if not m.get("readOnly"):
+            fail(f"the tokens mount {m['mountPath']} is not readOnly")
     # Probes: native gRPC probes on the service port; readiness on the service trainers call.
     with open(path("proto/moe/v1/moe.proto")) as f:
         proto = f.read()
@@ -277,10 +331,29 @@ def check_compose():
     if ctx != os.path.normpath(ROOT) or not os.path.exists(os.path.join(ctx, build["dockerfile"])):
         fail(f"moe-server build context {ctx} / dockerfile {build['dockerfile']} is wrong")
     args = dict(a[2:].split("=", 1) for a in svc["moe-server"]["command"])
+    # Authentication: the tokens file is a compose secret whose file git never tracks.
+    tokens = check_auth_args("compose moe-server", args)
+    secret_names = [x if isinstance(x, str) else x.get("source")
+                    for x in svc["moe-server"].get("secrets", [])]
+    m = re.match(r"/run/secrets/([\w.-]+)$", tokens)
+    if not m or m.group(1) not in secret_names:
+        fail(f"--tokens_file={tokens} is not one of the service's secrets {secret_names}")
+    else:
+        src = compose.get("secrets", {}).get(m.group(1), {}).get("file")
+        if not src:
+            fail(f"compose secret {m.group(1)} has no file")
+        else:
+            rel = os.path.relpath(os.path.normpath(os.path.join(ROOT, "docker", src)), ROOT)
+            rc, _ = run(["git", "-C", ROOT, "check-ignore", "-q", "--no-index", rel])
+            if rc != 0:
+                fail(f"the tokens file {rel} is not git-ignored: real tokens would be committed")
+    for p in svc["moe-server"].get("ports", []):
+        if p.split(":")[-1] == args.get("metrics_port") and not p.startswith("127.0.0.1:"):
+            fail(f"compose publishes metrics as {p}, beyond the host's loopback")
     reservations = svc["moe-server"].get("deploy", {}).get("resources", {}).get("reservations", {})
     if not any("gpu" in d.get("capabilities", []) for d in reservations.get("devices", [])):
         fail("compose moe-server reserves no GPU")
-    published = {p.split(":")[1] for p in svc["moe-server"].get("ports", [])}
+    published = {p.split(":")[-2] for p in svc["moe-server"].get("ports", [])}
     for flag in ("port", "metrics_port"):
         if args.get(flag) not in published:
             fail(f"compose publishes {sorted(published)}, not --{flag}={args.get(flag)}")
@@ -413,6 +486,7 @@ def check_dockerfile():
     exposed = set(re.search(r"^EXPOSE\s+(.*)$", text, re.M).group(1).split())
     if {args.get("port"), args.get("metrics_port")} != exposed:
         fail(f"EXPOSE {sorted(exposed)} differs from CMD ports {args}")
+    check_auth_args("Dockerfile CMD", args)
     print(f"Dockerfile: {len(stages)} stages, RUN steps {sorted(used)}, user {users[-1] if users else None}")
 
 

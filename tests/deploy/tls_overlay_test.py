@@ -163,12 +163,18 @@ def run(args):
             shutil.copy(os.path.join(pki, src), os.path.join(secret, name))
         grpc_port = str({p["name"]: p["containerPort"] for p in c["ports"]}["grpc"])
 
+        tokens = os.path.join(tmp, "tokens")
+        with open(tokens, "w") as f:
+            f.write("moe-admin " + os.urandom(16).hex() + "\n")
+
         def start(argv, port, metrics_port, name):
+            if not any(a.startswith("--tokens_file=") for a in argv):
+                raise TestFailure(f"the {name} manifests run moe-server without --tokens_file")
             ckpt = os.path.join(tmp, f"checkpoints-{name}")
             os.makedirs(ckpt)
-            override = {"host": "127.0.0.1", "port": str(port),
+            override = {"host": "127.0.0.1", "metrics_host": "127.0.0.1", "port": str(port),
                         "metrics_port": str(metrics_port), "device": "cpu",
-                        "checkpoint_dir": ckpt}
+                        "checkpoint_dir": ckpt, "tokens_file": tokens}
             argv = [a.replace(mount, secret) for a in argv
                     if a[2:].split("=", 1)[0] not in override]
             argv += [f"--{k}={v}" for k, v in override.items()]

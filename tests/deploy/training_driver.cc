@@ -5,10 +5,12 @@
 // (Forward on a layer that does not exist: NOT_FOUND), and ends with a training Forward whose
 // Backward never comes, so that closing the connection makes the server drop that context
 // (reason session_closed). Afterwards every series the dashboard and the alert rules read
-// exists, error codes and dropped contexts included. Exits non-zero when any call that should
-// succeed fails, or the bad call does not fail with NOT_FOUND.
+// exists, error codes and dropped contexts included. With TOKEN_FILE (a server with
+// authentication on, as the manifests run it) every call carries that bearer token, and a
+// connection without one must first be refused UNAUTHENTICATED. Exits non-zero when any call
+// that should succeed fails, or a bad call does not fail as it should.
 //
-// Usage: training_driver HOST:PORT STEPS PAUSE_MS
+// Usage: training_driver HOST:PORT STEPS PAUSE_MS [TOKEN_FILE]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,15 +43,25 @@ int Fail(const char* what, const absl::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s HOST:PORT STEPS PAUSE_MS\n", argv[0]);
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr, "usage: %s HOST:PORT STEPS PAUSE_MS [TOKEN_FILE]\n", argv[0]);
     return 2;
   }
   const std::string target = argv[1];
   const int steps = std::atoi(argv[2]);
   const int pause_ms = std::atoi(argv[3]);
 
-  auto conn = moe::client::Connection::Connect(target);
+  moe::client::ClientOptions options;
+  if (argc == 5) {
+    auto refused = moe::client::Connection::Connect(target);
+    if (refused.status().code() != absl::StatusCode::kUnauthenticated) {
+      return Fail("a connection without a token should be UNAUTHENTICATED", refused.status());
+    }
+    auto token = moe::client::ReadTokenFile(argv[4], "TOKEN_FILE");
+    if (!token.ok()) return Fail("token", token.status());
+    options.token = *token;
+  }
+  auto conn = moe::client::Connection::Connect(target, options);
   if (!conn.ok()) return Fail("connect", conn.status());
 
   moe::LayerConfig config;

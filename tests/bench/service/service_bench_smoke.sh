@@ -42,7 +42,7 @@ for _ in $(seq 100); do
 done
 line=$(grep 'gRPC on' "$work/server.txt") || fail "moe-server did not start: $(cat "$work/server.txt")"
 port=$(sed -E 's/.*gRPC on [^ ]*:([0-9]+),.*/\1/' <<<"$line")
-metrics_port=$(sed -E 's/.*metrics on :([0-9]+).*/\1/' <<<"$line")
+metrics_port=$(sed -E 's/.*metrics on [^ ]*:([0-9]+).*/\1/' <<<"$line")
 "$bench" "${tiny[@]}" --server="127.0.0.1:$port" --metrics="127.0.0.1:$metrics_port" \
   --dtype=bfloat16 --routing=server >"$work/remote.txt" 2>&1 ||
   fail "bench against moe-server: $(cat "$work/remote.txt")"
