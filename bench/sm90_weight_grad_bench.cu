@@ -31,7 +31,7 @@
 #include "bench/sm90_bench_util.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 // Also the kernel header itself, to time instantiations the launchers do not choose.
-#include "kernels/cuda/sm90_weight_grad.cuh"
+#include "kernels/cuda/sm90/impls/weight_grad.cuh"
 
 namespace {
 

@@ -22,9 +22,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/sm90/launch.cuh"
 #include "kernels/cuda/sm90_expert_backward.h"
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
-#include "kernels/cuda/sm90_launch.cuh"
 
 namespace moe::kernels {
 namespace {

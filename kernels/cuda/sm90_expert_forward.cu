@@ -6,9 +6,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cuda/sm90/launch.cuh"
 #include "kernels/cuda/sm90_expert_forward.h"
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
-#include "kernels/cuda/sm90_launch.cuh"
 
 namespace moe::kernels {
 namespace {

@@ -24,8 +24,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/sm90/impls/weight_grad.cuh"
 #include "kernels/cuda/sm90_expert_backward.h"
-#include "kernels/cuda/sm90_weight_grad.cuh"
 
 namespace moe::kernels {
 namespace {

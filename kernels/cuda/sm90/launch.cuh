@@ -16,8 +16,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/sm90/impls/grouped_gemm.cuh"
+#include "kernels/cuda/sm90/impls/grouped_gemm_pp.cuh"
+#include "kernels/cuda/sm90/impls/grouped_gemm_ws.cuh"
+#include "kernels/cuda/sm90/params.cuh"
+#include "kernels/cuda/sm90/smem.cuh"
 #include "kernels/cuda/sm90_expert_forward.h"
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
 
 namespace moe::kernels::sm90 {
 

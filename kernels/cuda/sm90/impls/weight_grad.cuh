@@ -31,8 +31,8 @@
 // slot-order operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
 // (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap, where the ping-pong's patch is).
 // No Abseil, gRPC or protobuf here (house style).
-#ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
-#define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+#ifndef MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
+#define MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -41,8 +41,10 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
-#include "kernels/cuda/sm90_launch.cuh"
+#include "kernels/cuda/sm90/launch.cuh"
+#include "kernels/cuda/sm90/mma.cuh"
+#include "kernels/cuda/sm90/params.cuh"
+#include "kernels/cuda/sm90/ptx.cuh"
 
 namespace moe::kernels::sm90 {
 
@@ -524,4 +526,4 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
 
 }  // namespace moe::kernels::sm90
 
-#endif  // MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+#endif  // MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
