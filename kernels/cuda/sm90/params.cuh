@@ -43,13 +43,6 @@ struct GemmParams {
   int32_t group_m;          // row blocks per rasterisation band (>= 1)
   int64_t b_expert_stride;  // elements between experts in b0/b1 (>= n_dim * k_dim)
   int64_t a_rows;           // rows of `a` the caller's buffer holds at least (tmap_a's extent)
-  // kDSwiGLU only (the backward's dA GEMM with the SwiGLU backward as its epilogue; out0 is
-  // then dH [N, 2 * n_dim], out1 pA [N, n_dim]):
-  const __nv_bfloat16* saved_h;  // the forward's H [N, 2 * n_dim], slot order
-  const float* route_w;          // routing weights [T * top_k], by entry
-  float* dp;                     // [T * top_k] by entry, written when one column tile spans h
-  float* dp_part;                // else per-tile partial sums [column tiles][dp_stride]
-  int64_t dp_stride;             // >= N
 };
 
 }  // namespace moe::kernels::sm90

@@ -111,11 +111,9 @@ __device__ __forceinline__ uint32_t MapaShared(uint32_t addr, uint32_t rank) {
 }
 // Arrival on another CTA's mbarrier, with the default (.release.cta) semantics as CUTLASS's
 // ClusterBarrier::arrive uses: what it orders is this thread's wgmma reads of a ring slot, already
-// retired, before the other CTA's TMA overwrites it. The first version asked for .release.cluster
-// (presumably the cluster-scope fence it implies, per warp per k-step, was the cost) and took
-// 1.21-2.28x the time of ping-pong without multicast over the 54 timings of the sweeps; with
-// .release.cta it took 0.79-1.24x
-// (bench/results/2026-11-21-h100-36b98f9-ping-pong, runs 3 and 4).
+// retired, before the other CTA's TMA overwrites it. Not .release.cluster: the cluster-scope
+// fence it implies, per warp per k-step, made the multicast kernel up to twice as slow
+// (docs/decisions/0001-sm90-kernel-choice.md).
 __device__ __forceinline__ void MbarArriveCluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }

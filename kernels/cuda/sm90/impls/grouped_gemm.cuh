@@ -47,10 +47,9 @@ namespace moe::kernels::sm90 {
 // registers) measured slower on every preset and is left out.
 // kGatherA: A row r of a tile is a[entries[slot] / top_k] (else a[slot]). kTransB: B is stored
 // [k_dim][n_dim] per expert and staged MN-major (kPlain only). kSlotOut: kPlain rows go to
-// out0[slot] instead of out0[entries[slot]]. kDSwiGLU (kPlain, kSlotOut): the SwiGLU backward
-// epilogue (StoreSwiGLUBackwardTile). The defaults are the forward's two projections.
+// out0[slot] instead of out0[entries[slot]]. The defaults are the forward's two projections.
 template <int kWarpgroups, int kN, int kStages, bool kSwiGLU, bool kTmaB, bool kGatherA = kSwiGLU,
-          bool kTransB = false, bool kSlotOut = false, bool kDSwiGLU = false>
+          bool kTransB = false, bool kSlotOut = false>
 __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kThreads = kWarpgroups * 128;
@@ -66,7 +65,6 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
   static_assert(kAhead >= 1, "need at least 3 stages");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
-  static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -215,8 +213,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     const TileInfo ti =
         DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
     // The epilogue's rows, loaded now so that their latency hides behind the main loop.
-    const EpiRows rows =
-        LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, wg * 64 + ((tid & 127) >> 3));
+    const EpiRows rows = LoadEpiRows<kSwiGLU, kSlotOut>(p, ti, wg * 64 + ((tid & 127) >> 3));
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
@@ -247,8 +244,8 @@ __global__ void __launch_bounds__(kWarpgroups * 128, 1)
     FenceOperands(acc);
 
     // ---- Epilogue.
-    StoreTile<kN, kSwiGLU, kDSwiGLU>(p, ti, acc, rows, epi + wg * 64 * EpiRowBytes<kSwiGLU>(),
-                                     tid & 127, wg, 1 + wg);
+    StoreTile<kN, kSwiGLU>(p, ti, acc, rows, epi + wg * 64 * EpiRowBytes<kSwiGLU>(), tid & 127, wg,
+                           1 + wg);
   }
   CpAsyncWait<0>();
 }

@@ -46,11 +46,10 @@ namespace moe::kernels::sm90 {
 // on the other CTA's (8 arrivals a use), and the producers wait on their own. Cluster barriers
 // after the mbarrier init and before exit keep remote arrivals and multicast writes inside both
 // CTAs' lifetimes.
-// Measured on an H100 (bench/results/2026-11-21-h100-36b98f9-ping-pong): 64 x 256 beats the
-// other kernels where 128-row tiles pad many rows (deepseek-v3 and scale-8k up-projections) and
-// for the SwiGLU-backward epilogue (kBackwardDH) at h <= 768; elsewhere the smaller consumer
-// tile's extra weight traffic (a 64 x 256 tile loads the weights of a 128 x 256 one) outweighs
-// the overlap, and 128 x 128 (two m64n128 per k16) was slower still. Sm90ChooseConfig says where.
+// 64 x 256 beats the other kernels where 128-row tiles pad many rows (padded up-projections);
+// elsewhere the smaller consumer tile's extra weight traffic (a 64 x 256 tile loads the weights
+// of a 128 x 256 one) outweighs the overlap, and 128 x 128 (two m64n128 per k16) is slower
+// still (docs/decisions/0001-sm90-kernel-choice.md; engine/cuda/kernel_selection.h says where).
 // setmaxnreg budgets: the ws kernel's. A 40-register producer (consumers 232) made ptxas spill
 // 4-8 bytes in the 128-row variants; 224 holds the consumers' 128 accumulators without spills.
 constexpr int kPpProducerRegs = 56;
@@ -58,8 +57,7 @@ constexpr int kPpConsumerRegs = 224;
 static_assert(128 * kPpProducerRegs + 256 * kPpConsumerRegs <= 65536, "register file");
 
 template <int kBlockM, int kN, int kStages, bool kSwiGLU, bool kGatherA = kSwiGLU,
-          bool kTransB = false, bool kSlotOut = false, bool kDSwiGLU = false,
-          bool kMulticastB = false>
+          bool kTransB = false, bool kSlotOut = false, bool kMulticastB = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_grouped_gemm_pp_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kCluster = kMulticastB ? 2 : 1;
@@ -76,7 +74,6 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(kHalves * kAcc <= 128, "at most 128 fp32 accumulators per thread");
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
-  static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
   const WsSmem<kStages, kStageBytes, kSwiGLU> sm(smem_raw);
@@ -89,6 +86,8 @@ __global__ void __launch_bounds__(384, 1)
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
+  // ---- Phase 0: row-block prefix over experts, offsets cached, the ring's mbarriers (and, with
+  // kMulticastB, the other CTA's).
   BuildTilePrefix<kTileM, kThreads>(p.offsets, num_experts, prefix, offs);
   sm.InitBarriers(/*empty_arrivals=*/4 * kCluster);
   __syncthreads();
@@ -163,7 +162,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     CpAsyncWait<0>();  // no copy may outlive its issuing thread
   } else {
-    // ---- Consumers.
+    // ---- Consumers: whole tiles in turn (consumer c: this CTA's tiles c, c + 2, ...).
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPpConsumerRegs) : "memory");
     const int cw = wg - 1;
     const int my_tiles = (total - cluster + clusters - 1) / clusters;
@@ -185,7 +184,7 @@ __global__ void __launch_bounds__(384, 1)
       EpiRows rows[kHalves];
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
-        rows[hf] = LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, hf * 64 + (t_wg >> 3));
+        rows[hf] = LoadEpiRows<kSwiGLU, kSlotOut>(p, ti, hf * 64 + (t_wg >> 3));
       }
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
@@ -197,6 +196,7 @@ __global__ void __launch_bounds__(384, 1)
       const bool signal = j + 1 < my_tiles;
       uint32_t it = static_cast<uint32_t>(j) * static_cast<uint32_t>(num_k);
       int release = -1;  // slot whose wgmmas may still run
+      // ---- Main loop: the wgmmas of every 64-row half per k16, the slot before released.
       for (int kt = 0; kt < num_k; ++kt, ++it) {
         const int stage = static_cast<int>(it % kStages);
         MbarWait(SmemAddr(&full[stage]), (it / kStages) & 1);
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int hf = 0; hf < kHalves; ++hf) {
         if (hf * 64 < ti.rows) {
-          StoreTile<kN, kSwiGLU, kDSwiGLU>(p, ti, acc[hf], rows[hf], stage_rows, t_wg, hf, 1 + cw);
+          StoreTile<kN, kSwiGLU>(p, ti, acc[hf], rows[hf], stage_rows, t_wg, hf, 1 + cw);
         }
       }
     }

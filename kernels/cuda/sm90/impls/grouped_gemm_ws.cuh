@@ -39,7 +39,7 @@ namespace moe::kernels::sm90 {
 // All kStages slots can be in flight (no "-2" rule), since slots are released explicitly.
 // kGatherA, kTransB, kSlotOut as for sm90_grouped_gemm_kernel (weights by TMA only).
 template <int kN, int kStages, bool kSwiGLU, bool kGatherA = kSwiGLU, bool kTransB = false,
-          bool kSlotOut = false, bool kDSwiGLU = false>
+          bool kSlotOut = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_grouped_gemm_ws_kernel(const __grid_constant__ GemmParams p) {
   constexpr int kBlockM = 128;
@@ -51,7 +51,6 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kAcc = kN / 2;
   static_assert(kStageBytes % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
   static_assert(!(kSwiGLU && (kTransB || kSlotOut)), "MN-major B and slot rows are kPlain only");
-  static_assert(!kDSwiGLU || (!kSwiGLU && kSlotOut), "the SwiGLU backward writes slot rows");
 
   extern __shared__ uint8_t smem_raw[];
   const WsSmem<kStages, kStageBytes, kSwiGLU> sm(smem_raw);
@@ -64,6 +63,7 @@ __global__ void __launch_bounds__(384, 1)
 
   const int tid = threadIdx.x;
   const int num_experts = p.num_experts;
+  // ---- Phase 0: row-block prefix over experts, offsets cached, the ring's mbarriers.
   BuildTilePrefix<kBlockM, kThreads>(p.offsets, num_experts, prefix, offs);
   sm.InitBarriers(/*empty_arrivals=*/8);
   __syncthreads();
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(384, 1)
   const int t_wg = tid & 127;
   const int lane = tid & 31;
   if (wg == 0) {
-    // ---- Producer.
+    // ---- Producer: every tile of this CTA, in order, through the ring.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int chunk = t_wg & 7;
     int stage = 0;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     CpAsyncWait<0>();  // no copy may outlive its issuing thread
   } else {
-    // ---- Consumers.
+    // ---- Consumers: each warpgroup 64 rows of every tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int cw = wg - 1;  // rows cw*64 .. cw*64+63 of each tile
     int stage = 0;
@@ -140,10 +140,11 @@ __global__ void __launch_bounds__(384, 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileInfo ti =
           DecodeTile<kBlockM, kBlockN>(tile, n_tiles, p.group_m, prefix, offs, num_experts);
-      const EpiRows rows = LoadEpiRows<kSwiGLU, kSlotOut, kDSwiGLU>(p, ti, cw * 64 + (t_wg >> 3));
+      const EpiRows rows = LoadEpiRows<kSwiGLU, kSlotOut>(p, ti, cw * 64 + (t_wg >> 3));
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
       int release = -1;  // slot whose wgmmas may still run
+      // ---- Main loop: wait for a full slot, issue its wgmmas, release the slot before it.
       for (int kt = 0; kt < num_k; ++kt) {
         MbarWait(SmemAddr(&full[stage]), phase);
         FenceProxyAsync();  // the gathered A tile was written by cp.async (generic proxy)
@@ -178,8 +179,9 @@ __global__ void __launch_bounds__(384, 1)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(&empty[release]))
                      : "memory");
       }
-      StoreTile<kN, kSwiGLU, kDSwiGLU>(p, ti, acc, rows, epi + cw * 64 * EpiRowBytes<kSwiGLU>(),
-                                       t_wg, cw, 1 + cw);
+      // ---- Epilogue.
+      StoreTile<kN, kSwiGLU>(p, ti, acc, rows, epi + cw * 64 * EpiRowBytes<kSwiGLU>(), t_wg, cw,
+                             1 + cw);
     }
   }
 }
