@@ -1,17 +1,15 @@
-// UseFusedForward and UseFusedBackward, the two functions that decide whether a chunk's expert
-// forward and backward run the fused sm90 kernels: host logic only, so it runs everywhere (in
-// CI too, no GPU needed). The
-// device is passed in as a flag, so both the sm_90 and the non-sm_90 answers are checked here;
-// the GPU tests (cuda_engine_test.cc) check the answer on the real device and the numbers.
-//
-// Registered twice in ctest: once as is and once with MOE_DISABLE_FUSED=1 in the environment,
-// which the pipeline reads once per process; EnvironmentSwitch asserts the matching answer.
+// The rules of engine/cuda/kernel_selection.h: which path runs a chunk's expert forward and
+// backward (UseFusedForward, UseFusedBackward) and which sm90 kernel and tiles run each fused
+// GEMM (Sm90ChooseConfig). Host logic only, so it runs everywhere (in CI too, no GPU needed):
+// the device is passed in as a flag, so both the sm_90 and the non-sm_90 answers are checked
+// here; the GPU tests (cuda_engine_test.cc) check the answer on the real device and the
+// numbers. The presets' answers are pinned to what their decision records measured.
+#include "engine/cuda/kernel_selection.h"
+
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <cstring>
 
-#include "engine/cuda/expert_pipeline.h"
 #include "kernels/cuda/sm90_expert_forward.h"
 
 namespace moe::cuda {
@@ -19,7 +17,7 @@ namespace {
 
 using kernels::Sm90ExpertProblem;
 
-ExpertShape SwiGluBf16(int64_t d, int64_t h, ForwardKernels forward) {
+ExpertShape SwiGluBf16(int64_t d, int64_t h) {
   ExpertShape s;
   s.d_model = d;
   s.d_hidden = h;
@@ -27,7 +25,6 @@ ExpertShape SwiGluBf16(int64_t d, int64_t h, ForwardKernels forward) {
   s.expert_count = 8;
   s.activation = 0;  // SwiGLU
   s.type = kernels::ElemType::kBFloat16;
-  s.forward = forward;
   return s;
 }
 
@@ -42,65 +39,69 @@ Sm90ExpertProblem Problem(const ExpertShape& s, int64_t tokens) {
   return p;
 }
 
-bool EnvDisables() {
-  const char* v = std::getenv("MOE_DISABLE_FUSED");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+PipelineOptions Forcing(ForwardKernels forward) {
+  PipelineOptions o;
+  o.forward = forward;
+  return o;
 }
+
+PipelineOptions Forcing(BackwardKernels backward) {
+  PipelineOptions o;
+  o.backward = backward;
+  return o;
+}
+
+const PipelineOptions kService;  // what moe-server runs: kAuto both ways, fused kernels on
 
 TEST(UseFusedForwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
   for (ForwardKernels k :
        {ForwardKernels::kUnfused, ForwardKernels::kFusedUp, ForwardKernels::kFusedUpDown}) {
-    const ExpertShape s = SwiGluBf16(200, 136, k);  // multiples of 8, not of 64
-    EXPECT_EQ(UseFusedForward(s, Problem(s, 37), /*device_sm90=*/true), k) << ForwardKernelsName(k);
+    const ExpertShape s = SwiGluBf16(200, 136);  // multiples of 8, not of 64
+    EXPECT_EQ(UseFusedForward(s, Forcing(k), Problem(s, 37), /*device_sm90=*/true), k)
+        << ForwardKernelsName(k);
   }
 }
 
 TEST(UseFusedForwardTest, FallsBackOffSm90) {
   for (ForwardKernels k :
        {ForwardKernels::kAuto, ForwardKernels::kFusedUp, ForwardKernels::kFusedUpDown}) {
-    const ExpertShape s = SwiGluBf16(256, 128, k);
-    EXPECT_EQ(UseFusedForward(s, Problem(s, 64), /*device_sm90=*/false), ForwardKernels::kUnfused)
+    const ExpertShape s = SwiGluBf16(256, 128);
+    EXPECT_EQ(UseFusedForward(s, Forcing(k), Problem(s, 64), /*device_sm90=*/false),
+              ForwardKernels::kUnfused)
         << ForwardKernelsName(k);
   }
 }
 
 TEST(UseFusedForwardTest, FallsBackForSizesTheKernelsRefuse) {
-  const ForwardKernels k = ForwardKernels::kFusedUpDown;
-  ExpertShape s = SwiGluBf16(38, 24, k);  // d not a multiple of 8
+  const PipelineOptions o = Forcing(ForwardKernels::kFusedUpDown);
+  ExpertShape s = SwiGluBf16(38, 24);  // d not a multiple of 8
   ASSERT_NE(kernels::Sm90CanImplement(Problem(s, 29)), nullptr);
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
-  s = SwiGluBf16(64, 20, k);  // h not a multiple of 8
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
-  s = SwiGluBf16(64, 64, k);
+  EXPECT_EQ(UseFusedForward(s, o, Problem(s, 29), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 20);  // h not a multiple of 8
+  EXPECT_EQ(UseFusedForward(s, o, Problem(s, 29), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 64);
   s.expert_count = 600;  // more local experts than the kernels' shared-memory prefix holds
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 29), true), ForwardKernels::kUnfused);
+  EXPECT_EQ(UseFusedForward(s, o, Problem(s, 29), true), ForwardKernels::kUnfused);
 }
 
 TEST(UseFusedForwardTest, FallsBackForOtherActivationsAndDtypes) {
-  ExpertShape s = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
+  const PipelineOptions o = Forcing(ForwardKernels::kFusedUp);
+  ExpertShape s = SwiGluBf16(64, 64);
   s.activation = 1;  // not SwiGLU
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), ForwardKernels::kUnfused);
-  s = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
+  EXPECT_EQ(UseFusedForward(s, o, Problem(s, 16), true), ForwardKernels::kUnfused);
+  s = SwiGluBf16(64, 64);
   s.type = kernels::ElemType::kFloat32;
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), ForwardKernels::kUnfused);
+  EXPECT_EQ(UseFusedForward(s, o, Problem(s, 16), true), ForwardKernels::kUnfused);
 }
 
 // The benchmark presets (bench/moe_bench.cc) and what kAuto picks for each on an sm_90 device,
-// pinned to the H100 measurements:
-//   forward: fused up + down where it measured faster than the unfused path (up to 2^31
-//   multiply-adds per expert); above, the sm90 up with cuBLAS's down where that measured faster
-//   than both (bench/results/2026-11-22-h100-caa32a1-fast-silu: olmoe 2.93 vs 3.28 unfused,
-//   scale-32k 3.02 vs 3.35, deepseek-v3 13.23 vs 14.01, scale-128k 12.64 vs 13.10), unfused where
-//   cuBLAS was faster (mixtral 8.79 vs 9.06);
-//   backward: the fused backward where it measured faster
-//   (bench/results/2026-11-21-h100-6674063-fused-backward: sonic-7b 2.48 vs 6.23 ms, qwen3-a3b
-//   5.58 vs 6.90, scale-8k 2.19 vs 3.19); the hybrid (sm90 dA and dW2, cuBLAS dW13 and dXg) where
-//   it measured faster than both (bench/results/2026-11-21-h100-50d6cf3-hybrid: olmoe 6.58 vs
-//   6.65 unfused and 7.16 fused, scale-32k 6.43 vs 6.77 and 6.84, deepseek-v3 34.68 vs 35.01 and
-//   37.31), and at the largest per-expert GEMMs too since the weight gradients have their own
-//   stream (scale-128k 24.97 vs 25.87 unfused, bench/results/2026-11-22-h100-ec42bec-overlap);
-//   the unfused one where cuBLAS was faster than both (mixtral, h = 14336: 18.43 vs 19.93
-//   hybrid and 24.40 fused).
+// each the path that measured fastest on the H100:
+//   forward (docs/decisions/0002-fused-path-bounds.md): fused up + down up to 2^31
+//   multiply-adds per expert; above, the sm90 up with cuBLAS's down while h <= 4096; unfused
+//   for mixtral (h = 14336);
+//   backward (0002 and docs/decisions/0003-hybrid-backward.md): the fused backward up to 2^31
+//   multiply-adds per expert; above, the hybrid (sm90 dA and dW2, cuBLAS dW13 and dXg) while
+//   h <= 4096; unfused for mixtral.
 struct MeasuredPreset {
   const char* name;
   int64_t T, d, h, E, K;
@@ -126,132 +127,139 @@ constexpr MeasuredPreset kMeasuredPresets[] = {
 };
 
 ExpertShape PresetShape(const MeasuredPreset& p) {
-  ExpertShape s = SwiGluBf16(p.d, p.h, ForwardKernels::kAuto);
+  ExpertShape s = SwiGluBf16(p.d, p.h);
   s.top_k = p.K;
   s.expert_count = p.E;
   return s;
 }
 
+const MeasuredPreset& FindPreset(const char* name) {
+  for (const MeasuredPreset& m : kMeasuredPresets) {
+    if (std::strcmp(m.name, name) == 0) return m;
+  }
+  ADD_FAILURE() << "no preset " << name;
+  return kMeasuredPresets[0];
+}
+
 TEST(UseFusedForwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
-  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
   for (const MeasuredPreset& p : kMeasuredPresets) {
-    ExpertShape s = PresetShape(p);
+    const ExpertShape s = PresetShape(p);
     const Sm90ExpertProblem prob = Problem(s, p.T);
-    EXPECT_EQ(UseFusedForward(s, prob, true), p.forward)
-        << p.name << ": " << ForwardKernelsName(UseFusedForward(s, prob, true));
+    EXPECT_EQ(UseFusedForward(s, kService, prob, true), p.forward)
+        << p.name << ": " << ForwardKernelsName(UseFusedForward(s, kService, prob, true));
     // Forcing the fused path ignores the work rule.
-    s.forward = ForwardKernels::kFusedUpDown;
-    EXPECT_EQ(UseFusedForward(s, prob, true), ForwardKernels::kFusedUpDown) << p.name;
+    EXPECT_EQ(UseFusedForward(s, Forcing(ForwardKernels::kFusedUpDown), prob, true),
+              ForwardKernels::kFusedUpDown)
+        << p.name;
   }
 }
 
 // d = h = 1024, K = 2, E = 8 as in the backward's threshold test: T = 8192 sits exactly on
 // kFusedMaxWorkPerExpert. Above it, h decides: kFusedUpMaxHidden is inclusive too.
 TEST(UseFusedForwardTest, WorkAndWidthThresholdsAreInclusiveUpperBounds) {
-  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
-  const ExpertShape s = SwiGluBf16(1024, 1024, ForwardKernels::kAuto);
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 8192), true), ForwardKernels::kFusedUpDown);
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 8196), true), ForwardKernels::kFusedUp);
-  const ExpertShape at_bound = SwiGluBf16(1024, kFusedUpMaxHidden, ForwardKernels::kAuto);
-  EXPECT_EQ(UseFusedForward(at_bound, Problem(at_bound, 8192), true), ForwardKernels::kFusedUp);
-  const ExpertShape wider = SwiGluBf16(1024, kFusedUpMaxHidden + 8, ForwardKernels::kAuto);
-  EXPECT_EQ(UseFusedForward(wider, Problem(wider, 8192), true), ForwardKernels::kUnfused);
+  const ExpertShape s = SwiGluBf16(1024, 1024);
+  EXPECT_EQ(UseFusedForward(s, kService, Problem(s, 8192), true), ForwardKernels::kFusedUpDown);
+  EXPECT_EQ(UseFusedForward(s, kService, Problem(s, 8196), true), ForwardKernels::kFusedUp);
+  const ExpertShape at_bound = SwiGluBf16(1024, kFusedUpMaxHidden);
+  EXPECT_EQ(UseFusedForward(at_bound, kService, Problem(at_bound, 8192), true),
+            ForwardKernels::kFusedUp);
+  const ExpertShape wider = SwiGluBf16(1024, kFusedUpMaxHidden + 8);
+  EXPECT_EQ(UseFusedForward(wider, kService, Problem(wider, 8192), true), ForwardKernels::kUnfused);
   // Under the work bound the width does not matter, and off sm_90 nothing fused runs.
-  EXPECT_EQ(UseFusedForward(wider, Problem(wider, 16), true), ForwardKernels::kFusedUpDown);
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 16384), false), ForwardKernels::kUnfused);
+  EXPECT_EQ(UseFusedForward(wider, kService, Problem(wider, 16), true),
+            ForwardKernels::kFusedUpDown);
+  EXPECT_EQ(UseFusedForward(s, kService, Problem(s, 16384), false), ForwardKernels::kUnfused);
 }
 
-TEST(UseFusedForwardTest, EnvironmentSwitch) {
-  const ExpertShape s = SwiGluBf16(64, 64, ForwardKernels::kAuto);
-  const ForwardKernels want = EnvDisables() ? ForwardKernels::kUnfused : kDefaultFusedForward;
-  EXPECT_EQ(UseFusedForward(s, Problem(s, 16), true), want)
-      << "MOE_DISABLE_FUSED=" << (std::getenv("MOE_DISABLE_FUSED") ? "set" : "unset");
-  // A forced path ignores the variable: the benchmark shows fused and unfused side by side.
-  const ExpertShape forced = SwiGluBf16(64, 64, ForwardKernels::kFusedUp);
-  EXPECT_EQ(UseFusedForward(forced, Problem(forced, 16), true), ForwardKernels::kFusedUp);
-}
-
-ExpertShape SwiGluBf16Backward(int64_t d, int64_t h, BackwardKernels backward) {
-  ExpertShape s = SwiGluBf16(d, h, ForwardKernels::kAuto);
-  s.backward = backward;
-  return s;
+// The operator's switch (EngineOptions::fused_kernels, moe-server --fused_kernels=false): kAuto
+// runs unfused; a forced path is kept, so a benchmark still shows fused and unfused side by side.
+TEST(UseFusedForwardTest, FusedKernelsOffMakesAutoUnfused) {
+  const ExpertShape s = SwiGluBf16(64, 64);
+  EXPECT_EQ(UseFusedForward(s, kService, Problem(s, 16), true), kDefaultFusedForward);
+  PipelineOptions off;
+  off.fused_kernels = false;
+  EXPECT_EQ(UseFusedForward(s, off, Problem(s, 16), true), ForwardKernels::kUnfused);
+  off.forward = ForwardKernels::kFusedUp;
+  EXPECT_EQ(UseFusedForward(s, off, Problem(s, 16), true), ForwardKernels::kFusedUp);
 }
 
 TEST(UseFusedBackwardTest, ForcedPathsOnSm90WhenTheKernelsTakeTheSizes) {
-  for (BackwardKernels k : {BackwardKernels::kUnfused, BackwardKernels::kFused,
-                            BackwardKernels::kFusedEpilogue, BackwardKernels::kHybrid}) {
-    const ExpertShape s = SwiGluBf16Backward(40, 24, k);
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 37), /*device_sm90=*/true), k)
+  for (BackwardKernels k :
+       {BackwardKernels::kUnfused, BackwardKernels::kFused, BackwardKernels::kHybrid}) {
+    const ExpertShape s = SwiGluBf16(40, 24);
+    EXPECT_EQ(UseFusedBackward(s, Forcing(k), Problem(s, 37), /*device_sm90=*/true), k)
         << BackwardKernelsName(k);
   }
 }
 
 TEST(UseFusedBackwardTest, FallsBackOffSm90ForOddSizesOtherActivationsAndDtypes) {
-  for (BackwardKernels k :
-       {BackwardKernels::kFused, BackwardKernels::kFusedEpilogue, BackwardKernels::kHybrid}) {
-    ExpertShape s = SwiGluBf16Backward(64, 64, k);
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 64), /*device_sm90=*/false),
+  for (BackwardKernels k : {BackwardKernels::kFused, BackwardKernels::kHybrid}) {
+    const PipelineOptions o = Forcing(k);
+    ExpertShape s = SwiGluBf16(64, 64);
+    EXPECT_EQ(UseFusedBackward(s, o, Problem(s, 64), /*device_sm90=*/false),
               BackwardKernels::kUnfused);
-    s = SwiGluBf16Backward(38, 64, k);  // d not a multiple of 8
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
-    s = SwiGluBf16Backward(64, 20, k);  // h not a multiple of 8
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 29), true), BackwardKernels::kUnfused);
-    s = SwiGluBf16Backward(64, 64, k);
+    s = SwiGluBf16(38, 64);  // d not a multiple of 8
+    EXPECT_EQ(UseFusedBackward(s, o, Problem(s, 29), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16(64, 20);  // h not a multiple of 8
+    EXPECT_EQ(UseFusedBackward(s, o, Problem(s, 29), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16(64, 64);
     s.activation = 1;  // GELU: the fused SwiGLU backward does not apply
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
-    s = SwiGluBf16Backward(64, 64, k);
+    EXPECT_EQ(UseFusedBackward(s, o, Problem(s, 16), true), BackwardKernels::kUnfused);
+    s = SwiGluBf16(64, 64);
     s.type = kernels::ElemType::kFloat32;
-    EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), BackwardKernels::kUnfused);
+    EXPECT_EQ(UseFusedBackward(s, o, Problem(s, 16), true), BackwardKernels::kUnfused);
   }
 }
 
 TEST(UseFusedBackwardTest, AutoPicksTheMeasuredFasterPathPerPreset) {
-  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
   for (const MeasuredPreset& p : kMeasuredPresets) {
-    ExpertShape s = PresetShape(p);
+    const ExpertShape s = PresetShape(p);
     const Sm90ExpertProblem prob = Problem(s, p.T);
-    EXPECT_EQ(UseFusedBackward(s, prob, true), p.backward)
-        << p.name << ": " << BackwardKernelsName(UseFusedBackward(s, prob, true));
-    s.backward = BackwardKernels::kFused;  // forcing ignores the work rule
-    EXPECT_EQ(UseFusedBackward(s, prob, true), BackwardKernels::kFused) << p.name;
+    EXPECT_EQ(UseFusedBackward(s, kService, prob, true), p.backward)
+        << p.name << ": " << BackwardKernelsName(UseFusedBackward(s, kService, prob, true));
+    // Forcing ignores the work rule.
+    EXPECT_EQ(UseFusedBackward(s, Forcing(BackwardKernels::kFused), prob, true),
+              BackwardKernels::kFused)
+        << p.name;
   }
 }
 
 // d = h = 1024, K = 2, E = 8: T tokens give T / 4 * 2^20 multiply-adds per expert, so T = 8192
 // sits exactly on kFusedBackwardMaxWorkPerExpert. Above it the width decides, at any work.
 TEST(UseFusedBackwardTest, WorkThresholdThenWidthBound) {
-  if (EnvDisables()) GTEST_SKIP() << "MOE_DISABLE_FUSED set: kAuto is always unfused";
-  const ExpertShape s = SwiGluBf16Backward(1024, 1024, BackwardKernels::kAuto);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 8192), true), BackwardKernels::kFused);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 8196), true), BackwardKernels::kHybrid);
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 1 << 21), true), BackwardKernels::kHybrid);
-  const ExpertShape at_bound =
-      SwiGluBf16Backward(1024, kHybridBackwardMaxHidden, BackwardKernels::kAuto);
-  EXPECT_EQ(UseFusedBackward(at_bound, Problem(at_bound, 8192), true), BackwardKernels::kHybrid);
-  const ExpertShape wider =
-      SwiGluBf16Backward(1024, kHybridBackwardMaxHidden + 64, BackwardKernels::kAuto);
-  EXPECT_EQ(UseFusedBackward(wider, Problem(wider, 8192), true), BackwardKernels::kUnfused);
+  const ExpertShape s = SwiGluBf16(1024, 1024);
+  EXPECT_EQ(UseFusedBackward(s, kService, Problem(s, 8192), true), BackwardKernels::kFused);
+  EXPECT_EQ(UseFusedBackward(s, kService, Problem(s, 8196), true), BackwardKernels::kHybrid);
+  EXPECT_EQ(UseFusedBackward(s, kService, Problem(s, 1 << 21), true), BackwardKernels::kHybrid);
+  const ExpertShape at_bound = SwiGluBf16(1024, kHybridBackwardMaxHidden);
+  EXPECT_EQ(UseFusedBackward(at_bound, kService, Problem(at_bound, 8192), true),
+            BackwardKernels::kHybrid);
+  const ExpertShape wider = SwiGluBf16(1024, kHybridBackwardMaxHidden + 64);
+  EXPECT_EQ(UseFusedBackward(wider, kService, Problem(wider, 8192), true),
+            BackwardKernels::kUnfused);
   // Below the work threshold the fused backward whatever the width.
-  EXPECT_EQ(UseFusedBackward(wider, Problem(wider, 64), true), BackwardKernels::kFused);
+  EXPECT_EQ(UseFusedBackward(wider, kService, Problem(wider, 64), true), BackwardKernels::kFused);
   // The hybrid runs sm90 kernels too: off sm_90 it falls back like kFused.
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16384), false), BackwardKernels::kUnfused);
+  EXPECT_EQ(UseFusedBackward(s, kService, Problem(s, 16384), false), BackwardKernels::kUnfused);
 }
 
-TEST(UseFusedBackwardTest, EnvironmentSwitch) {
-  const ExpertShape s = SwiGluBf16Backward(64, 64, BackwardKernels::kAuto);
-  const BackwardKernels want = EnvDisables() ? BackwardKernels::kUnfused : BackwardKernels::kFused;
-  EXPECT_EQ(UseFusedBackward(s, Problem(s, 16), true), want)
-      << "MOE_DISABLE_FUSED=" << (std::getenv("MOE_DISABLE_FUSED") ? "set" : "unset");
-  const ExpertShape large = SwiGluBf16Backward(1024, 1024, BackwardKernels::kAuto);
-  EXPECT_EQ(UseFusedBackward(large, Problem(large, 16384), true),
-            EnvDisables() ? BackwardKernels::kUnfused : BackwardKernels::kHybrid);
-  const ExpertShape forced = SwiGluBf16Backward(64, 64, BackwardKernels::kFused);
-  EXPECT_EQ(UseFusedBackward(forced, Problem(forced, 16), true), BackwardKernels::kFused);
+TEST(UseFusedBackwardTest, FusedKernelsOffMakesAutoUnfused) {
+  PipelineOptions off;
+  off.fused_kernels = false;
+  const ExpertShape s = SwiGluBf16(64, 64);
+  EXPECT_EQ(UseFusedBackward(s, kService, Problem(s, 16), true), BackwardKernels::kFused);
+  EXPECT_EQ(UseFusedBackward(s, off, Problem(s, 16), true), BackwardKernels::kUnfused);
+  const ExpertShape large = SwiGluBf16(1024, 1024);
+  EXPECT_EQ(UseFusedBackward(large, kService, Problem(large, 16384), true),
+            BackwardKernels::kHybrid);
+  EXPECT_EQ(UseFusedBackward(large, off, Problem(large, 16384), true), BackwardKernels::kUnfused);
+  off.backward = BackwardKernels::kFused;
+  EXPECT_EQ(UseFusedBackward(s, off, Problem(s, 16), true), BackwardKernels::kFused);
 }
 
 // The FusedKernelsTest shape T=256, E=128, K=2, d=64, h=264 (cuda_engine_test.cc) is there to
-// run the ping-pong kernels through the engine; this keeps it reaching them on a 132-SM GPU.
-TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
+// run the ping-pong kernel through the engine; this keeps it reaching it on a 132-SM GPU.
+TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernel) {
   Sm90ExpertProblem p;
   p.num_tokens = 256;
   p.top_k = 2;
@@ -259,14 +267,14 @@ TEST(Sm90ChooseConfigTest, EngineTestShapeReachesThePingPongKernels) {
   p.d_model = 64;
   p.d_hidden = 264;
   p.num_routed = 512;
-  EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kUpSwiGLU, 132).ping_pong);
-  EXPECT_TRUE(kernels::Sm90ChooseConfig(p, kernels::Sm90Projection::kBackwardDH, 132).ping_pong);
+  EXPECT_TRUE(Sm90ChooseConfig(p, Sm90Projection::kUpSwiGLU, 132).ping_pong);
+  EXPECT_FALSE(Sm90ChooseConfig(p, Sm90Projection::kBackwardDA, 132).ping_pong);
 }
 
 // The up-projection's kernel by how much of the routed rows 128-row tiles pad (half a block an
 // expert): the ping-pong kernel's 64-row tiles above 20% (deepseek-v3, 25%), the ws kernel
 // between 10% and 20% (scale-8k, 12.5%), the ws kernel at h <= 256 and the plain one otherwise
-// below 10% (sonic-7b, olmoe); measured on an H100 (kernels/cuda/sm90_expert_forward.cu).
+// below 10% (sonic-7b, olmoe) (docs/decisions/0001-sm90-kernel-choice.md).
 TEST(Sm90ChooseConfigTest, UpProjectionKernelFollowsThePaddedShare) {
   struct Want {
     const char* preset;
@@ -274,16 +282,28 @@ TEST(Sm90ChooseConfigTest, UpProjectionKernelFollowsThePaddedShare) {
   };
   for (const Want& w : {Want{"deepseek-v3", false, true}, Want{"scale-8k", true, false},
                         Want{"sonic-7b", true, false}, Want{"olmoe", false, false}}) {
-    const MeasuredPreset* p = nullptr;
-    for (const MeasuredPreset& m : kMeasuredPresets) {
-      if (std::strcmp(m.name, w.preset) == 0) p = &m;
-    }
-    ASSERT_NE(p, nullptr) << w.preset;
-    const kernels::Sm90GemmConfig c = kernels::Sm90ChooseConfig(
-        Problem(PresetShape(*p), p->T), kernels::Sm90Projection::kUpSwiGLU, 132);
+    const MeasuredPreset& p = FindPreset(w.preset);
+    const kernels::Sm90GemmConfig c =
+        Sm90ChooseConfig(Problem(PresetShape(p), p.T), Sm90Projection::kUpSwiGLU, 132);
     EXPECT_EQ(c.warp_specialized, w.ws) << w.preset;
     EXPECT_EQ(c.ping_pong, w.pp) << w.preset;
   }
+}
+
+// Weight gradients: 256-wide tiles where the gradient has more than 128 columns (dW2 [d, h]: h
+// columns; dW13 [2h, d]: d), and the slot-order operand by TMA only with them, up to d = 2048.
+TEST(Sm90ChooseConfigTest, WeightGradientTiles) {
+  Sm90ExpertProblem p = Problem(SwiGluBf16(136, 128), 64);
+  kernels::Sm90GemmConfig w2 = Sm90ChooseConfig(p, Sm90Projection::kWeightGradW2, 132);
+  kernels::Sm90GemmConfig w13 = Sm90ChooseConfig(p, Sm90Projection::kWeightGradW13, 132);
+  EXPECT_EQ(w2.block_n, 128);
+  EXPECT_FALSE(w2.tma_weights);
+  EXPECT_EQ(w13.block_n, 256);
+  EXPECT_TRUE(w13.tma_weights);
+  p = Problem(SwiGluBf16(7168, 2048), 64);  // deepseek-v3's widths: past the measured d
+  w13 = Sm90ChooseConfig(p, Sm90Projection::kWeightGradW13, 132);
+  EXPECT_EQ(w13.block_n, 256);
+  EXPECT_FALSE(w13.tma_weights);
 }
 
 }  // namespace
