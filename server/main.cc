@@ -41,6 +41,14 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(int, tls_reload_seconds, kDefaults.tls.reload_seconds,
           "Read the --tls_ files again this often, so renewed certificates are served without a "
           "restart; 0 reads them once");
+ABSL_FLAG(int, cpu_threads, kDefaults.engine.cpu_threads,
+          "CPU engine: threads of its pool; 0 uses every core");
+ABSL_FLAG(bool, fused_kernels, kDefaults.engine.fused_kernels,
+          "CUDA engine: run the fused sm90 expert kernels where they apply; false runs the "
+          "cuBLAS path everywhere");
+ABSL_FLAG(uint64_t, pinned_tensor_bytes, kDefaults.engine.pinned_tensor_bytes,
+          "CUDA engine: page-locked host memory held at most for large request and result "
+          "tensors; 0 pins none");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory instead of handing it back to the OS (glibc malloc: large "
           "blocks from the heap, not from fresh mmaps; no trimming; one arena). Each micro-batch "
@@ -74,6 +82,9 @@ int main(int argc, char** argv) {
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
   options.tls.reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
+  options.engine.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  options.engine.fused_kernels = absl::GetFlag(FLAGS_fused_kernels);
+  options.engine.pinned_tensor_bytes = absl::GetFlag(FLAGS_pinned_tensor_bytes);
 
   auto server = moe::server::Server::Start(options);
   if (!server.ok()) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/engine_options.h"
 #include "proto/tls.h"
 
 namespace moe::server {
@@ -23,6 +24,8 @@ struct ServerOptions {
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
   // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;
+  // The engine's settings: CPU threads, fused CUDA kernels on or off, pinned host memory.
+  EngineOptions engine;
 };
 
 }  // namespace moe::server

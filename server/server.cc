@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       wire::MakeServerCredentials(options.tls, "tls_");
   if (!credentials.ok()) return credentials.status();
 
-  auto engine = CreateEngine(options.device);
+  auto engine = CreateEngine(options.device, options.engine);
   if (!engine.ok()) return engine.status();
 
   std::unique_ptr<Server> server(new Server());
