@@ -1,4 +1,4 @@
-// Kernel benchmark of the CUDA expert pipeline over the presets of issue 4 (bf16, SwiGLU,
+// Kernel benchmark of the CUDA expert pipeline over the benchmark presets (bf16, SwiGLU,
 // client routing, the same math as /work/shared/bench/torch_moe_reference.py).
 //
 // Per preset it prints forward ms for each forward path of the pipeline, side by side in the
@@ -8,15 +8,14 @@
 // fused path that the device or the sizes do not allow runs unfused, and the line says which
 // path really ran. Each fused forward's output is checked against the unfused one on the
 // first 16384 tokens (normalised error printed; > 2e-2 fails the run). Then backward ms per
-// backward path, unfused (per-expert cuBLAS), fused (the sm90 backward kernels), fused-dh
-// (the same with the SwiGLU backward in the dA kernel's epilogue) and hybrid (sm90 dA and dW2,
-// cuBLAS dW13 and dXg), everything
+// backward path, unfused (per-expert cuBLAS), fused (the sm90 backward kernels) and hybrid
+// (sm90 dA and dW2, cuBLAS dW13 and dXg), everything
 // down to dx, dp, dW1, dW3, dW2, as the first backward after an optimizer step: fp32 gradients
 // overwritten, not read; the fused results are checked against the unfused ones (dx and dp on
 // the first 16384 tokens, the first 16 Mi elements of each weight gradient; > 2e-2 fails).
 // Then the service's backward path twice more, back to back: its weight gradients on the
 // layer's stream (bwd_ser) and on their own stream beside dXg and the combine (bwd_ovl, the
-// default, ExpertShape::overlap_weight_grads); both must repeat the service path's bits.
+// default, PipelineOptions::overlap_weight_grads); both must repeat the service path's bits.
 // TFLOP/s counting 6*T*K*d*h forward and 12*T*K*d*h backward, the two floors of fwd+bwd (its
 // flops over the cuBLAS rate below, its fewest bytes, FloorBytes, over the device copy
 // bandwidth measured in the same process), the bytes the forward keeps for the backward (x, H
@@ -50,19 +49,18 @@
 //   moe_bench --preset olmoe sonic-7b      moe_bench --all [--reps 10] [--json out.jsonl]
 //   moe_bench --all --ceiling              moe_bench --preset sonic-7b --routing balanced
 //   moe_bench --preset scale-2m --recompute          moe_bench --max-t [--recompute]
+#include "bench/moe_bench.h"
+
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -76,126 +74,6 @@
 #include "kernels/cuda/router.h"
 
 namespace moe::bench {
-namespace {
-
-using cuda::DeviceBuffer;
-
-struct Preset {
-  const char* name;
-  int64_t T, d, h, E, K;
-};
-
-constexpr Preset kPresets[] = {
-    {"sonic-7b", 24576, 1536, 256, 128, 8},    {"olmoe", 16384, 2048, 1024, 64, 8},
-    {"qwen3-a3b", 16384, 2048, 768, 128, 8},   {"mixtral", 8192, 4096, 14336, 8, 2},
-    {"deepseek-v3", 8192, 7168, 2048, 256, 8}, {"scale-8k", 8192, 2048, 1024, 64, 4},
-    {"scale-32k", 32768, 2048, 1024, 64, 4},   {"scale-128k", 131072, 2048, 1024, 64, 4},
-    {"scale-512k", 524288, 2048, 1024, 64, 4}, {"scale-2m", 2097152, 2048, 1024, 64, 4},
-};
-
-// The forward paths timed per preset, in print order.
-constexpr cuda::ForwardKernels kPaths[] = {cuda::ForwardKernels::kUnfused,
-                                           cuda::ForwardKernels::kFusedUp,
-                                           cuda::ForwardKernels::kFusedUpDown};
-constexpr int kNumPaths = 3;
-constexpr int64_t kCheckTokens = 16384;
-
-// The backward paths timed per preset, in print order.
-constexpr cuda::BackwardKernels kBackwardPaths[] = {
-    cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused,
-    cuda::BackwardKernels::kFusedEpilogue, cuda::BackwardKernels::kHybrid};
-constexpr int kNumBackwardPaths = 4;
-// Weight-gradient elements compared between the backward paths (the first ones of each tensor:
-// deepseek-v3's dW13 alone is 15 GB).
-constexpr int64_t kCheckGradElements = int64_t{1} << 24;
-
-struct Result {
-  double fwd_ms[kNumPaths] = {}, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
-  double bwd_ms[kNumBackwardPaths] = {};
-  // The service's backward path again, its weight gradients on the layer's stream (serial),
-  // then on their own stream (overlapped, the default) once more: the A/B of
-  // ExpertShape::overlap_weight_grads, timed back to back; both must give the same bits.
-  double bwd_serial_ms = 0, bwd_overlap_ms = 0;
-  bool serial_same_bits = false;
-  // The GPU's state over each path's timed runs (readings only with a sensor).
-  GpuSummary fwd_gpu[kNumPaths], bwd_gpu[kNumBackwardPaths];
-  cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
-  cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
-  double err_vs_unfused[kNumPaths] = {};  // normalised, on the first kCheckTokens tokens
-  // Fused backwards vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
-  double bwd_err = 0;
-  int auto_path = 0;  // index in kPaths of what the service runs
-  int auto_bwd = 0;   // index in kBackwardPaths likewise
-  bool dispatch_equal = false;
-  int grouped_fallbacks = 0;
-  int64_t chunks = 0;
-};
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-#define CHECK_OK(expr)                                 \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (0)
-
-// The GPU around each timed series (gpu_sensor.h): with a sensor, TimeMs first waits until the
-// GPU is at most cool_to_c (when > 0; at most cool_timeout_s), then reads it after every timed
-// run, outside the timed interval; `last` is the latest series' summary.
-struct GpuWatch {
-  const GpuSensor* sensor = nullptr;
-  int cool_to_c = 0;
-  double cool_timeout_s = 120;
-  GpuSummary last;
-};
-
-// Times `fn` (which enqueues on `s`, possibly synchronising inside) with CUDA events.
-template <typename Fn>
-absl::StatusOr<double> TimeMs(cudaStream_t s, int warmup, int reps, Fn fn,
-                              GpuWatch* watch = nullptr) {
-  cudaEvent_t a, b;
-  MOE_CUDA_RETURN(cudaEventCreate(&a));
-  MOE_CUDA_RETURN(cudaEventCreate(&b));
-  const GpuSensor* sensor = watch != nullptr ? watch->sensor : nullptr;
-  GpuSummary gpu;
-  if (sensor != nullptr && watch->cool_to_c > 0) {
-    MOE_CUDA_RETURN(cudaStreamSynchronize(s));  // nothing of ours still heating it
-    absl::StatusOr<double> waited = WaitUntilAtMost(
-        watch->cool_to_c, watch->cool_timeout_s, 0.25,
-        [&]() -> absl::StatusOr<int> {
-          absl::StatusOr<GpuReading> r = sensor->Read();
-          if (!r.ok()) return r.status();
-          return r->temp_c;
-        },
-        [](double seconds) { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); },
-        &gpu.cooled);
-    if (!waited.ok()) return waited.status();
-    gpu.cool_wait_s = *waited;
-  }
-  std::vector<double> times;
-  for (int i = 0; i < warmup + reps; ++i) {
-    MOE_CUDA_RETURN(cudaEventRecord(a, s));
-    CHECK_OK(fn());
-    MOE_CUDA_RETURN(cudaEventRecord(b, s));
-    MOE_CUDA_RETURN(cudaEventSynchronize(b));
-    float ms = 0;
-    MOE_CUDA_RETURN(cudaEventElapsedTime(&ms, a, b));
-    if (i >= warmup) {
-      times.push_back(ms);
-      if (sensor != nullptr) {
-        absl::StatusOr<GpuReading> reading = sensor->Read();
-        if (!reading.ok()) return reading.status();
-        gpu.Add(*reading);
-      }
-    }
-  }
-  if (watch != nullptr) watch->last = gpu;
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return Median(times);
-}
 
 // Appends `line` (one JSON object) to the file at `path`; nothing when `path` is empty.
 void AppendJsonLine(const std::string& path, const std::string& line) {
@@ -214,6 +92,47 @@ void ReleasePoolMemory() {
   cudaDeviceGetDefaultMemPool(&pool, 0);
   cudaMemPoolTrimTo(pool, 0);
 }
+
+namespace {
+
+using cuda::DeviceBuffer;
+
+// The forward paths timed per preset, in print order.
+constexpr cuda::ForwardKernels kPaths[] = {cuda::ForwardKernels::kUnfused,
+                                           cuda::ForwardKernels::kFusedUp,
+                                           cuda::ForwardKernels::kFusedUpDown};
+constexpr int kNumPaths = 3;
+constexpr int64_t kCheckTokens = 16384;
+
+// The backward paths timed per preset, in print order.
+constexpr cuda::BackwardKernels kBackwardPaths[] = {
+    cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused, cuda::BackwardKernels::kHybrid};
+constexpr int kNumBackwardPaths = 3;
+// Weight-gradient elements compared between the backward paths (the first ones of each tensor:
+// deepseek-v3's dW13 alone is 15 GB).
+constexpr int64_t kCheckGradElements = int64_t{1} << 24;
+
+struct Result {
+  double fwd_ms[kNumPaths] = {}, saved_bytes = 0, dispatch_ms = 0, cub_ms = 0;
+  double bwd_ms[kNumBackwardPaths] = {};
+  // The service's backward path again, its weight gradients on the layer's stream (serial),
+  // then on their own stream (overlapped, the default) once more: the A/B of
+  // PipelineOptions::overlap_weight_grads, timed back to back; both must give the same bits.
+  double bwd_serial_ms = 0, bwd_overlap_ms = 0;
+  bool serial_same_bits = false;
+  // The GPU's state over each path's timed runs (readings only with a sensor).
+  GpuSummary fwd_gpu[kNumPaths], bwd_gpu[kNumBackwardPaths];
+  cuda::ForwardKernels ran[kNumPaths] = {};  // the path each request really took
+  cuda::BackwardKernels ran_bwd[kNumBackwardPaths] = {};
+  double err_vs_unfused[kNumPaths] = {};  // normalised, on the first kCheckTokens tokens
+  // Fused backwards vs unfused: the worst normalised error over dx, dp, dW2 and dW13.
+  double bwd_err = 0;
+  int auto_path = 0;  // index in kPaths of what the service runs
+  int auto_bwd = 0;   // index in kBackwardPaths likewise
+  bool dispatch_equal = false;
+  int grouped_fallbacks = 0;
+  int64_t chunks = 0;
+};
 
 absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode mode,
                            bool recompute, bool balanced, GpuWatch* watch) {
@@ -285,8 +204,9 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     return static_cast<double>(f);
   };
   for (int v = 0; v < kNumPaths; ++v) {
-    shape.forward = kPaths[v];
-    cuda::ExpertPipeline pipe(shape, stream, gemm->get());
+    cuda::PipelineOptions forced;
+    forced.forward = kPaths[v];
+    cuda::ExpertPipeline pipe(shape, stream, gemm->get(), forced);
     // Forward as the layer runs it in training: dispatch (one sync), H kept (not in
     // recompute mode), combine.
     absl::StatusOr<double> fwd = TimeMs(
@@ -327,7 +247,6 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     }
   }
   // What the service runs (kAuto): the index of its path among the timed ones.
-  shape.forward = cuda::ForwardKernels::kAuto;
   cuda::ExpertPipeline pipe(shape, stream, gemm->get());
   cuda::DispatchPlan plan;
   CHECK_OK(pipe.Dispatch(ids->as<int32_t>(), T, &plan));
@@ -378,9 +297,9 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
         watch);
   };
   for (int v = 0; v < kNumBackwardPaths; ++v) {
-    cuda::ExpertShape bshape = shape;
-    bshape.backward = kBackwardPaths[v];
-    cuda::ExpertPipeline bpipe(bshape, stream, gemm->get());
+    cuda::PipelineOptions forced;
+    forced.backward = kBackwardPaths[v];
+    cuda::ExpertPipeline bpipe(shape, stream, gemm->get(), forced);
     r.ran_bwd[v] = bpipe.ChunkBackwardKernels(plan.chunks.front());
     if (kBackwardPaths[v] == auto_bwd) r.auto_bwd = v;
     absl::StatusOr<double> bwd = time_backward(bpipe);
@@ -390,12 +309,12 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
     CHECK_OK(fetch_grads(&dx_host[v], &dp_host[v], &dw2_host[v], &dw13_host[v]));
   }
   {
-    cuda::ExpertShape sshape = shape;
-    sshape.backward = kBackwardPaths[r.auto_bwd];
+    cuda::PipelineOptions service;
+    service.backward = kBackwardPaths[r.auto_bwd];
     r.serial_same_bits = true;
     for (const bool overlap : {false, true}) {
-      sshape.overlap_weight_grads = overlap;
-      cuda::ExpertPipeline spipe(sshape, stream, gemm->get());
+      service.overlap_weight_grads = overlap;
+      cuda::ExpertPipeline spipe(shape, stream, gemm->get(), service);
       absl::StatusOr<double> bwd = time_backward(spipe);
       if (!bwd.ok()) return bwd.status();
       (overlap ? r.bwd_overlap_ms : r.bwd_serial_ms) = *bwd;
@@ -480,418 +399,6 @@ absl::StatusOr<Result> Run(const Preset& p, int warmup, int reps, cuda::GemmMode
                      fetch(*e1) == fetch(*e2) && fetch(*s1) == fetch(*s2);
   MOE_CUDA_RETURN(cudaStreamSynchronize(s));
   return r;
-}
-
-// One forward+backward of the scale-* shape at `T` tokens, for --max-t. Allocates what a
-// training step on one GPU holds (see the file comment), runs forward+backward once as a
-// warm-up (an allocation failure there means T does not fit), then times one more of each.
-struct FitResult {
-  bool fits = false;
-  std::string error;
-  double fwd_ms = 0, bwd_ms = 0, saved_bytes = 0, used_bytes = 0;
-};
-
-absl::StatusOr<FitResult> TryTokens(int64_t T, bool recompute) {
-  constexpr int64_t d = 2048, h = 1024, E = 64, K = 4, g = 2 * h;
-  FitResult r;
-  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
-  if (!st.ok()) return st.status();
-  std::shared_ptr<cuda::Stream> stream = *st;
-  cudaStream_t s = stream->get();
-  absl::StatusOr<std::unique_ptr<cuda::GemmRunner>> gemm = cuda::GemmRunner::Create(stream);
-  if (!gemm.ok()) return gemm.status();
-  cuda::ExpertShape shape;
-  shape.d_model = d;
-  shape.d_hidden = h;
-  shape.top_k = K;
-  shape.expert_count = E;
-  shape.type = kernels::ElemType::kBFloat16;
-  auto alloc = [&](int64_t bytes, const char* what) {
-    return DeviceBuffer::Allocate(static_cast<size_t>(bytes), stream, what);
-  };
-  // Everything below that fails for memory makes this T "does not fit"; anything else is an
-  // error of the benchmark.
-  auto oom = [&](const absl::Status& status) -> absl::StatusOr<FitResult> {
-    if (status.code() != absl::StatusCode::kResourceExhausted) return status;
-    r.error = std::string(status.message());
-    return r;
-  };
-  absl::StatusOr<DeviceBuffer> x = alloc(T * d * 2, "x"), dout = alloc(T * d * 2, "dout"),
-                               out = alloc(T * d * 2, "out/dx"), w13 = alloc(E * g * d * 2, "w13"),
-                               w2 = alloc(E * d * h * 2, "w2"), dw13 = alloc(E * g * d * 4, "dw13"),
-                               dw2 = alloc(E * d * h * 4, "dw2"), ids = alloc(T * K * 4, "ids"),
-                               pw = alloc(T * K * 4, "p"), dp = alloc(T * K * 4, "dp");
-  for (auto* b : {&x, &dout, &out, &w13, &w2, &dw13, &dw2, &ids, &pw, &dp}) {
-    if (!b->ok()) return oom(b->status());
-  }
-  MOE_CUDA_RETURN(FillNormalBf16(x->get(), T * d, 1.f, 1, s));
-  MOE_CUDA_RETURN(FillNormalBf16(dout->get(), T * d, 1.f, 2, s));
-  MOE_CUDA_RETURN(FillNormalBf16(w13->get(), E * g * d, 1.f / std::sqrt(float(d)), 3, s));
-  MOE_CUDA_RETURN(FillNormalBf16(w2->get(), E * d * h, 1.f / std::sqrt(float(h)), 4, s));
-  {
-    // Routing in slices of 1 Mi tokens so the logits never dominate memory.
-    constexpr int64_t kSlice = int64_t{1} << 20;
-    absl::StatusOr<DeviceBuffer> logits = alloc(kSlice * E * 4, "logits"),
-                                 lse = alloc(kSlice * 4, "lse");
-    if (!logits.ok()) return oom(logits.status());
-    if (!lse.ok()) return oom(lse.status());
-    for (int64_t t0 = 0; t0 < T; t0 += kSlice) {
-      const int64_t n = std::min(kSlice, T - t0);
-      MOE_CUDA_RETURN(FillNormalF32(logits->as<float>(), n * E, 1.f, 5 + t0, s));
-      MOE_CUDA_RETURN(kernels::LaunchRouterTopK(
-          logits->as<float>(), n, static_cast<int32_t>(E), static_cast<int32_t>(K), true,
-          ids->as<int32_t>() + t0 * K, pw->as<float>() + t0 * K, lse->as<float>(), s));
-    }
-  }
-  MOE_CUDA_RETURN(cudaStreamSynchronize(s));
-  cuda::ExpertPipeline pipe(shape, stream, gemm->get());
-  const cuda::ExpertWeights w{w13->get(), w2->get()};
-  const cuda::ExpertGrads grads{dw13->as<float>(), dw2->as<float>()};
-  cudaEvent_t e0, e1, e2;
-  MOE_CUDA_RETURN(cudaEventCreate(&e0));
-  MOE_CUDA_RETURN(cudaEventCreate(&e1));
-  MOE_CUDA_RETURN(cudaEventCreate(&e2));
-  for (int rep = 0; rep < 2; ++rep) {
-    MOE_CUDA_RETURN(cudaEventRecord(e0, s));
-    cuda::DispatchPlan plan;
-    if (absl::Status st2 = pipe.Dispatch(ids->as<int32_t>(), T, &plan); !st2.ok()) return oom(st2);
-    absl::StatusOr<DeviceBuffer> hb = recompute ? absl::StatusOr<DeviceBuffer>(DeviceBuffer())
-                                                : alloc(plan.total_routed * g * 2, "saved H");
-    if (!hb.ok()) return oom(hb.status());
-    if (absl::Status st2 = pipe.Forward(plan, x->get(), pw->as<float>(), w, hb->get(), out->get());
-        !st2.ok()) {
-      return oom(st2);
-    }
-    MOE_CUDA_RETURN(cudaEventRecord(e1, s));
-    if (absl::Status st2 = pipe.Backward(plan, x->get(), hb->get(), pw->as<float>(), dout->get(), w,
-                                         grads, out->get(), kernels::ElemType::kBFloat16,
-                                         dp->as<float>(), /*grads_are_zero=*/true);
-        !st2.ok()) {
-      return oom(st2);
-    }
-    MOE_CUDA_RETURN(cudaEventRecord(e2, s));
-    MOE_CUDA_RETURN(cudaEventSynchronize(e2));
-    float f = 0, b = 0;
-    MOE_CUDA_RETURN(cudaEventElapsedTime(&f, e0, e1));
-    MOE_CUDA_RETURN(cudaEventElapsedTime(&b, e1, e2));
-    r.fwd_ms = f;
-    r.bwd_ms = b;
-    r.saved_bytes = static_cast<double>(x->bytes() + hb->bytes() + ids->bytes() + pw->bytes() +
-                                        plan.device_bytes());
-    size_t free_b = 0, total_b = 0;
-    MOE_CUDA_RETURN(cudaMemGetInfo(&free_b, &total_b));
-    // The pool keeps what it grew to (release threshold: never), so this is the high-water
-    // mark of the run plus the CUDA context and libraries.
-    r.used_bytes = static_cast<double>(total_b - free_b);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaEventDestroy(e2);
-  r.fits = true;
-  return r;
-}
-
-// --max-t: the search described in the file comment. Returns the number of failures.
-int MaxTokens(bool recompute, double budget_s) {
-  const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  size_t free_b = 0, total_b = 0;
-  cudaMemGetInfo(&free_b, &total_b);
-  std::printf(
-      "# max-T search, scale shape d=2048 h=1024 E=64 K=4 bf16 SwiGLU, %s, GPU memory "
-      "%.1f GiB, budget %.0f s\n",
-      recompute ? "recompute H" : "keep H", total_b / 1073741824.0, budget_s);
-  std::printf("%-10s %-5s %9s %9s %9s %10s %9s\n", "T", "fits", "fwd_ms", "bwd_ms", "tot_ms",
-              "saved_GiB", "used_GiB");
-  constexpr int64_t kMi = int64_t{1} << 20, kStep = kMi / 8;
-  int64_t lo = 0, hi = 0;  // largest T that fitted; smallest that did not (0: none yet)
-  FitResult best;
-  int errors = 0;
-  auto attempt = [&](int64_t T) {
-    absl::StatusOr<FitResult> r = TryTokens(T, recompute);
-    ReleasePoolMemory();
-    if (!r.ok()) {
-      // Not an allocation failure (cuBLAS may report its own out-of-memory as an internal
-      // error): counted as a failure of the run, and T as not fitting, so the search goes on.
-      ++errors;
-      std::printf("%-10lld error: %s\n", static_cast<long long>(T),
-                  std::string(r.status().message()).c_str());
-      std::fflush(stdout);
-      hi = T;
-      return;
-    }
-    if (r->fits) {
-      std::printf("%-10lld %-5s %9.1f %9.1f %9.1f %10.2f %9.2f\n", static_cast<long long>(T), "yes",
-                  r->fwd_ms, r->bwd_ms, r->fwd_ms + r->bwd_ms, r->saved_bytes / 1073741824.0,
-                  r->used_bytes / 1073741824.0);
-      lo = T;
-      best = *r;
-    } else {
-      std::printf("%-10lld %-5s (%s)\n", static_cast<long long>(T), "OOM", r->error.c_str());
-      hi = T;
-    }
-    std::fflush(stdout);
-  };
-  for (int64_t T = 2 * kMi; hi == 0 && elapsed() < budget_s; T += kMi) {
-    attempt(T);
-  }
-  while (hi != 0 && hi - lo > kStep && elapsed() < budget_s) {
-    const int64_t mid = (lo + (hi - lo) / 2) / kStep * kStep;
-    if (mid <= lo) break;
-    attempt(mid);
-  }
-  if (lo == 0) {
-    std::printf("# largest T: none of the tried T fitted\n");
-    return errors + 1;
-  }
-  std::printf(
-      "# largest T that fits (%s): %lld tokens (%.2f Mi)%s; fwd+bwd %.1f ms, saved "
-      "%.2f GiB, device memory in use %.2f GiB; first T that did not fit: %s\n",
-      recompute ? "recompute H" : "keep H", static_cast<long long>(lo),
-      lo / static_cast<double>(kMi),
-      hi != 0 && hi - lo <= kStep ? "" : " (search stopped by the time budget)",
-      best.fwd_ms + best.bwd_ms, best.saved_bytes / 1073741824.0, best.used_bytes / 1073741824.0,
-      hi == 0 ? "none tried" : std::to_string(hi).c_str());
-  return errors;
-}
-
-// The dense bf16 GEMM rate of cuBLAS on this GPU (TFLOP/s): M = N = K = 8192, fp32
-// accumulation, random inputs, median of 20. The ceiling issue 5's "% of cuBLAS" compares to.
-absl::StatusOr<double> CublasDenseTflops(GpuWatch* watch) {
-  constexpr int64_t n = 8192;
-  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
-  if (!st.ok()) return st.status();
-  cudaStream_t s = (*st)->get();
-  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(n * n * 2, *st, "A"),
-                               b = DeviceBuffer::Allocate(n * n * 2, *st, "B"),
-                               c = DeviceBuffer::Allocate(n * n * 2, *st, "C");
-  for (auto* buf : {&a, &b, &c}) {
-    if (!buf->ok()) return buf->status();
-  }
-  MOE_CUDA_RETURN(FillNormalBf16(a->get(), n * n, 1.f, 11, s));
-  MOE_CUDA_RETURN(FillNormalBf16(b->get(), n * n, 1.f, 12, s));
-  cublasHandle_t handle;
-  MOE_CUBLAS_RETURN(cublasCreate(&handle));
-  cublasSetStream(handle, s);
-  const float one = 1.f, zero = 0.f;
-  absl::StatusOr<double> ms = TimeMs(
-      s, 3, 20,
-      [&]() -> absl::Status {
-        MOE_CUBLAS_RETURN(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a->get(),
-                                       CUDA_R_16BF, n, b->get(), CUDA_R_16BF, n, &zero, c->get(),
-                                       CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        return absl::OkStatus();
-      },
-      watch);
-  cublasDestroy(handle);
-  if (!ms.ok()) return ms.status();
-  return 2.0 * n * n * n / *ms / 1e9;
-}
-
-// Device copy bandwidth in GB/s (bytes read + bytes written per second): a 1 GiB
-// device-to-device cudaMemcpyAsync, median of 20. The byte floors divide by it.
-absl::StatusOr<double> CopyBandwidthGBs() {
-  constexpr int64_t bytes = int64_t{1} << 30;
-  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
-  if (!st.ok()) return st.status();
-  cudaStream_t s = (*st)->get();
-  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(bytes, *st, "copy source"),
-                               b = DeviceBuffer::Allocate(bytes, *st, "copy target");
-  if (!a.ok()) return a.status();
-  if (!b.ok()) return b.status();
-  MOE_CUDA_RETURN(cudaMemsetAsync(a->get(), 1, bytes, s));
-  absl::StatusOr<double> ms = TimeMs(s, 3, 20, [&]() -> absl::Status {
-    MOE_CUDA_RETURN(cudaMemcpyAsync(b->get(), a->get(), bytes, cudaMemcpyDeviceToDevice, s));
-    return absl::OkStatus();
-  });
-  if (!ms.ok()) return ms.status();
-  return 2.0 * bytes / *ms / 1e6;
-}
-
-// The fewest bytes a training step of the layer moves through device memory in this design
-// (H kept): forward reads x and the three weights and writes out and H; backward reads dout,
-// x, H and the weights, writes dx, dp and the three fp32 weight gradients. Gathered copies,
-// A, dH and other temporaries are the implementation's and not counted.
-double FloorBytes(const Preset& p) {
-  const double td = 2.0 * p.T * p.d, w = 2.0 * 3 * p.E * p.h * p.d, h = 2.0 * p.T * p.K * 2 * p.h;
-  return (td + w + td + h) + (td + td + h + w + td + 4.0 * p.T * p.K + 2 * w);
-}
-
-// --ceiling: the six expert GEMMs of a training step (up, down; dA, dXg, dW2, dW13) as cuBLAS
-// strided-batched GEMMs over perfectly balanced experts (T*K/E rows each: no gather, no ragged
-// tile, no launch per expert), bf16 operands, fp32 accumulation, bf16 activations and fp32
-// weight gradients as the engine writes them, plus the forward's and dx's combines at the
-// device copy bandwidth (each reads T*K rows of d and writes T). That is what a design made of
-// cuBLAS-grade GEMMs with everything else fused away would take, the yardstick issue 5's
-// targets are read against (docs/PERFORMANCE.md, "The cuBLAS ceiling").
-constexpr int kCeilingGemms = 6;
-constexpr const char* kCeilingGemmNames[kCeilingGemms] = {"up", "down", "dA", "dXg", "dW2", "dW13"};
-
-struct CeilingResult {
-  double ms[kCeilingGemms] = {};
-  double combine_floor_ms = 0;
-  int64_t rows_per_expert = 0;
-  int64_t experts_per_launch = 0;  // fewer than E where the activations would not fit at once
-};
-
-// Row-major C[M, N] = A[M, K] . B[K, N] over `batch` experts, through cuBLAS's column-major
-// API (C^T = B^T A^T). A is stored [M, K] (a_k_major) or [K, M]; B [N, K] (b_k_major, the
-// weights' layout) or [K, N]; strides in elements.
-absl::Status RowMajorBatchedGemm(cublasHandle_t handle, bool a_k_major, bool b_k_major, int64_t M,
-                                 int64_t N, int64_t K, const void* a, int64_t stride_a,
-                                 const void* b, int64_t stride_b, void* c, cudaDataType c_type,
-                                 int64_t stride_c, int64_t batch) {
-  const float one = 1.f, zero = 0.f;
-  MOE_CUBLAS_RETURN(cublasGemmStridedBatchedEx(
-      handle, b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, a_k_major ? CUBLAS_OP_N : CUBLAS_OP_T,
-      static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &one, b, CUDA_R_16BF,
-      static_cast<int>(b_k_major ? K : N), stride_b, a, CUDA_R_16BF,
-      static_cast<int>(a_k_major ? K : M), stride_a, &zero, c, c_type, static_cast<int>(N),
-      stride_c, static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<CeilingResult> CublasCeiling(const Preset& p, int warmup, int reps, double copy_gbs,
-                                            GpuWatch* watch) {
-  if ((p.T * p.K) % p.E != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(p.name, ": T*K is not a multiple of E"));
-  }
-  const int64_t m = p.T * p.K / p.E, d = p.d, h = p.h, E = p.E;
-  // Per expert: x, dout and dXg/y (m x d each), H/dH (m x 2h), A and dA (m x h each).
-  const int64_t act_bytes_per_expert = m * (3 * d + 4 * h) * 2;
-  constexpr int64_t kActivationBudget = int64_t{24} << 30;
-  int64_t group = E;
-  while (group > 1 && (group * act_bytes_per_expert > kActivationBudget || E % group != 0)) --group;
-  absl::StatusOr<std::shared_ptr<cuda::Stream>> st = cuda::Stream::Create(0);
-  if (!st.ok()) return st.status();
-  cudaStream_t s = (*st)->get();
-  auto alloc = [&](int64_t bytes, const char* what) {
-    return DeviceBuffer::Allocate(static_cast<size_t>(bytes), *st, what);
-  };
-  const int64_t rows = group * m;
-  absl::StatusOr<DeviceBuffer> x = alloc(rows * d * 2, "x"), dout = alloc(rows * d * 2, "dout"),
-                               y = alloc(rows * d * 2, "y/dXg"), hb = alloc(rows * 2 * h * 2, "H"),
-                               act = alloc(rows * h * 2, "A"), da = alloc(rows * h * 2, "dA"),
-                               w13 = alloc(E * 2 * h * d * 2, "w13"),
-                               w2 = alloc(E * d * h * 2, "w2"),
-                               dw13 = alloc(E * 2 * h * d * 4, "dw13"),
-                               dw2 = alloc(E * d * h * 4, "dw2");
-  for (auto* buf : {&x, &dout, &y, &hb, &act, &da, &w13, &w2, &dw13, &dw2}) {
-    if (!buf->ok()) return buf->status();
-  }
-  MOE_CUDA_RETURN(FillNormalBf16(x->get(), rows * d, 1.f, 21, s));
-  MOE_CUDA_RETURN(FillNormalBf16(dout->get(), rows * d, 1.f, 22, s));
-  MOE_CUDA_RETURN(FillNormalBf16(hb->get(), rows * 2 * h, 1.f, 23, s));
-  MOE_CUDA_RETURN(FillNormalBf16(act->get(), rows * h, 1.f, 24, s));
-  MOE_CUDA_RETURN(FillNormalBf16(w13->get(), E * 2 * h * d, 1.f / std::sqrt(float(d)), 25, s));
-  MOE_CUDA_RETURN(FillNormalBf16(w2->get(), E * d * h, 1.f / std::sqrt(float(h)), 26, s));
-  cublasHandle_t handle;
-  MOE_CUBLAS_RETURN(cublasCreate(&handle));
-  std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, cublasStatus_t (*)(cublasHandle_t)>
-      handle_owner(handle, cublasDestroy);
-  MOE_CUBLAS_RETURN(cublasSetStream(handle, s));
-  auto bf16_at = [](const DeviceBuffer& buf, int64_t elements) {
-    return static_cast<char*>(buf.get()) + elements * 2;
-  };
-  // One GEMM of the step over all E experts, `group` at a time. A and B strides are per expert.
-  auto step_gemm = [&](int which, int64_t g) -> absl::Status {
-    const int64_t e0 = g * group;  // first expert of this launch
-    const int64_t w13_off = e0 * 2 * h * d, w2_off = e0 * d * h;
-    switch (which) {
-      case 0:  // up: H[m, 2h] = x[m, d] . W13^T, W13 stored [2h, d]
-        return RowMajorBatchedGemm(handle, true, true, m, 2 * h, d, x->get(), m * d,
-                                   bf16_at(*w13, w13_off), 2 * h * d, hb->get(), CUDA_R_16BF,
-                                   m * 2 * h, group);
-      case 1:  // down: y[m, d] = A[m, h] . W2^T, W2 stored [d, h]
-        return RowMajorBatchedGemm(handle, true, true, m, d, h, act->get(), m * h,
-                                   bf16_at(*w2, w2_off), d * h, y->get(), CUDA_R_16BF, m * d,
-                                   group);
-      case 2:  // dA[m, h] = dout[m, d] . W2
-        return RowMajorBatchedGemm(handle, true, false, m, h, d, dout->get(), m * d,
-                                   bf16_at(*w2, w2_off), d * h, da->get(), CUDA_R_16BF, m * h,
-                                   group);
-      case 3:  // dXg[m, d] = dH[m, 2h] . W13
-        return RowMajorBatchedGemm(handle, true, false, m, d, 2 * h, hb->get(), m * 2 * h,
-                                   bf16_at(*w13, w13_off), 2 * h * d, y->get(), CUDA_R_16BF, m * d,
-                                   group);
-      case 4:  // dW2[d, h] = dout^T . A, fp32
-        return RowMajorBatchedGemm(handle, false, false, d, h, m, dout->get(), m * d, act->get(),
-                                   m * h, dw2->as<float>() + w2_off, CUDA_R_32F, d * h, group);
-      default:  // dW13[2h, d] = dH^T . x, fp32
-        return RowMajorBatchedGemm(handle, false, false, 2 * h, d, m, hb->get(), m * 2 * h,
-                                   x->get(), m * d, dw13->as<float>() + w13_off, CUDA_R_32F,
-                                   2 * h * d, group);
-    }
-  };
-  CeilingResult r;
-  r.rows_per_expert = m;
-  r.experts_per_launch = group;
-  for (int which = 0; which < kCeilingGemms; ++which) {
-    absl::StatusOr<double> ms = TimeMs(
-        s, warmup, reps,
-        [&]() -> absl::Status {
-          for (int64_t g = 0; g < E / group; ++g) CHECK_OK(step_gemm(which, g));
-          return absl::OkStatus();
-        },
-        watch);
-    if (!ms.ok()) return ms.status();
-    r.ms[which] = *ms;
-  }
-  r.combine_floor_ms = 2 * 2.0 * (p.T * p.K * d + p.T * d) / copy_gbs / 1e6;
-  return r;
-}
-
-// --ceiling's table and JSON lines (impl "cublas-ceiling"); returns the exit code.
-int PrintCeiling(const std::vector<const Preset*>& todo, int warmup, int reps, double peak,
-                 double copy_gbs, const std::string& json, GpuWatch* watch) {
-  std::printf(
-      "# cuBLAS ceiling: the six expert GEMMs as cuBLAS strided-batched GEMMs over balanced "
-      "experts (T*K/E rows each), bf16 in, fp32 accumulation, fp32 weight gradients; medians of "
-      "%d after %d warm-up, ms\n# cuBLAS dense bf16 GEMM (8192^3): %.1f TFLOP/s; device copy: "
-      "%.0f GB/s; comb_fl = both combines at the copy bandwidth; ceiling = GEMMs + comb_fl\n",
-      reps, warmup, peak, copy_gbs);
-  std::printf("%-12s %7s %5s", "preset", "rows/E", "E/ln");
-  for (const char* name : kCeilingGemmNames) std::printf(" %8s", name);
-  std::printf(" %9s %8s %8s %9s %8s\n", "gemms", "gemmTF/s", "comb_fl", "ceiling", "%cuBLAS");
-  int failures = 0;
-  for (const Preset* p : todo) {
-    absl::StatusOr<CeilingResult> r = CublasCeiling(*p, warmup, reps, copy_gbs, watch);
-    ReleasePoolMemory();
-    std::string line;
-    if (!r.ok()) {
-      ++failures;
-      std::printf("%-12s error: %s\n", p->name, std::string(r.status().message()).c_str());
-      line = absl::StrCat("{\"preset\": \"", p->name,
-                          "\", \"impl\": \"cublas-ceiling\", \"error\": \"",
-                          std::string(r.status().message()), "\"}");
-    } else {
-      const double flop = 18.0 * p->T * p->K * p->d * p->h;
-      double gemms = 0;
-      for (double ms : r->ms) gemms += ms;
-      const double ceiling_ms = gemms + r->combine_floor_ms;
-      std::printf("%-12s %7lld %5lld", p->name, static_cast<long long>(r->rows_per_expert),
-                  static_cast<long long>(r->experts_per_launch));
-      for (double ms : r->ms) std::printf(" %8.3f", ms);
-      std::printf(" %9.3f %8.1f %8.3f %9.3f %7.1f%%\n", gemms, flop / gemms / 1e9,
-                  r->combine_floor_ms, ceiling_ms, 100.0 * flop / ceiling_ms / 1e9 / peak);
-      line = absl::StrCat("{\"preset\": \"", p->name,
-                          "\", \"impl\": \"cublas-ceiling\", \"T\": ", p->T, ", \"d\": ", p->d,
-                          ", \"h\": ", p->h, ", \"E\": ", p->E, ", \"K\": ", p->K,
-                          ", \"rows_per_expert\": ", r->rows_per_expert,
-                          ", \"experts_per_launch\": ", r->experts_per_launch);
-      for (int i = 0; i < kCeilingGemms; ++i)
-        absl::StrAppend(&line, ", \"", kCeilingGemmNames[i], "_ms\": ", r->ms[i]);
-      absl::StrAppend(&line, ", \"gemms_ms\": ", gemms,
-                      ", \"combine_floor_ms\": ", r->combine_floor_ms,
-                      ", \"ceiling_ms\": ", ceiling_ms, ", \"cublas_dense_tflops\": ", peak,
-                      ", \"copy_gbs\": ", copy_gbs, "}");
-    }
-    std::fflush(stdout);
-    AppendJsonLine(json, line);
-  }
-  return failures == 0 ? 0 : 1;
 }
 
 int Main(int argc, char** argv) {
@@ -1050,7 +557,7 @@ int Main(int argc, char** argv) {
       "# fwd_* per forward path (unfused / fused-up / fused-up-down; '*' marks the path "
       "the service runs, '!' a path that fell back to unfused); tot = that fwd + bwd\n");
   std::printf(
-      "# bwd_* per backward path (unfused / fused / fused-dh / hybrid), marked likewise; "
+      "# bwd_* per backward path (unfused / fused / hybrid), marked likewise; "
       "tot_unf = unfused fwd + unfused bwd, tot_svc = the service's fwd + bwd; err = worst "
       "fused-vs-unfused "
       "normalised error (forward outputs; dx, dp, dW2, dW13)\n");
@@ -1059,10 +566,10 @@ int Main(int argc, char** argv) {
       "stream, then on their own stream (the default), back to back; '=' both gave the bits of "
       "the service path's run, 'X' one did not (a failure)\n");
   std::printf(
-      "%-12s %9s %9s %9s %9s %9s %9s %9s %9s %10s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s "
+      "%-12s %9s %9s %9s %9s %9s %9s %9s %10s %8s %8s %8s %9s %8s %8s %7s %10s %9s %9s %6s "
       "%9s %7s %5s %4s\n",
-      "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_fdh", "bwd_hyb",
-      "bwd_ser", "bwd_ovl", "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err",
+      "preset", "fwd_unf", "fwd_up", "fwd_updn", "bwd_unf", "bwd_fus", "bwd_hyb", "bwd_ser",
+      "bwd_ovl", "tot_unf", "tot_svc", "svcTF/s", "%cuBLAS", "flop_fl", "byte_fl", "err",
       "saved_MiB", "disp_ms", "cub_ms", "equal", "chunks", "svcMHz", "maxC", "hot");
   int failures = 0;
   for (const Preset* p : todo) {
@@ -1104,10 +611,10 @@ int Main(int argc, char** argv) {
         svc_hot = svc_fwd_gpu.thermal_slowdown || svc_bwd_gpu.thermal_slowdown ? "YES" : "no";
       }
       std::printf(
-          "%-12s %9s %9s %9s %9s %9s %9s %9s %9.3f %9.3f%c %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f "
+          "%-12s %9s %9s %9s %9s %9s %9s %9.3f %9.3f%c %8.3f %8.3f %8.1f %8.1f%% %8.3f %8.3f "
           "%7.1e %10.1f %9.4f %9.4f %6s %9lld %7s %5s %4s\n",
           p->name, cols[0].c_str(), cols[1].c_str(), cols[2].c_str(), bcols[0].c_str(),
-          bcols[1].c_str(), bcols[2].c_str(), bcols[3].c_str(), r->bwd_serial_ms, r->bwd_overlap_ms,
+          bcols[1].c_str(), bcols[2].c_str(), r->bwd_serial_ms, r->bwd_overlap_ms,
           r->serial_same_bits ? '=' : 'X', r->fwd_ms[0] + r->bwd_ms[0], tot, tot_tf,
           100.0 * tot_tf / *peak, flop_floor_ms, byte_floor_ms, max_err, r->saved_bytes / 1048576.0,
           r->dispatch_ms, r->cub_ms, r->dispatch_equal ? "yes" : "NO",

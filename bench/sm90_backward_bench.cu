@@ -1,5 +1,5 @@
 // Benchmark of the fused Hopper backward's data gradients (LaunchSm90BackwardDA/DX in
-// kernels/cuda/sm90_expert_backward.h) on the issue's presets, against the path they replace:
+// kernels/cuda/sm90_expert_backward.h) on the benchmark presets, against the path they replace:
 // one cublasGemmEx per expert, over operands already in slot order (for dA that means dout
 // pre-gathered; the gather's own time is printed beside it, since the fused kernel does it
 // while loading), both on one stream and the way engine/cuda/grouped_gemm.cc issues them by
@@ -14,15 +14,9 @@
 // back after 3 warm-ups (MedianBackToBackMs: no host wait between runs, as the engine issues
 // them). One JSON object a line on stdout.
 //
-// With --dh as the first argument it times instead the dA GEMM with the SwiGLU backward in its
-// epilogue (LaunchSm90BackwardDH) against the two launches it replaces, LaunchSm90BackwardDA
-// and then LaunchActivationBackward (kernels/cuda/expert_backward.cu), with each part's time,
-// and checks the two paths' dH, pA and dp against each other at full size (they differ only in
-// that the unfused pass reads dA_u rounded to bf16).
-//
-// Both modes also time the ping-pong kernel (64x256 and 128x128 consumer tiles, with and without
-// the weight multicast over CTA pairs), each cross-checked as above. --dh's base config is
-// Sm90ChooseConfig's kBackwardDH choice, with the plain kernel at block_n 256 beside it.
+// It also times the warp-specialised and ping-pong kernels (64x256 and 128x128 consumer tiles,
+// with and without the weight multicast over CTA pairs), each cross-checked as above, beside
+// the config the engine chooses (engine/cuda/kernel_selection.h).
 //
 // The presets, routing, problem, device buffers, gather, CUDA/cuBLAS checks and timing are
 // the other benches' (bench/sm90_bench_util.h); what stays here is the benchmark's own input
@@ -40,11 +34,9 @@
 #include <vector>
 
 #include "bench/sm90_bench_util.h"
-#include "kernels/cuda/activation.cuh"
-#include "kernels/cuda/expert_backward.h"
+#include "engine/cuda/kernel_selection.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 #include "kernels/cuda/sm90_expert_forward.h"
-#include "kernels/cuda/types.h"
 
 namespace {
 
@@ -54,14 +46,12 @@ using moe::bench::Preset;
 using moe::bench::Routing;
 using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
-using moe::kernels::Sm90Projection;
+using moe::cuda::Sm90Projection;
 
 __device__ __forceinline__ void StoreValue(__nv_bfloat16* p, float v) {
   *p = __float2bfloat16_rn(v);
 }
-__device__ __forceinline__ void StoreValue(float* p, float v) { *p = v; }
 __device__ __forceinline__ double LoadValue(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ double LoadValue(const float* p) { return *p; }
 
 // Uniform values of variance scale^2 plus `bias` from a 64-bit index hash (murmur-style
 // finaliser).
@@ -102,8 +92,8 @@ __global__ void bench_diff_kernel(const T* a, const T* b, int64_t n, double* sum
   }
 }
 
-// bf16 (T = __nv_bfloat16, the default) or fp32 buffers, filled on the device (not the tests'
-// host-side RandomBf16): the benchmark's inputs stay what they have always been.
+// bf16 buffers, filled on the device by the hash above (deepseek-v3's weights would take
+// minutes from the host).
 template <typename T = __nv_bfloat16>
 void Fill(void* p, int64_t n, uint32_t seed, float scale, float bias = 0.0f) {
   bench_fill_kernel<T><<<2048, 256>>>(static_cast<T*>(p), n, seed, scale, bias);
@@ -173,9 +163,9 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
   int sms = 0;
   SM90_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const Sm90GemmConfig da_cfg =
-      moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, sms);
+      moe::cuda::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDA, sms);
   const Sm90GemmConfig dx_cfg =
-      moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, sms);
+      moe::cuda::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDX, sms);
 
   // The cuBLAS path, column-major view of the row-major tensors: dA_e^T [h, n_e] =
   // W2_e^T [h, d] (the stored [d, h] read as column-major) x dout_g_e^T [d, n_e]; likewise
@@ -301,128 +291,6 @@ void RunPreset(const Preset& ps, Lanes& lanes, double* scratch, bool* all_close)
   std::fflush(stdout);
 }
 
-// LaunchSm90BackwardDH vs LaunchSm90BackwardDA + LaunchActivationBackward on one preset.
-void RunDHPreset(const Preset& ps, double* scratch, bool* all_close) {
-  const int64_t T = ps.tokens, TK = ps.tokens * ps.top_k;
-  const int d = ps.d, h = ps.h, E = ps.experts, K = ps.top_k;
-  std::mt19937_64 rng(1234);
-  const Routing routing = moe::bench::UniformRouting(ps, rng);
-  const int64_t N = routing.routed;
-  const size_t w_elems = static_cast<size_t>(E) * d * h;
-
-  const Sm90ExpertProblem prob = moe::kernels::testing::MakeProblem(T, K, E, d, h, N);
-  int sms = 0;
-  SM90_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Sm90GemmConfig cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kBackwardDH, sms);
-  Sm90GemmConfig alt = cfg;
-  alt.block_n = cfg.block_n == 256 ? 128 : 256;
-  const size_t ws_bytes = std::max(moe::kernels::Sm90BackwardDHWorkspaceBytes(prob, cfg),
-                                   moe::kernels::Sm90BackwardDHWorkspaceBytes(prob, alt));
-
-  DeviceBuffer<uint16_t> dout(T * d), w2(w_elems), saved_h(N * 2 * h), da(N * h), dh_u(N * 2 * h),
-      dh_f(N * 2 * h), pa_u(N * h), pa_f(N * h);
-  DeviceBuffer<float> weights(TK), dp_u(TK), dp_f(TK);
-  DeviceBuffer<int32_t> doff(E + 1), dent(TK);
-  DeviceBuffer<uint8_t> ws_buf(ws_bytes);
-  void* const ws = ws_bytes > 0 ? ws_buf.ptr : nullptr;  // as before: no workspace, no pointer
-  Fill(dout.ptr, T * d, 1, 1.0f);
-  Fill(w2.ptr, w_elems, 2, 1.0f / std::sqrt(static_cast<float>(d)));
-  Fill(saved_h.ptr, N * 2 * h, 5, 1.5f);
-  Fill<float>(weights.ptr, TK, 6, 0.25f, 0.5f);  // positive, in [0.07, 0.93]
-  SM90_BENCH_CUDA(cudaMemset(dp_u.ptr, 0, 4 * TK));
-  SM90_BENCH_CUDA(cudaMemset(dp_f.ptr, 0, 4 * TK));
-  SM90_BENCH_CUDA(
-      cudaMemcpy(doff.ptr, routing.offsets.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
-  SM90_BENCH_CUDA(cudaMemcpy(dent.ptr, routing.entries.data(), 4 * TK, cudaMemcpyHostToDevice));
-
-  auto da_only = [&] {
-    SM90_BENCH_CUDA(moe::kernels::LaunchSm90BackwardDA(prob, cfg, dout.ptr, w2.ptr, doff.ptr,
-                                                       dent.ptr, da.ptr, nullptr));
-  };
-  auto act_only = [&] {
-    SM90_BENCH_CUDA(moe::kernels::LaunchActivationBackward(
-        saved_h.ptr, da.ptr, dent.ptr, weights.ptr, moe::kernels::ElemType::kBFloat16,
-        moe::kernels::detail::kActSwiGLU, N, h, dh_u.ptr, pa_u.ptr, dp_u.ptr, nullptr));
-  };
-  auto fused = [&](const Sm90GemmConfig& c) {
-    SM90_BENCH_CUDA(moe::kernels::LaunchSm90BackwardDH(prob, c, dout.ptr, w2.ptr, saved_h.ptr,
-                                                       weights.ptr, doff.ptr, dent.ptr, dh_f.ptr,
-                                                       pa_f.ptr, dp_f.ptr, ws, ws_bytes, nullptr));
-  };
-  da_only();
-  act_only();
-  fused(cfg);
-  SM90_BENCH_CUDA(cudaDeviceSynchronize());
-  const double err_dh = RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch);
-  const double err_pa = RelError(pa_f.ptr, pa_u.ptr, N * h, scratch);
-  const double err_dp = RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch);
-  // Must be able to fail: dH against the unfused one moved by a row.
-  const double err_shifted = RelError(dh_f.ptr, dh_u.ptr + 2 * h, (N - 1) * 2 * h, scratch);
-  fused(alt);
-  SM90_BENCH_CUDA(cudaDeviceSynchronize());
-  const double err_alt = std::max(RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch),
-                                  RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch));
-  const bool close =
-      err_dh < 1e-2 && err_pa < 1e-2 && err_dp < 1e-2 && err_alt < 1e-2 && err_shifted > 0.5;
-  *all_close &= close;
-
-  const float da_ms = MedianBackToBackMs(da_only);
-  const float act_ms = MedianBackToBackMs(act_only);
-  const float unfused_ms = MedianBackToBackMs([&] {
-    da_only();
-    act_only();
-  });
-  const float dh_ms = MedianBackToBackMs([&] { fused(cfg); });
-  const float dh_alt_ms = MedianBackToBackMs([&] { fused(alt); });
-  Sm90GemmConfig ws_cfg = cfg;
-  ws_cfg.warp_specialized = true;
-  ws_cfg.ping_pong = ws_cfg.multicast_b = false;
-  const float dh_ws_ms = MedianBackToBackMs([&] { fused(ws_cfg); });
-  // The plain kernel at block_n 256 (what the dA tile choice gave before kBackwardDH).
-  Sm90GemmConfig plain_cfg = cfg;
-  plain_cfg.block_n = 256;
-  plain_cfg.warp_specialized = plain_cfg.ping_pong = plain_cfg.multicast_b = false;
-  const float dh_plain_ms = MedianBackToBackMs([&] { fused(plain_cfg); });
-  SM90_BENCH_CUDA(cudaDeviceSynchronize());
-  const double err_ws = std::max(RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch),  // ws wrote last
-                                 RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch));
-  const bool ws_close = err_ws < 1e-2;
-  *all_close &= ws_close;
-  // The ping-pong kernel with block_n 128 (128x128 consumer tiles) and 256 (64x256), without and
-  // with the weight multicast over CTA pairs.
-  float dh_pp_ms[4];
-  double err_pp = 0;
-  for (int w = 0; w < 4; ++w) {
-    Sm90GemmConfig pp_cfg = cfg;
-    pp_cfg.block_n = w % 2 == 0 ? 128 : 256;
-    pp_cfg.ping_pong = true;
-    pp_cfg.multicast_b = w >= 2;
-    dh_pp_ms[w] = MedianBackToBackMs([&] { fused(pp_cfg); });
-    SM90_BENCH_CUDA(cudaDeviceSynchronize());
-    err_pp = std::max({err_pp, RelError(dh_f.ptr, dh_u.ptr, N * 2 * h, scratch),
-                       RelError<float>(dp_f.ptr, dp_u.ptr, TK, scratch)});
-  }
-  const bool pp_close = err_pp < 1e-2;
-  *all_close &= pp_close;
-  std::printf(
-      "{\"preset\":\"%s\",\"mode\":\"dh\",\"T\":%lld,\"d\":%d,\"h\":%d,\"E\":%d,\"K\":%d,"
-      "\"N\":%lld,\"check\":\"%s\",\"err_dh_vs_unfused\":%.2e,\"err_pa_vs_unfused\":%.2e,"
-      "\"err_dp_vs_unfused\":%.2e,\"err_alt_vs_unfused\":%.2e,\"err_dh_vs_shifted_rows\":%.2f,"
-      "\"block_n\":%d,\"group_m\":%d,\"column_tiles\":%lld,\"dh_ms\":%.4f,"
-      "\"alt_block_n\":%d,\"dh_alt_ms\":%.4f,\"ws_check\":\"%s\",\"dh_ws_ms\":%.4f,"
-      "\"dh_plain256_ms\":%.4f,\"pp_check\":\"%s\",\"dh_pp128_ms\":%.4f,\"dh_pp256_ms\":%.4f,"
-      "\"dh_ppmc128_ms\":%.4f,\"dh_ppmc256_ms\":%.4f,"
-      "\"da_ms\":%.4f,\"act_bwd_ms\":%.4f,"
-      "\"da_plus_act_ms\":%.4f,\"speedup\":%.2f,\"dh_tflops\":%.1f}\n",
-      ps.name, static_cast<long long>(T), d, h, E, K, static_cast<long long>(N),
-      close ? "PASS" : "FAIL", err_dh, err_pa, err_dp, err_alt, err_shifted, cfg.block_n,
-      cfg.group_m, static_cast<long long>((h + cfg.block_n - 1) / cfg.block_n), dh_ms, alt.block_n,
-      dh_alt_ms, ws_close ? "PASS" : "FAIL", dh_ws_ms, dh_plain_ms, pp_close ? "PASS" : "FAIL",
-      dh_pp_ms[0], dh_pp_ms[1], dh_pp_ms[2], dh_pp_ms[3], da_ms, act_ms, unfused_ms,
-      unfused_ms / dh_ms, 2.0 * N * d * h / dh_ms / 1e9);
-  std::fflush(stdout);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -440,17 +308,10 @@ int main(int argc, char** argv) {
   }
   DeviceBuffer<double> scratch(2);
   bool all_close = true;
-  // [--dh] [preset]
-  const bool dh_mode = argc > 1 && std::string_view(argv[1]) == "--dh";
-  const int name_arg = dh_mode ? 2 : 1;
+  // [preset]
   for (std::string_view name : moe::bench::kBackwardPresets) {
-    if (argc > name_arg && std::string_view(argv[name_arg]) != name) continue;
-    const Preset& ps = *moe::bench::FindPreset(name);
-    if (dh_mode) {
-      RunDHPreset(ps, scratch.ptr, &all_close);
-    } else {
-      RunPreset(ps, lanes, scratch.ptr, &all_close);
-    }
+    if (argc > 1 && std::string_view(argv[1]) != name) continue;
+    RunPreset(*moe::bench::FindPreset(name), lanes, scratch.ptr, &all_close);
   }
   for (int i = 0; i < Lanes::kLanes; ++i) cublasDestroy(lanes.blas[i]);
   return all_close ? 0 : 1;

@@ -1,4 +1,4 @@
-// Benchmark of the fused Hopper forward (kernels/cuda/sm90_expert_forward.h) on the issue's
+// Benchmark of the fused Hopper forward (kernels/cuda/sm90_expert_forward.h) on the benchmark
 // presets, with the two ceilings it is judged against measured in the same process: the
 // device-to-device copy bandwidth and cuBLAS's dense bf16 GEMM rate (8192^3, random data).
 //
@@ -7,8 +7,8 @@
 // torch_moe_reference.py's softmax-top-K of Gaussian logits gives on average. Times are
 // medians of CUDA-event-timed repetitions after warm-up; the dispatch structures are built
 // once on the host and are not part of the timed forward (the engine builds them on the device).
-// Output: one JSON object a line (stdout, and --json FILE), then nothing else, so
-// bench/sm90_compare.py can join it with torch_moe_reference.py's lines from the same run.
+// Output: one JSON object a line (stdout, and --json FILE), then nothing else, so that it
+// joins with torch_moe_reference.py's lines from the same run.
 // Presets, routing, buffers and timing come from bench/sm90_bench_util.h, shared with the
 // backward benches.
 #include <cublas_v2.h>
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bench/sm90_bench_util.h"
+#include "engine/cuda/kernel_selection.h"
 #include "kernels/cuda/sm90_expert_forward.h"
 
 namespace {
@@ -36,7 +37,7 @@ using moe::bench::MedianMs;
 using moe::bench::Preset;
 using moe::kernels::Sm90ExpertProblem;
 using moe::kernels::Sm90GemmConfig;
-using moe::kernels::Sm90Projection;
+using moe::cuda::Sm90Projection;
 
 #define CHECK_CUDA SM90_BENCH_CUDA
 
@@ -128,8 +129,8 @@ void RunPreset(const Preset& ps, double copy_tbs, double gemm_tflops) {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const Sm90GemmConfig up_cfg =
-      moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, sms);
-  const Sm90GemmConfig down_cfg = moe::kernels::Sm90ChooseConfig(prob, Sm90Projection::kDown, sms);
+      moe::cuda::Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, sms);
+  const Sm90GemmConfig down_cfg = moe::cuda::Sm90ChooseConfig(prob, Sm90Projection::kDown, sms);
 
   auto up = [&](const Sm90GemmConfig& c) {
     CHECK_CUDA(moe::kernels::LaunchSm90ExpertUp(prob, c, x.ptr, w1.ptr, w3.ptr, doff.ptr, dent.ptr,

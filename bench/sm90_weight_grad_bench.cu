@@ -31,7 +31,7 @@
 #include "bench/sm90_bench_util.h"
 #include "kernels/cuda/sm90_expert_backward.h"
 // Also the kernel header itself, to time instantiations the launchers do not choose.
-#include "kernels/cuda/sm90_weight_grad.cuh"
+#include "kernels/cuda/sm90/impls/weight_grad.cuh"
 
 namespace {
 
@@ -209,14 +209,10 @@ void RunPreset(const Preset& ps, cublasHandle_t handle) {
       cudaError_t (*launch)(const moe::kernels::sm90::WeightGradParams&, cudaStream_t);
     };
     using moe::kernels::sm90::LaunchWeightGradKernel;
-    // 32-row slabs of the one-CTA kernel (n256, n128, with and without drain) measured 15-30%
-    // slower than 64 on every preset (bench/results/2026-11-21-h100-weight-grad-run2), and
-    // drain-each-step no better (-b94c092-weight-grad). Two CTAs an SM without drain, or with
-    // 32-row slabs, measured 3-25% slower than with drain and 64-row slabs, and the ping-pong
-    // with the index fetched 1 or 4 steps early or 32-row slabs no faster or 3-30% slower than
-    // 2 steps and 64 rows (-402c3e4-weight-grad-overlap/run1-d4750ec, run2-af6a1a6; the
-    // ping-pong kernel is no longer in the tree, its patch is there). Here: 2cta = two CTAs an
-    // SM (96 KB ring each), _tma = the slot-order operand by TMA. The same list is in
+    // 64-row slabs: 32-row slabs of the one-CTA kernel measured slower on every preset, and
+    // drain-each-step no better; two CTAs an SM only with drain and 64-row slabs
+    // (docs/decisions/0001-sm90-kernel-choice.md). Here: 2cta = two CTAs an SM (96 KB ring
+    // each), _tma = the slot-order operand by TMA. The same list is in
     // tests/kernels/cuda/sm90_weight_grad_variants.cu.
     const Variant variants[] = {
         {"2cta_n128_s64_drain", g.gather_a ? LaunchWeightGradKernel<128, 64, true, true, 2>

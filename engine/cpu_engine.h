@@ -13,8 +13,8 @@
 
 namespace moe {
 
-// Never fails; the engine's name is "cpu". num_threads = 0 shares the process-wide pool
-// (MOE_CPU_THREADS or all cores); > 0 gives the engine its own pool of that many threads.
+// Never fails; the engine's name is "cpu". num_threads = 0 shares the process-wide pool (all
+// cores); > 0 gives the engine its own pool of that many threads (EngineOptions::cpu_threads).
 // Results do not depend on the thread count (every reduction has a fixed order).
 std::unique_ptr<Engine> CreateCpuEngine(int num_threads = 0);
 

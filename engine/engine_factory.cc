@@ -3,7 +3,6 @@
 // The CUDA engine is linked only when it was built (MOE_HAVE_CUDA_ENGINE, set by CMake when
 // the moe_engine_cuda target exists); without it every CUDA device string is Unavailable, so
 // a CPU-only build still serves "auto" and "cpu".
-#include <cstdlib>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -18,14 +17,19 @@
 
 namespace moe {
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device) {
-  if (device == "cpu") return CreateCpuEngine();
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device,
+                                                     const EngineOptions& options) {
+  if (options.cpu_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu_threads: ", options.cpu_threads,
+                                                   " (expected 0 for every core, or more)"));
+  }
+  if (device == "cpu") return CreateCpuEngine(options.cpu_threads);
   int ordinal = -1;
   if (device == "auto") {
 #ifdef MOE_HAVE_CUDA_ENGINE
-    if (CudaDeviceCount() > 0) return CreateCudaEngine(0);
+    if (CudaDeviceCount() > 0) return CreateCudaEngine(0, options);
 #endif
-    return CreateCpuEngine();
+    return CreateCpuEngine(options.cpu_threads);
   }
   if (device == "cuda") {
     ordinal = 0;
@@ -44,7 +48,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device) 
     return absl::UnavailableError(absl::StrCat("device: '", device, "' is not available (", count,
                                                " CUDA device(s) visible)"));
   }
-  return CreateCudaEngine(ordinal);
+  return CreateCudaEngine(ordinal, options);
 #else
   return absl::UnavailableError(
       absl::StrCat("device: '", device, "' needs the CUDA engine, which this build lacks"));

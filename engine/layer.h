@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/engine_options.h"
 #include "engine/tensor.h"
 
 namespace moe {
@@ -195,7 +196,9 @@ class Engine {
 
 // "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.
 // "cpu", "cuda", "cuda:N". Unknown or unavailable devices give InvalidArgument / Unavailable.
-absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device);
+// `options` (engine/engine_options.h) carries the operator's settings to the engine made.
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& device,
+                                                     const EngineOptions& options = {});
 
 }  // namespace moe
 

@@ -73,6 +73,14 @@ ABSL_FLAG(int, tokens_reload_seconds, 60,
           "only on SIGHUP");
 ABSL_FLAG(std::string, admin_principals, "",
           "Comma-separated principals that may do everything on every layer");
+ABSL_FLAG(int, cpu_threads, kDefaults.engine.cpu_threads,
+          "CPU engine: threads of its pool; 0 uses every core");
+ABSL_FLAG(bool, fused_kernels, kDefaults.engine.fused_kernels,
+          "CUDA engine: run the fused sm90 expert kernels where they apply; false runs the "
+          "cuBLAS path everywhere");
+ABSL_FLAG(uint64_t, pinned_tensor_bytes, kDefaults.engine.pinned_tensor_bytes,
+          "CUDA engine: page-locked host memory held at most for large request and result "
+          "tensors; 0 pins none");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory instead of handing it back to the OS (glibc malloc: large "
           "blocks from the heap, not from fresh mmaps; no trimming; one arena). Each micro-batch "
@@ -124,6 +132,9 @@ int main(int argc, char** argv) {
   options.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   options.admin_principals =
       absl::StrSplit(absl::GetFlag(FLAGS_admin_principals), ',', absl::SkipWhitespace());
+  options.engine.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  options.engine.fused_kernels = absl::GetFlag(FLAGS_fused_kernels);
+  options.engine.pinned_tensor_bytes = absl::GetFlag(FLAGS_pinned_tensor_bytes);
 
   if (absl::GetFlag(FLAGS_tokens_reload_seconds) < 0) {
     std::fprintf(stderr, "moe-server: INVALID_ARGUMENT: tokens_reload_seconds: must be >= 0\n");

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine_options.h"
 #include "proto/tls.h"
 
 namespace moe::server {
@@ -44,6 +45,8 @@ struct ServerOptions {
   std::string tokens_file;
   // Principals that may do everything on every layer; needs authentication on.
   std::vector<std::string> admin_principals;
+  // The engine's settings: CPU threads, fused CUDA kernels on or off, pinned host memory.
+  EngineOptions engine;
 };
 
 }  // namespace moe::server

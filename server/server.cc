@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       {options.tokens_file, !options.tls.client_ca_file.empty(), options.admin_principals});
   if (!auth.ok()) return auth.status();
 
-  auto engine = CreateEngine(options.device);
+  auto engine = CreateEngine(options.device, options.engine);
   if (!engine.ok()) return engine.status();
 
   absl::StatusOr<DeviceMemoryInfo> device_memory = (*engine)->DeviceMemory();

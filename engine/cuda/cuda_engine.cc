@@ -22,10 +22,11 @@ namespace {
 
 class CudaEngine : public Engine {
  public:
-  explicit CudaEngine(int device) : device_(device) {}
+  CudaEngine(int device, const cuda::PipelineOptions& pipeline)
+      : device_(device), pipeline_(pipeline) {}
   std::string name() const override { return absl::StrCat("cuda:", device_); }
   absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) override {
-    return cuda::CreateCudaLayer(config, device_);
+    return cuda::CreateCudaLayer(config, device_, pipeline_);
   }
   // Per parameter: the fp32 master, gradient and first moment (AdamW) or momentum (SGD), the
   // fp32 second moment (AdamW) and the bf16 copy the GEMMs read (bf16 storage): the flat
@@ -72,6 +73,7 @@ class CudaEngine : public Engine {
 
  private:
   int device_;
+  cuda::PipelineOptions pipeline_;
 };
 
 }  // namespace
@@ -85,7 +87,9 @@ int CudaDeviceCount() {
   return count;
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal) {
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal,
+                                                         const EngineOptions& options,
+                                                         const cuda::PipelineOptions& pipeline) {
   const int count = CudaDeviceCount();
   if (count == 0) return absl::UnavailableError("cuda: no usable CUDA device");
   if (device_ordinal < 0 || device_ordinal >= count) {
@@ -99,8 +103,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(int device_ordinal) {
   MOE_CUDA_RETURN(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
   // From here on the process's large host tensors are page-locked, so the layers' copies of
   // their inputs and outputs are single DMAs (pinned_pool.h).
-  cuda::PinnedPool::InstallForProcess();
-  return std::unique_ptr<Engine>(new CudaEngine(device_ordinal));
+  cuda::PinnedPool::InstallForProcess(options.pinned_tensor_bytes);
+  cuda::PipelineOptions layers = pipeline;
+  layers.fused_kernels = options.fused_kernels;
+  return std::unique_ptr<Engine>(new CudaEngine(device_ordinal, layers));
 }
 
 }  // namespace moe

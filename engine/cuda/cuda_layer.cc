@@ -56,7 +56,8 @@ class CudaContext : public SavedContext {
 
 class CudaLayer : public Layer {
  public:
-  CudaLayer(const LayerConfig& config, int device) : cfg_(config), device_(device) {}
+  CudaLayer(const LayerConfig& config, int device, const PipelineOptions& options)
+      : cfg_(config), device_(device), options_(options) {}
   ~CudaLayer() override {
     cudaSetDevice(device_);
     if (stream_) cudaStreamSynchronize(stream_->get());
@@ -100,6 +101,7 @@ class CudaLayer : public Layer {
 
   LayerConfig cfg_;
   int device_;
+  PipelineOptions options_;
   std::shared_ptr<Stream> stream_;
   std::unique_ptr<GemmRunner> gemm_;
   std::unique_ptr<ExpertPipeline> pipeline_;
@@ -128,7 +130,7 @@ absl::Status CudaLayer::EnsurePinned(int64_t bytes) {
 
 absl::Status CudaLayer::Init() {
   MOE_CUDA_RETURN(cudaSetDevice(device_));
-  absl::StatusOr<std::shared_ptr<Stream>> s = Stream::Create(device_);
+  absl::StatusOr<std::shared_ptr<Stream>> s = Stream::Create(device_, options_.poison_allocations);
   if (!s.ok()) return s.status();
   stream_ = std::move(*s);
   absl::StatusOr<std::unique_ptr<GemmRunner>> g = GemmRunner::Create(stream_);
@@ -155,7 +157,7 @@ absl::Status CudaLayer::Init() {
   shape.expert_count = count;
   shape.activation = static_cast<int>(cfg_.activation);
   shape.type = type();
-  pipeline_ = std::make_unique<ExpertPipeline>(shape, stream_, gemm_.get());
+  pipeline_ = std::make_unique<ExpertPipeline>(shape, stream_, gemm_.get(), options_);
 
   // Initial weights: the shared seeded host init, laid out flat, uploaded once.
   std::vector<float> flat(static_cast<size_t>(n_params_));
@@ -574,9 +576,10 @@ absl::Status CudaLayer::ImportState(const std::map<std::string, Tensor>& state) 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Layer>> CreateCudaLayer(const LayerConfig& config, int device) {
+absl::StatusOr<std::unique_ptr<Layer>> CreateCudaLayer(const LayerConfig& config, int device,
+                                                       const PipelineOptions& options) {
   if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
-  auto layer = std::make_unique<CudaLayer>(config, device);
+  auto layer = std::make_unique<CudaLayer>(config, device, options);
   if (absl::Status s = layer->Init(); !s.ok()) return s;
   return std::unique_ptr<Layer>(std::move(layer));
 }

@@ -19,13 +19,15 @@
 
 #include "absl/status/statusor.h"
 #include "engine/cuda/device.h"
+#include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
 
 namespace moe::cuda {
 
 // Validates `config` and creates a layer on `device` with the seeded initial weights of
-// engine/init.h (bit-identical to the CPU engine's).
-absl::StatusOr<std::unique_ptr<Layer>> CreateCudaLayer(const LayerConfig& config, int device);
+// engine/init.h (bit-identical to the CPU engine's); its expert pipeline runs with `options`.
+absl::StatusOr<std::unique_ptr<Layer>> CreateCudaLayer(const LayerConfig& config, int device,
+                                                       const PipelineOptions& options = {});
 
 }  // namespace moe::cuda
 

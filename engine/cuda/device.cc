@@ -1,16 +1,9 @@
 // CUDA plumbing for the engine (see device.h).
 #include "engine/cuda/device.h"
 
-#include <atomic>
-
 #include "absl/strings/str_cat.h"
 
 namespace moe::cuda {
-namespace {
-std::atomic<bool> poison_allocations{false};
-}  // namespace
-
-void SetPoisonAllocationsForTesting(bool on) { poison_allocations = on; }
 
 absl::Status CudaStatus(cudaError_t err, const char* what, const char* file, int line) {
   const std::string msg = absl::StrCat("cuda: ", what, " failed at ", file, ":", line, ": ",
@@ -26,11 +19,11 @@ absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file
   return absl::InternalError(msg);
 }
 
-absl::StatusOr<std::shared_ptr<Stream>> Stream::Create(int device) {
+absl::StatusOr<std::shared_ptr<Stream>> Stream::Create(int device, bool poison_allocations) {
   MOE_CUDA_RETURN(cudaSetDevice(device));
   cudaStream_t s = nullptr;
   MOE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  return std::shared_ptr<Stream>(new Stream(device, s));
+  return std::shared_ptr<Stream>(new Stream(device, s, poison_allocations));
 }
 
 Stream::~Stream() {
@@ -51,7 +44,8 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, std::shared_pt
                                                      " bytes of device memory for ", what, ": ",
                                                      cudaGetErrorString(err)));
   }
-  if (poison_allocations && cudaMemsetAsync(p, 0xff, bytes, stream->get()) != cudaSuccess) {
+  if (stream->poison_allocations() &&
+      cudaMemsetAsync(p, 0xff, bytes, stream->get()) != cudaSuccess) {
     cudaFreeAsync(p, stream->get());
     return absl::InternalError("cuda: poisoning a test allocation failed");
   }

@@ -54,23 +54,25 @@ absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file
 #define MOE_CONCAT_(a, b) MOE_CONCAT_INNER_(a, b)
 #define MOE_CONCAT_INNER_(a, b) a##b
 
-// Test hook: when on, every DeviceBuffer::Allocate fills its memory with 0xFF bytes (NaN for
-// fp32 and bf16) so that an output element a kernel forgot to write shows up in comparisons.
-void SetPoisonAllocationsForTesting(bool on);
-
 // A stream (and the device it belongs to) shared by a layer and the contexts it created, so
 // a context dropped after its layer still frees on a live stream.
 class Stream {
  public:
-  static absl::StatusOr<std::shared_ptr<Stream>> Create(int device);
+  // poison_allocations (tests): every DeviceBuffer allocated on this stream is filled with 0xFF
+  // bytes (NaN for fp32 and bf16) first, so that an element a kernel forgot to write shows up.
+  static absl::StatusOr<std::shared_ptr<Stream>> Create(int device,
+                                                        bool poison_allocations = false);
   ~Stream();
   cudaStream_t get() const { return stream_; }
   int device() const { return device_; }
+  bool poison_allocations() const { return poison_allocations_; }
 
  private:
-  Stream(int device, cudaStream_t s) : device_(device), stream_(s) {}
+  Stream(int device, cudaStream_t s, bool poison)
+      : device_(device), stream_(s), poison_allocations_(poison) {}
   int device_;
   cudaStream_t stream_;
+  bool poison_allocations_;
 };
 
 // A pool allocation owned by one stream; freed stream-ordered on destruction.

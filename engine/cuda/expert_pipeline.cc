@@ -2,9 +2,6 @@
 #include "engine/cuda/expert_pipeline.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -33,130 +30,15 @@ uint16_t* Bf16At(void* base, int64_t bytes) {
   return reinterpret_cast<uint16_t*>(Offset(base, bytes));
 }
 
-std::atomic<int64_t> test_max_chunk_rows{0};
-std::atomic<int> test_forward_kernels{static_cast<int>(ForwardKernels::kAuto)};
-std::atomic<int> test_backward_kernels{static_cast<int>(BackwardKernels::kAuto)};
-std::atomic<bool> test_serial_weight_grads{false};
-std::atomic<LaneDelayForTesting> test_lane_delay{nullptr};
-
-void DelayForTesting(LaneTestPoint point, cudaStream_t stream) {
-  if (const LaneDelayForTesting delay = test_lane_delay.load()) delay(point, stream);
-}
-
-// MOE_DISABLE_FUSED=1 in the environment turns kAuto into kUnfused for the whole process (an
-// operator's escape hatch if the fused kernels misbehave on some driver). Read once.
-bool FusedDisabledByEnv() {
-  static const bool disabled = [] {
-    const char* v = std::getenv("MOE_DISABLE_FUSED");
-    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-  }();
-  return disabled;
-}
-
 }  // namespace
-
-const char* ForwardKernelsName(ForwardKernels k) {
-  switch (k) {
-    case ForwardKernels::kAuto:
-      return "auto";
-    case ForwardKernels::kUnfused:
-      return "unfused";
-    case ForwardKernels::kFusedUp:
-      return "fused-up";
-    case ForwardKernels::kFusedUpDown:
-      return "fused-up-down";
-  }
-  return "?";
-}
-
-namespace {
-
-// Average multiply-adds of one expert's GEMM of one projection: routed rows / experts * d * h.
-double WorkPerExpert(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem) {
-  const double routed = static_cast<double>(
-      problem.num_routed >= 0 ? problem.num_routed : problem.num_tokens * problem.top_k);
-  return routed / std::max<int64_t>(shape.expert_count, 1) * static_cast<double>(shape.d_model) *
-         static_cast<double>(shape.d_hidden);
-}
-
-// Whether the sm90 kernels can run this problem at all: SwiGLU (Activation::kSwiGLU == 0,
-// engine/layer.h), bf16 storage, an sm_90 device, sizes Sm90CanImplement accepts.
-bool FusedKernelsTake(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
-                      bool device_sm90) {
-  return shape.activation == 0 && shape.type == ElemType::kBFloat16 && device_sm90 &&
-         kernels::Sm90CanImplement(problem) == nullptr;
-}
-
-}  // namespace
-
-const char* BackwardKernelsName(BackwardKernels k) {
-  switch (k) {
-    case BackwardKernels::kAuto:
-      return "auto";
-    case BackwardKernels::kUnfused:
-      return "unfused";
-    case BackwardKernels::kFused:
-      return "fused";
-    case BackwardKernels::kFusedEpilogue:
-      return "fused-dh";
-    case BackwardKernels::kHybrid:
-      return "hybrid";
-  }
-  return "?";
-}
-
-ForwardKernels UseFusedForward(const ExpertShape& shape, const kernels::Sm90ExpertProblem& problem,
-                               bool device_sm90) {
-  ForwardKernels k = shape.forward;
-  if (k == ForwardKernels::kAuto) {
-    if (FusedDisabledByEnv()) {
-      k = ForwardKernels::kUnfused;
-    } else if (WorkPerExpert(shape, problem) <= kFusedMaxWorkPerExpert) {
-      k = kDefaultFusedForward;
-    } else {
-      k = shape.d_hidden <= kFusedUpMaxHidden ? ForwardKernels::kFusedUp : ForwardKernels::kUnfused;
-    }
-  }
-  if (k == ForwardKernels::kUnfused) return k;
-  return FusedKernelsTake(shape, problem, device_sm90) ? k : ForwardKernels::kUnfused;
-}
-
-BackwardKernels UseFusedBackward(const ExpertShape& shape,
-                                 const kernels::Sm90ExpertProblem& problem, bool device_sm90) {
-  BackwardKernels k = shape.backward;
-  if (k == BackwardKernels::kAuto) {
-    if (FusedDisabledByEnv()) {
-      k = BackwardKernels::kUnfused;
-    } else if (WorkPerExpert(shape, problem) <= kFusedBackwardMaxWorkPerExpert) {
-      k = BackwardKernels::kFused;
-    } else {
-      k = shape.d_hidden <= kHybridBackwardMaxHidden ? BackwardKernels::kHybrid
-                                                     : BackwardKernels::kUnfused;
-    }
-  }
-  if (k == BackwardKernels::kUnfused) return k;
-  return FusedKernelsTake(shape, problem, device_sm90) ? k : BackwardKernels::kUnfused;
-}
-
-void SetMaxChunkRowsForTesting(int64_t rows) { test_max_chunk_rows = rows; }
-void SetForwardKernelsForTesting(ForwardKernels k) { test_forward_kernels = static_cast<int>(k); }
-void SetBackwardKernelsForTesting(BackwardKernels k) {
-  test_backward_kernels = static_cast<int>(k);
-}
-void SetSerialWeightGradsForTesting(bool serial) { test_serial_weight_grads = serial; }
-void SetLaneDelayForTesting(LaneDelayForTesting delay) { test_lane_delay = delay; }
 
 ExpertPipeline::ExpertPipeline(const ExpertShape& shape, std::shared_ptr<Stream> stream,
-                               GemmRunner* gemm, int64_t max_chunk_rows)
-    : shape_(shape), stream_(std::move(stream)), gemm_(gemm), max_chunk_rows_(max_chunk_rows) {
-  if (max_chunk_rows_ <= 0) {
-    max_chunk_rows_ = test_max_chunk_rows > 0 ? test_max_chunk_rows.load() : kMaxChunkRows;
-  }
-  const auto forced = static_cast<ForwardKernels>(test_forward_kernels.load());
-  if (forced != ForwardKernels::kAuto) shape_.forward = forced;
-  const auto forced_backward = static_cast<BackwardKernels>(test_backward_kernels.load());
-  if (forced_backward != BackwardKernels::kAuto) shape_.backward = forced_backward;
-  if (test_serial_weight_grads) shape_.overlap_weight_grads = false;
+                               GemmRunner* gemm, const PipelineOptions& options)
+    : shape_(shape),
+      options_(options),
+      stream_(std::move(stream)),
+      gemm_(gemm),
+      max_chunk_rows_(options.max_chunk_rows > 0 ? options.max_chunk_rows : kMaxChunkRows) {
   const int device = stream_->device();
   device_sm90_ = kernels::Sm90DeviceSupported(device);
   if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -178,11 +60,11 @@ kernels::Sm90ExpertProblem ExpertPipeline::Sm90Problem(const ChunkPlan& chunk) c
 }
 
 ForwardKernels ExpertPipeline::ChunkForwardKernels(const ChunkPlan& chunk) const {
-  return UseFusedForward(shape_, Sm90Problem(chunk), device_sm90_);
+  return UseFusedForward(shape_, options_, Sm90Problem(chunk), device_sm90_);
 }
 
 BackwardKernels ExpertPipeline::ChunkBackwardKernels(const ChunkPlan& chunk) const {
-  return UseFusedBackward(shape_, Sm90Problem(chunk), device_sm90_);
+  return UseFusedBackward(shape_, options_, Sm90Problem(chunk), device_sm90_);
 }
 
 const int32_t* ExpertPipeline::DeviceOffsets(const DispatchPlan& plan, const ChunkPlan& ch) const {
@@ -196,7 +78,8 @@ absl::StatusOr<DeviceBuffer> ExpertPipeline::Alloc(int64_t bytes, const char* wh
 absl::StatusOr<ExpertPipeline::SideLane*> ExpertPipeline::Lane() {
   if (lane_ != nullptr) return lane_.get();
   auto lane = std::make_unique<SideLane>();
-  MOE_ASSIGN_OR_RETURN(lane->stream, Stream::Create(stream_->device()));
+  MOE_ASSIGN_OR_RETURN(lane->stream,
+                       Stream::Create(stream_->device(), stream_->poison_allocations()));
   MOE_ASSIGN_OR_RETURN(lane->gemm, GemmRunner::Create(lane->stream));
   lane->gemm->set_mode(gemm_->mode());
   for (Event* e : {&lane->start, &lane->done}) {
@@ -319,9 +202,8 @@ absl::Status ExpertPipeline::ChunkUp(const DispatchPlan& plan, const ChunkPlan& 
   const int32_t* offsets = DeviceOffsets(plan, ch);
   const uint16_t* w13 = Bf16At(w.w13, 0);
   MOE_CUDA_RETURN(kernels::LaunchSm90ExpertUp(
-      prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kUpSwiGLU, num_sms_),
-      Bf16At(x, ch.t0 * d * e), w13, w13 + h * d, offsets, entries, Bf16At(hb, 0),
-      static_cast<uint16_t*>(a), s));
+      prob, Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, num_sms_), Bf16At(x, ch.t0 * d * e),
+      w13, w13 + h * d, offsets, entries, Bf16At(hb, 0), static_cast<uint16_t*>(a), s));
   return absl::OkStatus();
 }
 
@@ -364,8 +246,8 @@ absl::Status ExpertPipeline::Forward(const DispatchPlan& plan, const void* x, co
           absl::StatusOr<DeviceBuffer> yb = Alloc(ch.tokens * K * d * e, "Y");
           if (!yb.ok()) return yb.status();
           MOE_CUDA_RETURN(kernels::LaunchSm90ExpertDown(
-              prob, kernels::Sm90ChooseConfig(prob, kernels::Sm90Projection::kDown, num_sms_),
-              a->as<uint16_t>(), Bf16At(w.w2, 0), offsets, entries, yb->as<uint16_t>(), s));
+              prob, Sm90ChooseConfig(prob, Sm90Projection::kDown, num_sms_), a->as<uint16_t>(),
+              Bf16At(w.w2, 0), offsets, entries, yb->as<uint16_t>(), s));
           a->Reset();
           MOE_CUDA_RETURN(kernels::LaunchSm90Combine(prob, yb->as<uint16_t>(), p + ch.t0 * K, slots,
                                                      Bf16At(out, ch.t0 * d * e), s));
@@ -460,17 +342,14 @@ struct FusedGemms {
   bool dw2 = false;
   bool dw13 = false;
   bool dx = false;
-  bool dh_epilogue = false;  // dA's epilogue does the SwiGLU backward (LaunchSm90BackwardDH)
 };
 
 FusedGemms FusedGemmsOf(BackwardKernels path) {
   switch (path) {
     case BackwardKernels::kFused:
-      return {true, true, true, true, false};
-    case BackwardKernels::kFusedEpilogue:
-      return {true, true, true, true, true};
+      return {true, true, true, true};
     case BackwardKernels::kHybrid:
-      return {true, true, false, false, false};
+      return {true, true, false, false};
     default:
       return {};
   }
@@ -496,8 +375,8 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   // (bf16 only: UseFusedBackward admits nothing else for a fused GEMM).
   const int32_t* offsets = DeviceOffsets(plan, ch);
   const kernels::Sm90ExpertProblem prob = Sm90Problem(ch);
-  auto config = [&](kernels::Sm90Projection projection) {
-    return kernels::Sm90ChooseConfig(prob, projection, num_sms_);
+  auto config = [&](Sm90Projection projection) {
+    return Sm90ChooseConfig(prob, projection, num_sms_);
   };
   const uint16_t* dout_rows = Bf16At(dout, ch.t0 * d * e);
   std::vector<GemmProblem> probs;
@@ -515,28 +394,15 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   if (!dh.ok()) return dh.status();
   absl::StatusOr<DeviceBuffer> ap = Alloc(n * h * e, "p*A");
   if (!ap.ok()) return ap.status();
-  DelayForTesting(LaneTestPoint::kLayerBeforeDA, s);
-  // The sm90 dA GEMM's tiles; with the SwiGLU backward in its epilogue it has its own choice.
-  const kernels::Sm90GemmConfig da_config =
-      !fused.da ? kernels::Sm90GemmConfig{}
-                : config(fused.dh_epilogue ? kernels::Sm90Projection::kBackwardDH
-                                           : kernels::Sm90Projection::kBackwardDA);
-  if (fused.dh_epilogue) {
-    // dA_u stays in registers: the dA kernel's epilogue writes dH, pA and dp (via per-column-
-    // tile partial sums in `ws` when h spans several tiles).
-    const size_t ws_bytes = kernels::Sm90BackwardDHWorkspaceBytes(prob, da_config);
-    absl::StatusOr<DeviceBuffer> ws = Alloc(static_cast<int64_t>(ws_bytes), "dp partial sums");
-    if (!ws.ok()) return ws.status();
-    MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDH(
-        prob, da_config, dout_rows, Bf16At(w.w2, 0), Bf16At(hb, 0), p + ch.t0 * K, offsets, entries,
-        dh->as<uint16_t>(), ap->as<uint16_t>(), dp + ch.t0 * K, ws->get(), ws_bytes, s));
-  } else {
+  if (options_.lane_delay != nullptr) options_.lane_delay(LaneTestPoint::kLayerBeforeDA, s);
+  {
     absl::StatusOr<DeviceBuffer> dau = Alloc(n * h * e, "dA");
     if (!dau.ok()) return dau.status();
     if (fused.da) {
       // dA_u = G W2 with G's rows gathered from dout while loading.
-      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, da_config, dout_rows, Bf16At(w.w2, 0),
-                                                    offsets, entries, dau->as<uint16_t>(), s));
+      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDA(prob, config(Sm90Projection::kBackwardDA),
+                                                    dout_rows, Bf16At(w.w2, 0), offsets, entries,
+                                                    dau->as<uint16_t>(), s));
     } else {
       for (size_t l = 0; l < nl; ++l) {
         const int64_t off = ch.offsets[l];
@@ -560,9 +426,9 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   // `xg` when cuBLAS runs it), then dXg and its combine on the layer's stream.
   auto weight_grad_w2 = [&](cudaStream_t on, GemmRunner* runner) -> absl::Status {
     if (fused.dw2) {
-      MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(
-          prob, config(kernels::Sm90Projection::kWeightGradW2), dout_rows, ap->as<uint16_t>(),
-          offsets, entries, grads.dw2, !overwrite, on));
+      MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW2(prob, config(Sm90Projection::kWeightGradW2),
+                                                      dout_rows, ap->as<uint16_t>(), offsets,
+                                                      entries, grads.dw2, !overwrite, on));
       return absl::OkStatus();
     }
     for (size_t l = 0; l < nl; ++l) {
@@ -581,7 +447,7 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   auto weight_grad_w13 = [&](cudaStream_t on, GemmRunner* runner, void* xg) -> absl::Status {
     if (fused.dw13) {
       MOE_CUDA_RETURN(kernels::LaunchSm90WeightGradW13(
-          prob, config(kernels::Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
+          prob, config(Sm90Projection::kWeightGradW13), dh->as<uint16_t>(),
           Bf16At(x, ch.t0 * d * e), offsets, entries, grads.dw13, !overwrite, on));
       return absl::OkStatus();
     }
@@ -602,9 +468,9 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   };
   auto data_grad = [&](void* dxg) -> absl::Status {
     if (fused.dx) {
-      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(
-          prob, config(kernels::Sm90Projection::kBackwardDX), dh->as<uint16_t>(), Bf16At(w.w13, 0),
-          offsets, static_cast<uint16_t*>(dxg), s));
+      MOE_CUDA_RETURN(kernels::LaunchSm90BackwardDX(prob, config(Sm90Projection::kBackwardDX),
+                                                    dh->as<uint16_t>(), Bf16At(w.w13, 0), offsets,
+                                                    static_cast<uint16_t*>(dxg), s));
     } else {
       for (size_t l = 0; l < nl; ++l) {
         const int64_t off = ch.offsets[l];
@@ -629,7 +495,7 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
   // pool cannot give them (or the lane itself), this chunk runs in the serial order instead, so
   // the lane never lowers the largest batch that fits.
   DeviceBuffer xg, dxg;
-  bool overlap = shape_.overlap_weight_grads;
+  bool overlap = options_.overlap_weight_grads;
   SideLane* lane = nullptr;
   if (overlap) {
     // Out of memory for the lane's own stream, cuBLAS runner or buffers: the serial order.
@@ -681,14 +547,14 @@ absl::Status ExpertPipeline::ChunkBackward(const DispatchPlan& plan, const Chunk
     MOE_RETURN_IF_ERROR(StreamWaitFor(ls, s, lane->start));
     join.lane = lane;
     join.main = s;
-    DelayForTesting(LaneTestPoint::kLaneStart, ls);
+    if (options_.lane_delay != nullptr) options_.lane_delay(LaneTestPoint::kLaneStart, ls);
     MOE_RETURN_IF_ERROR(weight_grad_w2(ls, lane->gemm.get()));
     MOE_RETURN_IF_ERROR(weight_grad_w13(ls, lane->gemm.get(), xg.get()));
     MOE_RETURN_IF_ERROR(data_grad(dxg.get()));
     return join.Join();
   }
   // The serial order frees each buffer after its last reader, as early as it can.
-  DelayForTesting(LaneTestPoint::kLaneStart, s);
+  if (options_.lane_delay != nullptr) options_.lane_delay(LaneTestPoint::kLaneStart, s);
   MOE_RETURN_IF_ERROR(weight_grad_w2(s, gemm_));
   ap->Reset();
   if (!fused.dw13) {

@@ -3,9 +3,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "engine/host_memory.h"
 
 namespace moe::cuda {
@@ -60,12 +57,8 @@ std::once_flag install_once;
 
 }  // namespace
 
-void PinnedPool::InstallForProcess() {
-  std::call_once(install_once, [] {
-    size_t limit = kDefaultPinnedTensorBytes;
-    if (const char* env = std::getenv("MOE_PINNED_TENSOR_BYTES")) {
-      limit = static_cast<size_t>(std::strtoull(env, nullptr, 10));
-    }
+void PinnedPool::InstallForProcess(size_t limit) {
+  std::call_once(install_once, [limit] {
     if (limit == 0) return;
     process_pool = new PinnedPool(limit);
     SetLargeTensorMemory({[](size_t bytes) { return process_pool->Allocate(bytes); },

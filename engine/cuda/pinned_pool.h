@@ -26,9 +26,6 @@
 
 namespace moe::cuda {
 
-// Held at most when MOE_PINNED_TENSOR_BYTES does not say otherwise (0 there: no pinned tensors).
-inline constexpr size_t kDefaultPinnedTensorBytes = size_t{8} << 30;
-
 class PinnedPool {
  public:
   explicit PinnedPool(size_t limit) : limit_(limit) {}
@@ -45,9 +42,9 @@ class PinnedPool {
   // The size class of a request.
   static size_t ClassBytes(size_t bytes);
 
-  // Makes the process-wide pool (limit from MOE_PINNED_TENSOR_BYTES, else the default) the
-  // large-tensor memory; the first call does, later calls do nothing. Never freed.
-  static void InstallForProcess();
+  // Makes a process-wide pool of at most `limit` bytes (EngineOptions::pinned_tensor_bytes; 0:
+  // none) the large-tensor memory; the first call does, later calls do nothing. Never freed.
+  static void InstallForProcess(size_t limit);
   static PinnedPool* ForProcess();  // null before InstallForProcess or when disabled
 
  private:

@@ -5,7 +5,6 @@
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -162,35 +161,46 @@ bool Supported(const KernelChoice& k) {
   return true;
 }
 
-// The best kernel this CPU runs; SetSgemmKernelForTesting may override it.
-std::atomic<const KernelChoice*> g_choice{nullptr};
+// The best kernel this CPU runs, found once.
+const KernelChoice& Best() {
+  static const KernelChoice* best = Supported(kAvx512) ? &kAvx512
+                                    : Supported(kAvx2) ? &kAvx2
+                                                       : &kGeneric;
+  return *best;
+}
 
-const KernelChoice& Choice() {
-  const KernelChoice* c = g_choice.load(std::memory_order_acquire);
-  if (c == nullptr) {
-    c = Supported(kAvx512) ? &kAvx512 : Supported(kAvx2) ? &kAvx2 : &kGeneric;
-    g_choice.store(c, std::memory_order_release);
+// The kernel a caller names; null for kBest.
+const KernelChoice* Named(SgemmKernel kernel) {
+  switch (kernel) {
+    case SgemmKernel::kAvx512:
+      return &kAvx512;
+    case SgemmKernel::kAvx2:
+      return &kAvx2;
+    case SgemmKernel::kGeneric:
+      return &kGeneric;
+    case SgemmKernel::kBest:
+      break;
   }
-  return *c;
+  return nullptr;
+}
+
+const KernelChoice& Choice(SgemmKernel kernel) {
+  const KernelChoice* k = Named(kernel);
+  return k != nullptr && Supported(*k) ? *k : Best();
 }
 
 }  // namespace
 
-const char* SgemmKernelName() { return Choice().name; }
-
-bool SetSgemmKernelForTesting(const std::string& name) {
-  for (const KernelChoice* k : {&kAvx512, &kAvx2, &kGeneric}) {
-    if (name == k->name && Supported(*k)) {
-      g_choice.store(k, std::memory_order_release);
-      return true;
-    }
-  }
-  return false;
+bool SgemmKernelSupported(SgemmKernel kernel) {
+  const KernelChoice* k = Named(kernel);
+  return k == nullptr || Supported(*k);
 }
+
+const char* SgemmKernelName(SgemmKernel kernel) { return Choice(kernel).name; }
 
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
-           ThreadPool* pool) {
+           ThreadPool* pool, SgemmKernel kernel) {
   if (m <= 0 || n <= 0) return;
   if (beta != 0.0f && beta != 1.0f) {
     for (int64_t i = 0; i < m; ++i)
@@ -202,7 +212,7 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
       for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
     return;
   }
-  const KernelChoice& kc_choice = Choice();
+  const KernelChoice& kc_choice = Choice(kernel);
   const int mr = kc_choice.mr, nr = kc_choice.nr;
   // MC, NC: multiples of the register tile; small problems get one tile per task.
   const int64_t mc_max = mr * 16;

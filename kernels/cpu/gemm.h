@@ -15,22 +15,25 @@
 #define MOE_KERNELS_CPU_GEMM_H_
 
 #include <cstdint>
-#include <string>
 
 #include "kernels/cpu/thread_pool.h"
 
 namespace moe::kernels {
 
+// The micro-kernels Sgemm can run. kBest is the fastest this CPU supports (what every caller but
+// the tests, which check each variant, asks for).
+enum class SgemmKernel { kBest, kAvx512, kAvx2, kGeneric };
+
+// Whether this CPU runs `kernel` (kBest and kGeneric: always).
+bool SgemmKernelSupported(SgemmKernel kernel);
+
+// The micro-kernel `kernel` names on this machine: "avx512", "avx2" or "generic".
+const char* SgemmKernelName(SgemmKernel kernel = SgemmKernel::kBest);
+
+// `kernel` must be supported (SgemmKernelSupported); an unsupported one runs kBest instead.
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
-           ThreadPool* pool);
-
-// Which micro-kernel Sgemm uses on this machine: "avx512", "avx2" or "generic".
-const char* SgemmKernelName();
-
-// Tests only: forces "avx512", "avx2" or "generic" so every variant is checked on a machine
-// that supports it. False (and no change) when this CPU cannot run the named kernel.
-bool SetSgemmKernelForTesting(const std::string& name);
+           ThreadPool* pool, SgemmKernel kernel = SgemmKernel::kBest);
 
 }  // namespace moe::kernels
 

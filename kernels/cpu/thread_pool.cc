@@ -4,8 +4,6 @@
 // an expert, a block of tokens), so the lock is never the bottleneck and the code stays simple.
 #include "kernels/cpu/thread_pool.h"
 
-#include <cstdlib>
-
 namespace moe::kernels {
 namespace {
 thread_local bool in_pool_task = false;
@@ -26,11 +24,7 @@ ThreadPool::~ThreadPool() {
 
 ThreadPool& ThreadPool::Default() {
   static ThreadPool* pool = [] {
-    int n = static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("MOE_CPU_THREADS")) {
-      const int v = std::atoi(env);
-      if (v > 0) n = v;
-    }
+    const int n = static_cast<int>(std::thread::hardware_concurrency());
     return new ThreadPool(n < 1 ? 1 : n);  // never destroyed: workers outlive static dtors
   }();
   return *pool;

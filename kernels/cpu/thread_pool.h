@@ -31,7 +31,8 @@ class ThreadPool {
   // Calls from different threads are serialised.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
-  // The process-wide pool, sized by MOE_CPU_THREADS or hardware_concurrency().
+  // The process-wide pool, one thread per hardware thread (hardware_concurrency()). A caller
+  // that wants another count makes its own pool.
   static ThreadPool& Default();
 
  private:

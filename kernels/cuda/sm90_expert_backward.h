@@ -1,6 +1,6 @@
-// Fused Hopper (sm_90a) expert backward: host entry points, plain C++ like
-// sm90_expert_forward.h (whose Sm90ExpertProblem, Sm90GemmConfig, Sm90CanImplement and
-// Sm90ChooseConfig these share), so the engine can call them from a .cc file.
+// Fused Hopper (sm_90a) expert backward: the launchers of its four GEMMs, plain C++ like
+// sm90_expert_forward.h (whose Sm90ExpertProblem, Sm90GemmConfig and Sm90CanImplement they
+// share), so the engine calls them from a .cc file.
 //
 // The backward of one SwiGLU expert layer, per chunk, from the forward's dispatch structures
 // (offsets/entries of kernels/cpu/dispatch.h) and its saved H, in five launches:
@@ -30,7 +30,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cuda/sm90_expert_forward.h"
@@ -41,26 +40,6 @@ namespace moe::kernels {
 cudaError_t LaunchSm90BackwardDA(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
                                  const uint16_t* dout, const uint16_t* w2, const int32_t* offsets,
                                  const int32_t* entries, uint16_t* da, cudaStream_t stream);
-
-// Steps 1 and 2 above in one launch (plus, when h spans several column tiles, a small ordered
-// reduction): dA_u = dout rows gathered through entries, times W2_e, as in LaunchSm90BackwardDA,
-// but kept in fp32 and fed straight into the SwiGLU backward, so dA_u never reaches memory.
-// For every slot s (entry = entries[s], p = weights[entry], g = h[s][j], u = h[s][h + j]):
-//   dh[s][j] = p dA_u silu'(g) u,  dh[s][h + j] = p dA_u silu(g),  pa[s][j] = p silu(g) u
-//   dp[entry] = sum over j < h of dA_u[s][j] silu(g) u   (fp32, fixed summation order)
-// weights and dp are [T*K] fp32 indexed by entry; entries outside the shard keep their dp.
-// h, dh [N, 2h] and pa [N, h] are bf16 in slot order. `workspace` holds the per-column-tile
-// partial sums of dp; it must have Sm90BackwardDHWorkspaceBytes(problem, config) bytes (may
-// be null when that is 0) and must not be in use by another launch on another stream.
-cudaError_t LaunchSm90BackwardDH(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,
-                                 const uint16_t* dout, const uint16_t* w2, const uint16_t* h,
-                                 const float* weights, const int32_t* offsets,
-                                 const int32_t* entries, uint16_t* dh, uint16_t* pa, float* dp,
-                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
-// The workspace LaunchSm90BackwardDH needs: 4 bytes per column tile of h (config.block_n wide)
-// per routed row, rows bounded by num_tokens * top_k; 0 when one tile covers h.
-size_t Sm90BackwardDHWorkspaceBytes(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config);
 
 // dXg [N, d] (bf16, slot order) = dH [N, 2h] times the stacked [W1_e; W3_e] ([2h, d]).
 cudaError_t LaunchSm90BackwardDX(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,

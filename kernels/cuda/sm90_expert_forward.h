@@ -1,8 +1,8 @@
-// Fused Hopper (sm_90a) expert forward: host entry points, in plain C++ so the engine (.cc,
-// compiled by g++) can include this header without seeing any CUDA device syntax.
+// Fused Hopper (sm_90a) expert kernels: the problem, the tile config, the check, and the forward's
+// launchers. Plain C++ (no device syntax), so the engine's .cc files include it.
 //
-// Three launches make the forward of a SwiGLU expert layer from the dispatch structures of
-// kernels/cpu/dispatch.h (counts/offsets/entries/slot_of, built on the device by the engine):
+// The forward of a SwiGLU expert layer from the dispatch structures of kernels/cpu/dispatch.h
+// (offsets/entries/slot_of, built on the device by the engine), in three launches:
 //   1. LaunchSm90ExpertUp:   H = [x W1_e^T | x W3_e^T] and A = silu(H1) * H3 for every routed
 //      (token, k) in ONE persistent launch over all experts; rows of x are gathered through
 //      `entries` while loading, weights arrive by TMA, SwiGLU runs on the accumulators.
@@ -10,12 +10,12 @@
 //   3. LaunchSm90Combine:    out[t] = sum_k p[t,k] Y[t*K+k] over the k routed to this shard.
 // Layouts (row-major, bf16 given as its 16 raw bits; N = offsets[num_experts] routed entries):
 //   x [T, d]   w1, w3 [experts, h, d] (or stacked, see w13_expert_stride)   w2 [experts, d, h]
-//   H [N, 2h]   A [N, h]
-//   Y [T*K, d] (rows of entries outside the shard are not written)   p [T*K] fp32   out [T, d]
-// Every launcher takes raw device pointers and sizes, the stream last, returns cudaError_t, and
-// never synchronises. Call Sm90CanImplement first; where it refuses (or the device is not
-// sm_90), use the unfused path. All pointers must be 16-byte aligned (cudaErrorInvalidValue
-// otherwise).
+//   H [N, 2h]   A [N, h]   Y [T*K, d] (rows outside the shard unwritten)   p [T*K] fp32
+//   out [T, d]
+// Every launcher takes raw device pointers and sizes, the stream last, returns cudaError_t and
+// never synchronises; it refuses (cudaErrorInvalidValue) a problem Sm90CanImplement refuses, a
+// pointer not 16-byte aligned, or a config it has no kernel for. Which config to pass is the
+// caller's choice (the engine's: engine/cuda/kernel_selection.h).
 #ifndef MOE_KERNELS_CUDA_SM90_EXPERT_FORWARD_H_
 #define MOE_KERNELS_CUDA_SM90_EXPERT_FORWARD_H_
 
@@ -25,8 +25,8 @@
 
 namespace moe::kernels {
 
-// The sizes of one fused forward. `num_routed` is only a hint for the tile heuristics (the
-// exact count lives on the device in offsets); negative means num_tokens * top_k.
+// The sizes of one fused call. `num_routed` is only a hint for tile choice (the exact count
+// lives on the device in offsets); negative means num_tokens * top_k.
 struct Sm90ExpertProblem {
   int64_t num_tokens = 0;   // T
   int32_t top_k = 0;        // K
@@ -40,38 +40,15 @@ struct Sm90ExpertProblem {
   int64_t w13_expert_stride = -1;
 };
 
-// The GEMMs whose tiles Sm90ChooseConfig picks: the forward's two projections, the backward's
-// data gradients (sm90_expert_backward.h: dA_u = dout W2_e, dXg = dH W13_e) and its weight
-// gradients (dW2 [d, h] and dW13 [2h, d]; for these only block_n, 256 when the gradient has
-// more than 128 columns, else 128, and tma_weights are chosen). kBackwardDH is the dA GEMM with the
-// SwiGLU backward as its epilogue (LaunchSm90BackwardDH), whose heavier epilogue favours other
-// tiles.
-enum class Sm90Projection {
-  kUpSwiGLU = 0,
-  kDown = 1,
-  kBackwardDA = 2,
-  kBackwardDX = 3,
-  kWeightGradW2 = 4,
-  kWeightGradW13 = 5,
-  kBackwardDH = 6,
-};
-
-// Tile choice. Tiles are 128 rows (two consumer warpgroups of 64); block_n is the wgmma N
-// (128 or 256): for the up-projection half of it are W1 rows and half the matching W3 rows.
-// The ring depth follows (4 stages for 128x256, 6 for 128x128, ~192 KB either way). group_m
-// row blocks form one rasterisation band (weights stream from memory once per band).
-// tma_weights = false loads weights by cp.async instead of TMA. warp_specialized = true (TMA
-// only) runs a producer warpgroup that loads while two consumer warpgroups multiply, with no
-// CTA-wide barrier per k-step. ping_pong = true (TMA only; takes precedence over
-// warp_specialized) runs the same producer, but each consumer warpgroup takes whole tiles in
-// turn, so that one's epilogue overlaps the other's MMAs; its tiles per consumer are 128 x 128
-// (block_n 128) or 64 x 256 (block_n 256), and group_m still counts 128 rows. multicast_b
-// (with ping_pong) runs CTAs in clusters of 2 on row-adjacent tiles that split each weight tile's
-// load and multicast it to both, halving the weight traffic per tile; the launchers refuse it
-// without ping_pong (cudaErrorInvalidValue).
-// The weight gradients read only block_n and tma_weights, which there means that the operand
-// read in slot order (pA for dW2, dH for dW13) comes by TMA (block_n 256 only; like the other
-// fields' defaults, tma_weights = true is what a default-constructed config asks for).
+// Which kernel runs a GEMM and with which tiles. block_n: the wgmma N, 128 or 256 (for the
+// up-projection half of it are W1 rows, half the matching W3 rows); the ring depth follows.
+// group_m: row blocks per rasterisation band. tma_weights: weights by TMA, else cp.async.
+// warp_specialized: a producer warpgroup loads while two consumers multiply (TMA only).
+// ping_pong: the same producer, consumers taking whole tiles in turn (TMA only; wins over
+// warp_specialized); 128 x 128 (block_n 128) or 64 x 256 (block_n 256) consumer tiles.
+// multicast_b (ping_pong only): 2-CTA clusters share each weight tile by TMA multicast.
+// The weight gradients read block_n and tma_weights (there: the operand read in slot order by
+// TMA, block_n 256 only).
 struct Sm90GemmConfig {
   int block_n = 256;
   bool tma_weights = true;
@@ -81,18 +58,13 @@ struct Sm90GemmConfig {
   bool multicast_b = false;
 };
 
-// nullptr when the fused kernels take the problem, else a message naming the field that
-// stops them (sizes must be positive, d_model and d_hidden multiples of 8 for 16-byte rows,
-// 1 <= num_experts <= 512, T*K within int32, w13_expert_stride -1 or >= h*d and a multiple
-// of 8).
+// nullptr when the fused kernels take the problem, else a message naming the field that stops
+// them (sizes positive, d_model and d_hidden multiples of 8 for 16-byte rows, 1 <= num_experts
+// <= 512, T*K within int32, w13_expert_stride -1 or >= h*d and a multiple of 8).
 const char* Sm90CanImplement(const Sm90ExpertProblem& problem);
 
 // True when `device` is compute capability 9.0 (the kernels are built for sm_90a only).
 bool Sm90DeviceSupported(int device);
-
-// The one heuristics function: tile width for a projection, given the SM count.
-Sm90GemmConfig Sm90ChooseConfig(const Sm90ExpertProblem& problem, Sm90Projection projection,
-                                int num_sms);
 
 // H [N, 2h] and A [N, h] for all local experts. offsets [experts+1], entries [N] on device.
 cudaError_t LaunchSm90ExpertUp(const Sm90ExpertProblem& problem, const Sm90GemmConfig& config,

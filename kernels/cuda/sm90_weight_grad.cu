@@ -8,24 +8,21 @@
 // (sm90_weight_grad_kernel in all three cases):
 //   block_n 256: 128 x 256 tiles, one CTA an SM, both operands by cp.async;
 //   block_n 256, tma_weights: the same with the slot-order operand's full slabs by TMA
-//     (kTmaSlots; "weights" is the field's name from the other GEMMs, here it is pA or dH):
-//     1.4-12.5% less time on sonic-7b, olmoe, qwen3-a3b and scale-8k, both gradients,
-//     accumulating or not, except qwen3-a3b dW13 (1.4% and 0.3% more, within run-to-run
-//     spread); not measured on deepseek-v3, so Sm90ChooseConfig keeps it off there;
+//     (kTmaSlots; "weights" is the field's name from the other GEMMs, here it is pA or dH);
 //   block_n 128: 128 x 128 tiles, one CTA an SM (tma_weights does not apply).
-// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap). Two CTAs an SM at block_n 128
-// (kCtasPerSm = 2) is timed by the bench but not chosen: 6-23% slower than one CTA at block_n
-// 128 on deepseek-v3 without accumulation. The
-// gathered operand always comes by cp.async (a gathered row set has no tensor-map box) and the
-// tile order is fixed expert-major, so group_m, warp_specialized and ping_pong are ignored.
+// Which one a gradient gets is engine/cuda/kernel_selection.h's rule. Two CTAs an SM at
+// block_n 128 (kCtasPerSm = 2) is timed by the bench but never chosen, slower than one CTA
+// (docs/decisions/0001-sm90-kernel-choice.md). The gathered operand always comes by cp.async
+// (a gathered row set has no tensor-map box) and the tile order is fixed expert-major, so
+// group_m, warp_specialized and ping_pong are ignored.
 // The number of tiles is known only on the device (experts with rows), so CTAs past it exit
 // at once.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/sm90/impls/weight_grad.cuh"
 #include "kernels/cuda/sm90_expert_backward.h"
-#include "kernels/cuda/sm90_weight_grad.cuh"
 
 namespace moe::kernels {
 namespace {

@@ -249,5 +249,35 @@ TEST(EngineFactoryTest, DeviceStrings) {
   EXPECT_EQ(CreateEngine("cuda:4096").status().code(), absl::StatusCode::kUnavailable);
 }
 
+// EngineOptions reach the engine made: a CPU engine with its own pool of 3 threads gives the
+// bits of one on the shared pool, and a negative thread count is refused naming the field.
+TEST(EngineFactoryTest, Options) {
+  EngineOptions three;
+  three.cpu_threads = 3;
+  auto own = CreateEngine("cpu", three);
+  auto shared = CreateEngine("cpu");
+  ASSERT_TRUE(own.ok() && shared.ok());
+  LayerConfig config = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
+  config.d_model = 96;
+  config.d_hidden = 80;
+  auto a = (*own)->CreateLayer(config);
+  auto b = (*shared)->CreateLayer(config);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const int64_t tokens = 300;
+  const Tensor x = MakeTensor(RandomVec(tokens * config.d_model, 7), config.dtype,
+                              {tokens, config.d_model});
+  ForwardRequest request;
+  request.x = x.view();
+  request.training = false;
+  auto fa = (*a)->Forward(request);
+  auto fb = (*b)->Forward(request);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  EXPECT_EQ(fa->out.bytes, fb->out.bytes);
+  EngineOptions negative;
+  negative.cpu_threads = -1;
+  ExpectInvalid(CreateEngine("cpu", negative).status(), "cpu_threads");
+  ExpectInvalid(CreateEngine("auto", negative).status(), "cpu_threads");
+}
+
 }  // namespace
 }  // namespace moe::testing

@@ -14,9 +14,10 @@
 // (and odd, which forces the scalar kernel paths), E not a power of two, experts with no
 // tokens, T = 1, K = 1, shards and several dispatch chunks. GPU only (ctest label "gpu").
 //
-// FusedForward runs the bf16 SwiGLU cases once per forward path (unfused; sm90 fused
-// up-projection + cuBLAS down; sm90 fused up + down + combine), forced through the pipeline's
-// test hook, and first asserts which path the pipeline takes on this device: on sm_90 the
+// FusedKernelsTest runs the bf16 SwiGLU cases once per forward path (unfused; sm90 fused
+// up-projection + cuBLAS down; sm90 fused up + down + combine) and backward path, forced through
+// the engine's PipelineOptions, and first asserts which path the pipeline takes on this device:
+// on sm_90 the
 // fused one for sizes Sm90CanImplement accepts (d, h multiples of 8), the unfused fallback for
 // the others (d = 38); elsewhere always the fallback. The tolerances are the same as above:
 // the fused kernels round H, A, Y and out to bf16 at the same points as the unfused path.
@@ -41,6 +42,7 @@
 #include "engine/cpu_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
+#include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
@@ -78,30 +80,26 @@ std::string Describe(const Case& c, uint64_t seed) {
   return s.str();
 }
 
-// Skips without a GPU; poisons every device allocation; restores the test hooks afterwards.
+// Skips without a GPU.
 class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    cuda::SetPoisonAllocationsForTesting(true);
-  }
-  void TearDown() override {
-    cuda::SetPoisonAllocationsForTesting(false);
-    cuda::SetMaxChunkRowsForTesting(0);
-    cuda::SetForwardKernelsForTesting(cuda::ForwardKernels::kAuto);
-    cuda::SetBackwardKernelsForTesting(cuda::BackwardKernels::kAuto);
   }
 };
 
 class CudaEngineTest : public GpuTest, public ::testing::WithParamInterface<Case> {};
 
-void RunCase(const Case& c, const std::string& extra) {
+// `pipeline`: the paths the GPU layer is forced onto (kAuto: the service's choice). Every device
+// allocation of the layer is poisoned.
+void RunCase(const Case& c, const std::string& extra, cuda::PipelineOptions pipeline = {}) {
   const uint64_t seed = std::random_device{}();
   const std::string what = Describe(c, seed) + extra;
   std::mt19937_64 rng(seed);
   const bool bf16 = c.dtype == DType::kBFloat16;
   const double tol = bf16 ? 2e-2 : 1e-4;
-  cuda::SetMaxChunkRowsForTesting(c.chunk_rows);
+  pipeline.max_chunk_rows = c.chunk_rows;
+  pipeline.poison_allocations = true;
 
   LayerConfig cfg;
   cfg.num_experts = c.experts;
@@ -126,7 +124,7 @@ void RunCase(const Case& c, const std::string& extra) {
   cfg.optimizer.max_grad_norm = c.max_grad_norm;
 
   std::unique_ptr<Engine> cpu = CreateCpuEngine();
-  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0);
+  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0, EngineOptions{}, pipeline);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   absl::StatusOr<std::unique_ptr<Layer>> cl = cpu->CreateLayer(cfg);
   absl::StatusOr<std::unique_ptr<Layer>> gl = (*gpu)->CreateLayer(cfg);
@@ -340,8 +338,9 @@ TEST_P(FusedKernelsTest, MatchesCpuEngine) {
   const bool sm90 = major == 9 && minor == 0;
 
   // Which path a pipeline of this layer's shape takes for one chunk of these sizes.
-  cuda::SetForwardKernelsForTesting(requested);
-  cuda::SetBackwardKernelsForTesting(requested_backward);
+  cuda::PipelineOptions pipeline;
+  pipeline.forward = requested;
+  pipeline.backward = requested_backward;
   absl::StatusOr<std::shared_ptr<cuda::Stream>> stream = cuda::Stream::Create(device);
   ASSERT_TRUE(stream.ok()) << stream.status();
   cuda::ExpertShape shape;
@@ -352,7 +351,7 @@ TEST_P(FusedKernelsTest, MatchesCpuEngine) {
   shape.expert_count = c.count < 0 ? c.experts : c.count;
   shape.activation = static_cast<int>(c.act);
   shape.type = kernels::ElemType::kBFloat16;
-  cuda::ExpertPipeline pipe(shape, *stream, /*gemm=*/nullptr);
+  cuda::ExpertPipeline pipe(shape, *stream, /*gemm=*/nullptr, pipeline);
   cuda::ChunkPlan chunk;
   chunk.tokens = c.tokens;
   chunk.routed = c.tokens * c.top_k;
@@ -364,8 +363,10 @@ TEST_P(FusedKernelsTest, MatchesCpuEngine) {
       sm90 && fc.fusable ? requested_backward : cuda::BackwardKernels::kUnfused;
   ASSERT_EQ(pipe.ChunkBackwardKernels(chunk), expected_backward)
       << "requested " << cuda::BackwardKernelsName(requested_backward) << " sm90=" << sm90;
-  RunCase(c, std::string(" forward=") + cuda::ForwardKernelsName(expected) +
-                 " backward=" + cuda::BackwardKernelsName(expected_backward));
+  RunCase(c,
+          std::string(" forward=") + cuda::ForwardKernelsName(expected) +
+              " backward=" + cuda::BackwardKernelsName(expected_backward),
+          pipeline);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -399,10 +400,9 @@ INSTANTIATE_TEST_SUITE_P(
                 {300, 8, 2, 64, 32, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kServer, 0,
                  -1, OptimizerKind::kAdamW, 0.0, 0.01, 0.0, true, 100},
                 true},
-            // 128 experts of ~4 rows each and h = 264: the heuristics choose block_n 256 and the
-            // ping-pong kernel for the up-projection (128-row tiles would pad most rows) and for
-            // the dA GEMM with the SwiGLU backward in its epilogue (h <= 768). Small d keeps the
-            // CPU reference quick (a d = 256, h = 760 version took 19 s a case).
+            // 128 experts of ~4 rows each and h = 264: the selection rules choose block_n 256 and
+            // the ping-pong kernel for the up-projection (128-row tiles would pad most rows).
+            // Small d keeps the CPU reference quick.
             FusedCase{
                 {256, 128, 2, 64, 264, Activation::kSwiGLU, DType::kBFloat16, RoutingMode::kClient},
                 true},
@@ -413,7 +413,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(cuda::ForwardKernels::kUnfused, cuda::ForwardKernels::kFusedUp,
                           cuda::ForwardKernels::kFusedUpDown),
         ::testing::Values(cuda::BackwardKernels::kUnfused, cuda::BackwardKernels::kFused,
-                          cuda::BackwardKernels::kFusedEpilogue, cuda::BackwardKernels::kHybrid)),
+                          cuda::BackwardKernels::kHybrid)),
     [](const ::testing::TestParamInfo<FusedKernelsTest::ParamType>& info) {
       const Case& c = std::get<0>(info.param).c;
       std::string name = "T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +

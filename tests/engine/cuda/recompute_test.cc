@@ -11,7 +11,7 @@
 // engine that is not run-to-run deterministic for some tensor (none is expected: no float
 // atomics, fixed cuBLAS problems) from a recompute bug: such a tensor is reported and held to
 // the CPU tolerance instead. The forward paths (unfused, sm90 fused-up, fused-up-down) are
-// forced through the pipeline's test hook, with several dispatch chunks; the saved context
+// forced through the engine's PipelineOptions, with several dispatch chunks; the saved context
 // must shrink by exactly routed rows * g * element size. Odd widths put H rows off 16-byte
 // alignment, where cuBLAS's kernel choice could differ if the recomputed rows sat elsewhere.
 #include <gtest/gtest.h>
@@ -29,6 +29,7 @@
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
+#include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
@@ -66,12 +67,6 @@ class CudaRecomputeTest : public ::testing::TestWithParam<RCase> {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    cuda::SetPoisonAllocationsForTesting(true);
-  }
-  void TearDown() override {
-    cuda::SetPoisonAllocationsForTesting(false);
-    cuda::SetMaxChunkRowsForTesting(0);
-    cuda::SetForwardKernelsForTesting(cuda::ForwardKernels::kAuto);
   }
 };
 
@@ -82,8 +77,10 @@ TEST_P(CudaRecomputeTest, BitwiseKeepHAndWithinToleranceOfCpu) {
   std::mt19937_64 rng(seed);
   const bool bf16 = c.dtype == DType::kBFloat16;
   const double tol = bf16 ? 2e-2 : 1e-4;
-  cuda::SetMaxChunkRowsForTesting(c.chunk_rows);
-  cuda::SetForwardKernelsForTesting(c.forward);
+  cuda::PipelineOptions pipeline;
+  pipeline.max_chunk_rows = c.chunk_rows;
+  pipeline.forward = c.forward;
+  pipeline.poison_allocations = true;
 
   LayerConfig keep;
   keep.num_experts = c.experts;
@@ -108,7 +105,7 @@ TEST_P(CudaRecomputeTest, BitwiseKeepHAndWithinToleranceOfCpu) {
   const int64_t T = c.tokens, K = c.top_k, d = c.d;
   const std::vector<Round> rounds = RandomRounds(2, c.dtype, T, d, K, c.experts, rng);
 
-  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0);
+  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0, EngineOptions{}, pipeline);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   std::unique_ptr<Engine> cpu = CreateCpuEngine();
   Trace traces[4];  // GPU keep-H, GPU keep-H again, GPU recompute, CPU recompute

@@ -1,4 +1,4 @@
-// The backward's weight gradients on the side lane (ExpertShape::overlap_weight_grads, the
+// The backward's weight gradients on the side lane (PipelineOptions::overlap_weight_grads, the
 // default) against the same layer with them on the layer's stream: every tensor of a training
 // sequence must be the same bits. GPU only (label "gpu").
 //
@@ -7,9 +7,9 @@
 // or the layer's stream going on (freeing buffers the lane reads, stepping with gradients the
 // lane has not finished) without waiting for it. Left to chance these show only when the GPU
 // runs far enough behind the host, so the test makes the GPU wait (gpu_delay.h) at the two
-// points the engine's hook names: the layer's stream before dA, and the lane before its first
-// GEMM. A build whose lane does not wait for the layer's stream fails all seven cases, one whose
-// layer stream does not wait for the lane six, all but the one-chunk hybrid
+// points PipelineOptions::lane_delay names: the layer's stream before dA, and the lane before its
+// first GEMM. A build whose lane does not wait for the layer's stream fails all six cases, one
+// whose layer stream does not wait for the lane five, all but the one-chunk hybrid
 // (docs/decisions/0010-weight-grad-side-stream.md). Several dispatch chunks make one
 // chunk's lane meet the next chunk's dA; each backward path is forced in turn, since they hand
 // the lane different buffers (gathered dout reused for x in the unfused path, a fresh gathered
@@ -25,6 +25,7 @@
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
+#include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
 #include "engine/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
@@ -63,15 +64,6 @@ class WeightGradOverlapTest : public ::testing::TestWithParam<OCase> {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    cuda::SetPoisonAllocationsForTesting(true);
-    cuda::SetLaneDelayForTesting(&DelayAtLanePoint);
-  }
-  void TearDown() override {
-    cuda::SetPoisonAllocationsForTesting(false);
-    cuda::SetMaxChunkRowsForTesting(0);
-    cuda::SetBackwardKernelsForTesting(cuda::BackwardKernels::kAuto);
-    cuda::SetSerialWeightGradsForTesting(false);
-    cuda::SetLaneDelayForTesting(nullptr);
   }
 };
 
@@ -85,8 +77,11 @@ TEST_P(WeightGradOverlapTest, SameBitsAsOnTheLayersStream) {
            << " chunk_rows=" << c.chunk_rows << " seed=" << seed;
   const std::string what = describe.str();
   std::mt19937_64 rng(seed);
-  cuda::SetMaxChunkRowsForTesting(c.chunk_rows);
-  cuda::SetBackwardKernelsForTesting(c.backward);
+  cuda::PipelineOptions pipeline;
+  pipeline.max_chunk_rows = c.chunk_rows;
+  pipeline.backward = c.backward;
+  pipeline.poison_allocations = true;
+  pipeline.lane_delay = &DelayAtLanePoint;
 
   LayerConfig config;
   config.num_experts = c.experts;
@@ -101,13 +96,12 @@ TEST_P(WeightGradOverlapTest, SameBitsAsOnTheLayersStream) {
   const std::vector<Round> rounds =
       RandomRounds(2, c.dtype, c.tokens, c.d, c.top_k, c.experts, rng);
 
-  absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
   Trace traces[2];  // overlapped, serial
   for (int i = 0; i < 2; ++i) {
-    cuda::SetSerialWeightGradsForTesting(i == 1);  // read when the layer makes its pipeline
+    pipeline.overlap_weight_grads = i == 0;
+    absl::StatusOr<std::unique_ptr<Engine>> gpu = CreateCudaEngine(0, EngineOptions{}, pipeline);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
     absl::StatusOr<std::unique_ptr<Layer>> layer = (*gpu)->CreateLayer(config);
-    cuda::SetSerialWeightGradsForTesting(false);
     ASSERT_TRUE(layer.ok()) << layer.status() << " " << what;
     RunSequence(**layer, rounds, what, &traces[i]);
     if (HasFatalFailure()) return;
@@ -135,7 +129,6 @@ INSTANTIATE_TEST_SUITE_P(
         // bf16, several chunks, widths the sm90 kernels take.
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kUnfused, 300},
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFused, 300},
-        OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kFusedEpilogue, 300},
         OCase{600, 8, 2, 64, 32, DType::kBFloat16, cuda::BackwardKernels::kHybrid, 300},
         // One chunk, more experts and rows.
         OCase{2048, 16, 4, 256, 128, DType::kBFloat16, cuda::BackwardKernels::kFused, 0},

@@ -30,14 +30,15 @@ std::vector<float> Random(int64_t n, uint32_t seed) {
 }
 
 // ||got - want|| / ||want|| over C, with C = alpha op(A) op(B) + beta C0 in double.
-double RunCase(const Case& c, ThreadPool* pool, std::vector<float>* out = nullptr) {
+double RunCase(const Case& c, ThreadPool* pool, std::vector<float>* out = nullptr,
+               SgemmKernel kernel = SgemmKernel::kBest) {
   const int64_t lda = c.ta ? c.m : c.k, ldb = c.tb ? c.k : c.n, ldc = c.n + 3;
   const auto a = Random(c.m * c.k, 1), b = Random(c.k * c.n, 2);
   std::vector<float> cm = Random(c.m * ldc, 3);
   const std::vector<float> c0 = cm;
   if (c.beta == 0.0f) std::fill(cm.begin(), cm.end(), std::numeric_limits<float>::quiet_NaN());
   Sgemm(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a.data(), lda, b.data(), ldb, c.beta, cm.data(), ldc,
-        pool);
+        pool, kernel);
   double num = 0, den = 0;
   for (int64_t i = 0; i < c.m; ++i) {
     for (int64_t j = 0; j < c.n; ++j) {
@@ -66,10 +67,9 @@ double RunCase(const Case& c, ThreadPool* pool, std::vector<float>* out = nullpt
 
 TEST(SgemmTest, MatchesFloat64ForAllLayouts) {
   ThreadPool pool(3);
-  const std::string best = SgemmKernelName();
-  for (const char* kernel : {"generic", "avx2", "avx512"}) {
-    if (!SetSgemmKernelForTesting(kernel)) {
-      std::cout << "kernel " << kernel << " not supported here, skipped\n";
+  for (SgemmKernel kernel : {SgemmKernel::kGeneric, SgemmKernel::kAvx2, SgemmKernel::kAvx512}) {
+    if (!SgemmKernelSupported(kernel)) {
+      std::cout << "kernel " << SgemmKernelName(kernel) << " not supported here, skipped\n";
       continue;
     }
     const int64_t shapes[][3] = {
@@ -79,17 +79,30 @@ TEST(SgemmTest, MatchesFloat64ForAllLayouts) {
         for (const auto& s : shapes) {
           for (float beta : {0.0f, 1.0f}) {
             const Case c{ta, tb, s[0], s[1], s[2], 0.75f, beta};
-            const double err = RunCase(c, &pool);
+            const double err = RunCase(c, &pool, nullptr, kernel);
             // fp32 accumulation over k <= 513 terms: ~1e-7 * sqrt(k); 1e-5 leaves margin.
             EXPECT_LT(err, 1e-5) << "ta=" << ta << " tb=" << tb << " m=" << c.m << " n=" << c.n
                                  << " k=" << c.k << " beta=" << beta << " kernel "
-                                 << SgemmKernelName();
+                                 << SgemmKernelName(kernel);
           }
         }
       }
     }
   }
-  ASSERT_TRUE(SetSgemmKernelForTesting(best));
+}
+
+// A kernel this CPU does not run is never run: the caller gets the best one instead.
+TEST(SgemmTest, KernelNamesAndSupport) {
+  EXPECT_TRUE(SgemmKernelSupported(SgemmKernel::kBest));
+  EXPECT_TRUE(SgemmKernelSupported(SgemmKernel::kGeneric));
+  EXPECT_STREQ(SgemmKernelName(SgemmKernel::kGeneric), "generic");
+  for (SgemmKernel kernel : {SgemmKernel::kAvx2, SgemmKernel::kAvx512}) {
+    if (!SgemmKernelSupported(kernel)) {
+      EXPECT_STREQ(SgemmKernelName(kernel), SgemmKernelName(SgemmKernel::kBest));
+    }
+  }
+  EXPECT_STREQ(SgemmKernelName(SgemmKernel::kAvx2),
+               SgemmKernelSupported(SgemmKernel::kAvx2) ? "avx2" : SgemmKernelName());
 }
 
 TEST(SgemmTest, GeneralBetaScalesC) {

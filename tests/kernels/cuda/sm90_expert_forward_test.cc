@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda/kernel_selection.h"
 #include "kernels/cpu/dispatch.h"
 #include "tests/kernels/cuda/sm90_test_util.h"
 
@@ -311,15 +312,15 @@ int Main(const char* only) {
                                            {256, true, 3, false, true, true},
                                            {128, true, 16, false, true, true},
                                            {128, true, 1, false, true, true}};
-    // The heuristic choice must be one of the implemented tiles.
-    Sm90GemmConfig up = Sm90ChooseConfig(prob, Sm90Projection::kUpSwiGLU, 132);
+    // The engine's own choice (kernel_selection.h) must be one of the implemented tiles.
+    Sm90GemmConfig up = cuda::Sm90ChooseConfig(prob, cuda::Sm90Projection::kUpSwiGLU, 132);
     if (up.block_n != 128 && up.block_n != 256) {
-      std::printf("FAIL heuristics chose block_n=%d\n", up.block_n);
+      std::printf("FAIL the selection chose block_n=%d\n", up.block_n);
       ok = false;
     }
     const int row_step = many ? 5 : 1;  // "many": every 5th slot against the fp64 reference
     for (const Sm90GemmConfig& cfg : configs) ok &= RunCase(c, cfg, ++seed, false, row_step);
-    ok &= RunCase(c, up, ++seed, false, row_step);  // the heuristic's own choice
+    ok &= RunCase(c, up, ++seed, false, row_step);  // the engine's own choice
     if (many) continue;  // the stacked layout is checked on the smaller cases
     // Stacked [W1; W3] weights, through TMA and through cp.async.
     ok &= RunCase(c, up, ++seed, true);

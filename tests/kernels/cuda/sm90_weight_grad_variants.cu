@@ -2,7 +2,7 @@
 // arguments) as the directly launched variants of bench/sm90_weight_grad_bench.cu.
 #include <cuda_bf16.h>
 
-#include "kernels/cuda/sm90_weight_grad.cuh"
+#include "kernels/cuda/sm90/impls/weight_grad.cuh"
 #include "tests/kernels/cuda/sm90_weight_grad_variants.h"
 
 namespace moe::kernels::testing {

@@ -1,4 +1,4 @@
-// Host-side launch plumbing of the persistent grouped GEMM (sm90_grouped_gemm.cuh), shared by
+// Host-side launch plumbing of the persistent grouped GEMM (impls/grouped_gemm*.cuh), shared by
 // the fused forward (sm90_expert_forward.cu) and the fused backward's data gradients
 // (sm90_expert_backward.cu): tensor-map encoding, and the one switch that turns a runtime
 // Sm90GemmConfig into the kernel's template constants.
@@ -16,8 +16,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/sm90/impls/grouped_gemm.cuh"
+#include "kernels/cuda/sm90/impls/grouped_gemm_pp.cuh"
+#include "kernels/cuda/sm90/impls/grouped_gemm_ws.cuh"
+#include "kernels/cuda/sm90/params.cuh"
+#include "kernels/cuda/sm90/smem.cuh"
 #include "kernels/cuda/sm90_expert_forward.h"
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
 
 namespace moe::kernels::sm90 {
 
@@ -120,9 +124,9 @@ inline int SmCount() {
 
 // The compile-time choices of one use of the grouped GEMM (see sm90_grouped_gemm_kernel).
 // The forward's up-projection is <true, true, false, false>, its down-projection
-// <false, false, false, false>; the backward's dA with the SwiGLU backward in its epilogue
-// <false, true, true, true, true>.
-template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU = false>
+// <false, false, false, false>; the backward's dA <false, true, true, true> and dXg
+// <false, false, true, true>.
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
 struct GemmVariant {};
 
 // One persistent launch of `kernel`: a CTA of `threads` threads on every SM, kSmem bytes of
@@ -141,21 +145,19 @@ cudaError_t LaunchPersistent(Kernel kernel, int threads, const GemmParams& param
 }
 
 template <int kWarpgroups, int kN, int kStages, bool kTmaB, bool kSwiGLU, bool kGatherA,
-          bool kTransB, bool kSlotOut, bool kDSwiGLU>
-cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
-                       const GemmParams& params, cudaStream_t stream) {
+          bool kTransB, bool kSlotOut>
+cudaError_t LaunchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>, const GemmParams& params,
+                       cudaStream_t stream) {
   auto* kernel = sm90_grouped_gemm_kernel<kWarpgroups, kN, kStages, kSwiGLU, kTmaB, kGatherA,
-                                          kTransB, kSlotOut, kDSwiGLU>;
+                                          kTransB, kSlotOut>;
   return LaunchPersistent<SmemBytes<kWarpgroups, kN, kStages, kSwiGLU>()>(kernel, kWarpgroups * 128,
                                                                           params, stream);
 }
 
-template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut,
-          bool kDSwiGLU>
-cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
+template <int kN, int kStages, bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>,
                          const GemmParams& params, cudaStream_t stream) {
-  auto* kernel =
-      sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>;
+  auto* kernel = sm90_grouped_gemm_ws_kernel<kN, kStages, kSwiGLU, kGatherA, kTransB, kSlotOut>;
   return LaunchPersistent<SmemBytes<2, kN, kStages, kSwiGLU>() + kStages * 8>(kernel, 384, params,
                                                                               stream);
 }
@@ -165,11 +167,11 @@ cudaError_t LaunchGemmWs(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwi
 // 2 CTAs, as many as can be resident at once (cudaOccupancyMaxActiveClusters), which can be
 // fewer than half the SMs.
 template <int kBlockM, int kN, int kStages, bool kMulticastB, bool kSwiGLU, bool kGatherA,
-          bool kTransB, bool kSlotOut, bool kDSwiGLU>
-cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU>,
+          bool kTransB, bool kSlotOut>
+cudaError_t LaunchGemmPp(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut>,
                          const GemmParams& params, cudaStream_t stream) {
   auto* kernel = sm90_grouped_gemm_pp_kernel<kBlockM, kN, kStages, kSwiGLU, kGatherA, kTransB,
-                                             kSlotOut, kDSwiGLU, kMulticastB>;
+                                             kSlotOut, kMulticastB>;
   constexpr int kSmem = PpSmemBytes<kBlockM, kN, kStages, kSwiGLU>();
   constexpr int kCluster = kMulticastB ? 2 : 1;
   GemmParams pp = params;
@@ -254,8 +256,8 @@ cudaError_t LaunchTile(Variant variant, const Sm90GemmConfig& config, const Gemm
 
 // Validates the config, encodes the weight maps (b1 only for kSwiGLU) and launches. For
 // kTransB the weights are [experts][k_dim][n_dim] and the map's boxes are 64 n x 64 k.
-template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut, bool kDSwiGLU>
-cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut, kDSwiGLU> variant,
+template <bool kSwiGLU, bool kGatherA, bool kTransB, bool kSlotOut>
+cudaError_t DispatchGemm(GemmVariant<kSwiGLU, kGatherA, kTransB, kSlotOut> variant,
                          const Sm90GemmConfig& config, GemmParams& params, const void* b0,
                          const void* b1, cudaStream_t stream) {
   if (config.block_n != 128 && config.block_n != 256) return cudaErrorInvalidValue;

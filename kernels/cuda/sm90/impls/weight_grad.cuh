@@ -1,6 +1,6 @@
-// Hopper (sm_90a) weight-gradient grouped GEMM of the fused expert backward: for every local
-// expert e, C_e[M, N] (+)= sum over its routed rows s of A[row_a(s)]^T (outer) B[row_b(s)],
-// with fp32 C stored row-major, experts contiguous.
+// sm90_weight_grad_kernel: the weight-gradient grouped GEMM of the fused expert backward. For
+// every local expert e, C_e[M, N] (+)= sum over its routed rows s of A[row_a(s)]^T (outer)
+// B[row_b(s)], with fp32 C stored row-major, experts contiguous.
 //
 // Unlike the forward's grouped GEMM, the REDUCTION runs over the expert's routed rows (a
 // per-expert length known only on the device), while M and N are the fixed weight sizes. So
@@ -10,29 +10,26 @@
 // slab-rows x 64 elements (one 128-byte line per row, 16-byte chunk c of row r at chunk
 // c ^ (r % 8): the 128-byte swizzle) and read with wgmma's transpose flags (descriptor: next
 // 8-row group 1024 bytes on, next 64-element block one block on; the test fails with the two
-// offsets swapped or with the swizzle left out, see bench/sm90_weight_grad_build_carry.sh). One
-// operand's rows are GATHERED through the dispatch index (token = entries[s] / top_k) while
-// loading, the other is read in slot order; rows past the expert's count are zero-filled by
-// cp.async, so ragged counts need no masking in the math. The kernel is bound by the
-// instructions that address and issue those copies as much as by the tensor cores, hence
-// the multiply-shift division and the per-warp fetch of the gathered index below (together
-// worth 1.2-1.7x on the presets, bench/results/2026-11-21-h100-*-weight-grad). The load ring,
-// the kStages-2 look-ahead across tile boundaries and the 256 threads that both load and
-// multiply follow sm90_grouped_gemm.cuh, whose PTX wrappers this reuses. Each output element
-// belongs to exactly one tile and is summed in a fixed order, so results are deterministic
-// without atomics; the epilogue stores (or adds) fp32 pairs straight from the accumulator
-// fragments, where each quad of lanes covers one full 32-byte sector.
+// offsets swapped or with the swizzle left out). One operand's rows are GATHERED through the
+// dispatch index (token = entries[s] / top_k) while loading, the other is read in slot order;
+// rows past the expert's count are zero-filled by cp.async, so ragged counts need no masking
+// in the math. The kernel is bound by the instructions that address and issue those copies as
+// much as by the tensor cores, hence the multiply-shift division and the per-warp fetch of the
+// gathered index below (together 1.2-1.7x faster on the presets). The load ring, the
+// kStages-2 look-ahead across tile boundaries and the 256 threads that both load and multiply
+// follow the grouped GEMM's plain kernel (grouped_gemm.cuh), whose PTX wrappers and wgmma
+// shapes this reuses. Each output element belongs to exactly one tile and is summed in a fixed
+// order, so results are deterministic without atomics; the epilogue stores (or adds) fp32 pairs
+// straight from the accumulator fragments, where each quad of lanes covers one full 32-byte
+// sector.
 // The epilogue runs with the tensor cores idle in a CTA. Two CTAs an SM with 128 x 128 tiles
 // (kCtasPerSm = 2: registers capped at 128, half the ring each) overlap it with the other CTA's
-// main loop, but gained only 2-4% over 128 x 256 tiles where it gained (and lost 27-30% to them
-// on deepseek-v3), and a warp-specialised ping-pong (each of two consumer warpgroups on its own
-// tile, taking turns) measured 7-35% slower; the main loop (operand copies and wgmma) is what
-// bounds the kernel (ncu on scale-8k dW13: 37% of peak compute, 66% of L2 throughput). Reading the
-// slot-order operand by TMA (kTmaSlots) helped more: 1.4-12.5% less time on 14 of 16 cases
-// (bench/results/2026-11-21-h100-402c3e4-weight-grad-overlap, where the ping-pong's patch is).
-// No Abseil, gRPC or protobuf here (house style).
-#ifndef MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
-#define MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+// main loop, but gain little over 128 x 256 tiles where they gain at all, and a
+// warp-specialised ping-pong measured slower: the main loop (operand copies and wgmma) is what
+// bounds the kernel. Reading the slot-order operand by TMA (kTmaSlots) helps more
+// (docs/decisions/0001-sm90-kernel-choice.md). No Abseil, gRPC or protobuf here.
+#ifndef MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
+#define MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -41,8 +38,10 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/sm90_grouped_gemm.cuh"
-#include "kernels/cuda/sm90_launch.cuh"
+#include "kernels/cuda/sm90/launch.cuh"
+#include "kernels/cuda/sm90/mma.cuh"
+#include "kernels/cuda/sm90/params.cuh"
+#include "kernels/cuda/sm90/ptx.cuh"
 
 namespace moe::kernels::sm90 {
 
@@ -524,4 +523,4 @@ cudaError_t LaunchWeightGradKernel(const WeightGradParams& params_in, cudaStream
 
 }  // namespace moe::kernels::sm90
 
-#endif  // MOE_KERNELS_CUDA_SM90_WEIGHT_GRAD_CUH_
+#endif  // MOE_KERNELS_CUDA_SM90_IMPLS_WEIGHT_GRAD_CUH_
