@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,19 @@ std::string StateTensorName(const std::string& param, StateKind kind);
 absl::Status ValidateStateTensor(
     const LayerConfig& config, const std::string& name, const Tensor& tensor,
     const std::function<const std::vector<int64_t>*(const std::string&)>& param_shape);
+
+// The dtype and shape of one state tensor.
+struct StateTensorSpec {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+};
+
+// Every tensor a layer with `config` gives from ExportState(include_optimizer), by name: the
+// weights (w1, w3 when gated, w2, router with server routing) in the layer dtype and, with the
+// optimizer, their fp32 optimizer state (and masters for bf16 storage) and "step". A whole-state
+// import (a checkpoint) must hold exactly these; ImportState alone accepts any subset.
+std::map<std::string, StateTensorSpec> FullStateSpec(const LayerConfig& config,
+                                                     bool include_optimizer);
 
 }  // namespace moe
 

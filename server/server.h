@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "server/checkpoint.h"
 #include "server/options.h"
 
 namespace grpc {
@@ -29,6 +30,8 @@ class Server {
   int metrics_port() const { return metrics_port_; }
   const std::string& device() const { return device_; }
   Metrics& metrics() { return *metrics_; }
+  // What the start-up sweep of --checkpoint_dir removed (checkpoint.h, RemoveCheckpointDebris).
+  const DebrisSweep& checkpoint_debris() const { return checkpoint_debris_; }
 
   void Wait();
   // Cancels open calls (sessions end, their contexts are freed) and stops serving.
@@ -39,6 +42,7 @@ class Server {
   int port_ = 0;
   int metrics_port_ = -1;
   std::string device_;
+  DebrisSweep checkpoint_debris_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;

@@ -1088,63 +1088,138 @@ grpc::ServerReadReactor<v1::WeightChunk>* ExpertServiceImpl::ImportWeights(
   return new ImportReactor(this, ctx, resp);
 }
 
+// Save: the state is exported on the device executor (a copy, so the layer trains on), then
+// encoded and written on the file executor. Load: read (bounded by --max_checkpoint_bytes),
+// decoded and checked whole on the file executor, then imported on the device executor. Either
+// way a slow disk holds no Forward, and the call's deadline is asked between chunks of I/O and
+// at each hand-over: a call past it gets DEADLINE_EXCEEDED with no file replaced (Save) and
+// nothing imported (Load).
 grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::SaveCheckpointRequest* req,
                                                             v1::SaveCheckpointResponse* resp) {
-  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
-    auto entry = FindLayer(req->layer());
-    if (!entry.ok()) return entry.status();
-    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
-    if (!path.ok()) return path.status();
-    auto state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
-    if (!state.ok()) return state.status();
-    auto bytes = EncodeCheckpoint(req->layer(), (*entry)->config, *state);
-    if (!bytes.ok()) return bytes.status();
-    if (auto st = WriteFileAtomically(*path, *bytes); !st.ok()) return st;
-    resp->set_path(*path);
-    resp->set_bytes(static_cast<int64_t>(bytes->size()));
-    resp->set_step((*entry)->layer->step());
-    return absl::OkStatus();
+  static constexpr char kMethod[] = "SaveCheckpoint";
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
+  executor_.Submit([this, ctx, req, resp, reactor](double queued) {
+    metrics_->Stage(kMethod, "queue", queued);
+    const Clock::time_point t0 = Clock::now();
+    auto state = std::make_shared<std::map<std::string, Tensor>>();
+    LayerConfig config;
+    int64_t step = 0;
+    const absl::Status exported = [&]() -> absl::Status {
+      if (auto st = CallAlive(ctx); !st.ok()) return st;
+      auto entry = FindLayer(req->layer());
+      if (!entry.ok()) return entry.status();
+      // What needs no export first: a bad path or a server without --checkpoint_dir.
+      if (auto parts = SplitCheckpointPath(req->path()); !parts.ok()) return parts.status();
+      if (options_.checkpoint_dir.empty()) {
+        return absl::FailedPreconditionError("the server was started without --checkpoint_dir");
+      }
+      auto exported_state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
+      if (!exported_state.ok()) return exported_state.status();
+      *state = std::move(*exported_state);
+      config = (*entry)->config;
+      step = (*entry)->layer->step();
+      return absl::OkStatus();
+    }();
+    metrics_->Stage(kMethod, "compute", SecondsSince(t0));
+    if (!exported.ok()) {
+      FinishUnary(reactor, kMethod, exported);
+      return;
+    }
+    file_executor_.Submit([this, ctx, req, resp, reactor, state, config, step](double) {
+      const Clock::time_point t1 = Clock::now();
+      const KeepGoing alive = [ctx] { return CallAlive(ctx); };
+      const absl::Status written = [&]() -> absl::Status {
+        if (auto st = alive(); !st.ok()) return st;
+        auto bytes = EncodeCheckpoint(req->layer(), config, *state);
+        state->clear();
+        if (!bytes.ok()) return bytes.status();
+        auto path = WriteCheckpointFile(options_.checkpoint_dir, req->path(), *bytes,
+                                        options_.max_checkpoint_bytes, alive);
+        if (!path.ok()) return path.status();
+        resp->set_path(*path);
+        resp->set_bytes(static_cast<int64_t>(bytes->size()));
+        resp->set_step(step);
+        return absl::OkStatus();
+      }();
+      metrics_->Stage(kMethod, "io", SecondsSince(t1));
+      if (written.ok()) metrics_->BytesOut(kMethod, static_cast<int64_t>(resp->ByteSizeLong()));
+      FinishUnary(reactor, kMethod, written);
+    });
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::LoadCheckpointRequest* req,
                                                             v1::LoadCheckpointResponse* resp) {
-  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp]() -> absl::Status {
-    if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
-    auto path = ResolveCheckpointPath(options_.checkpoint_dir, req->path());
-    if (!path.ok()) return path.status();
-    auto bytes = ReadWholeFile(*path);
-    if (!bytes.ok()) return bytes.status();
-    auto decoded = DecodeCheckpoint(*bytes);
-    if (!decoded.ok()) return decoded.status();
-    auto entry = FindLayer(req->layer());
-    if (entry.ok()) {
-      // Into the existing layer: ImportState checks every name, shape and dtype first.
-      if (auto st = (*entry)->layer->ImportState(decoded->state); !st.ok()) return st;
-      RefreshLayer(**entry);
-      FillInfo(**entry, resp->mutable_layer());
-      return absl::OkStatus();
+  static constexpr char kMethod[] = "LoadCheckpoint";
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
+  file_executor_.Submit([this, ctx, req, resp, reactor](double) {
+    const Clock::time_point t1 = Clock::now();
+    const KeepGoing alive = [ctx] { return CallAlive(ctx); };
+    auto decoded = std::make_shared<DecodedCheckpoint>();
+    const absl::Status read = [&]() -> absl::Status {
+      if (auto st = alive(); !st.ok()) return st;
+      if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
+      auto bytes = ReadCheckpointFile(options_.checkpoint_dir, req->path(),
+                                      options_.max_checkpoint_bytes, alive);
+      if (!bytes.ok()) return bytes.status();
+      auto file = DecodeCheckpoint(*bytes);
+      if (!file.ok()) return file.status();
+      *decoded = std::move(*file);
+      // Whole or not at all: every tensor of the file's own layer config, nothing else.
+      return CheckCheckpointState(decoded->config, decoded->state);
+    }();
+    metrics_->Stage(kMethod, "io", SecondsSince(t1));
+    if (!read.ok()) {
+      FinishUnary(reactor, kMethod, read);
+      return;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (static_cast<int>(layers_.size()) >= options_.max_layers) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
-      }
-    }
-    auto layer = engine_->CreateLayer(decoded->config);
-    if (!layer.ok()) return layer.status();
-    if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) return st;
-    std::shared_ptr<LayerEntry> created;
-    if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), &created);
-        !st.ok()) {
-      return st;
-    }
-    FillInfo(*created, resp->mutable_layer());
-    return absl::OkStatus();
+    executor_.Submit([this, ctx, req, resp, reactor, decoded](double queued) {
+      metrics_->Stage(kMethod, "queue", queued);
+      const Clock::time_point t0 = Clock::now();
+      const absl::Status imported = [&]() -> absl::Status {
+        if (auto st = CallAlive(ctx); !st.ok()) return st;
+        auto entry = FindLayer(req->layer());
+        if (entry.ok()) {
+          // Into the existing layer: the checkpoint must fit it whole; ImportState then checks
+          // the values and changes nothing unless all of them pass.
+          if (auto st = CheckCheckpointFitsLayer(req->layer(), (*entry)->config, decoded->state);
+              !st.ok()) {
+            return st;
+          }
+          if (auto st = (*entry)->layer->ImportState(decoded->state); !st.ok()) return st;
+          RefreshLayer(**entry);
+          FillInfo(**entry, resp->mutable_layer());
+          return absl::OkStatus();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (static_cast<int>(layers_.size()) >= options_.max_layers) {
+            return absl::ResourceExhaustedError(absl::StrCat(
+                "the server already holds --max_layers=", options_.max_layers, " layers"));
+          }
+        }
+        auto layer = engine_->CreateLayer(decoded->config);
+        if (!layer.ok()) return layer.status();
+        if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) return st;
+        std::shared_ptr<LayerEntry> created;
+        if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), &created);
+            !st.ok()) {
+          return st;
+        }
+        FillInfo(*created, resp->mutable_layer());
+        return absl::OkStatus();
+      }();
+      metrics_->Stage(kMethod, "compute", SecondsSince(t0));
+      if (imported.ok()) metrics_->BytesOut(kMethod, static_cast<int64_t>(resp->ByteSizeLong()));
+      FinishUnary(reactor, kMethod, imported);
+    });
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContext* ctx,
