@@ -192,13 +192,8 @@ TEST(HostileCheckpointTest, EveryHostileInputGetsItsStatusAndChangesNothing) {
        absl::StatusCode::kFailedPrecondition, "symbolic link"},
       {"save over a symlink", kSave, "ref", "passwd", absl::StatusCode::kFailedPrecondition,
        "symbolic link"},
-      {"FIFO", kLoad, "ref", "fifo", absl::StatusCode::kFailedPrecondition, "not a regular file"},
-      {"symlink to /dev/zero", kLoad, "ref", "zero", absl::StatusCode::kFailedPrecondition,
-       "symbolic link"},
       {"huge header length", kLoad, "ref", "huge_header.safetensors", absl::StatusCode::kDataLoss,
        "header length"},
-      {"\\uZZZZ in the header", kLoad, "ref", "unicode.safetensors", absl::StatusCode::kDataLoss,
-       "not valid JSON"},
       {"missing w3", kLoad, "ref", "missing_w3.safetensors", absl::StatusCode::kDataLoss,
        "\"w3\" is missing"},
       {"missing w3, new layer", kLoad, "fresh", "missing_w3.safetensors",
@@ -228,6 +223,13 @@ TEST(HostileCheckpointTest, EveryHostileInputGetsItsStatusAndChangesNothing) {
        absl::StatusCode::kResourceExhausted, "max_checkpoint_bytes"},
       {"missing file", kLoad, "fresh", "absent.safetensors", absl::StatusCode::kNotFound,
        "does not exist"},
+      // Last, the inputs that crash, exhaust or stall a server that reads blindly, so that such
+      // a regression still shows every other case's result.
+      {"\\uZZZZ in the header", kLoad, "ref", "unicode.safetensors", absl::StatusCode::kDataLoss,
+       "not valid JSON"},
+      {"symlink to /dev/zero", kLoad, "ref", "zero", absl::StatusCode::kFailedPrecondition,
+       "symbolic link"},
+      {"FIFO", kLoad, "ref", "fifo", absl::StatusCode::kFailedPrecondition, "not a regular file"},
   };
   for (const Case& cs : cases) {
     const absl::Status st = cs.op == kSave ? c.SaveCheckpoint(cs.layer, cs.path).status()
@@ -237,20 +239,28 @@ TEST(HostileCheckpointTest, EveryHostileInputGetsItsStatusAndChangesNothing) {
     EXPECT_EQ(st.message().find("root:"), std::string::npos) << cs.what << ": " << st;
     EXPECT_EQ(st.message().find(dir), std::string::npos) << cs.what << ": " << st;
 
-    // The server still serves, the reference layer is untouched and no layer appeared.
+    // The server still serves, the reference layer is untouched and no layer appeared. What a
+    // case did change is undone, so that each case is judged on its own.
     Tensor x = RandomFloat(rng, {5, RefConfig().d_model});
     auto f = c.Forward("ref", 0, false, x.view(), {}, {}).get();
     EXPECT_TRUE(f.ok()) << cs.what << ": " << f.status();
     auto after = c.ExportWeights("ref", true);
     ASSERT_TRUE(after.ok()) << cs.what << ": " << after.status();
-    ASSERT_EQ(after->size(), before->size()) << cs.what;
+    bool unchanged = after->size() == before->size();
     for (const auto& [name, t] : *before) {
-      EXPECT_EQ(after->at(name).bytes, t.bytes) << cs.what << ": " << name << " changed";
+      if (after->count(name) == 0 || after->at(name).bytes != t.bytes) {
+        ADD_FAILURE() << cs.what << ": " << name << " of the reference layer changed";
+        unchanged = false;
+      }
     }
+    if (!unchanged) ASSERT_TRUE(c.ImportWeights("ref", *before).ok());
     auto layers = c.ListLayers();
     ASSERT_TRUE(layers.ok()) << layers.status();
-    ASSERT_EQ(layers->size(), 1u) << cs.what;
-    EXPECT_EQ((*layers)[0].name(), "ref") << cs.what;
+    for (const v1::LayerInfo& info : *layers) {
+      if (info.name() == "ref") continue;
+      ADD_FAILURE() << cs.what << ": layer \"" << info.name() << "\" appeared";
+      ASSERT_TRUE(c.DeleteLayer(info.name()).ok());
+    }
   }
   // Nothing outside the directory, nothing new or changed inside it.
   struct stat s;
