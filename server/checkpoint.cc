@@ -226,7 +226,8 @@ absl::Status ReadExactly(int fd, size_t n, std::string* out, const KeepGoing& ke
 }
 
 bool AllDigits(absl::string_view s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return absl::ascii_isdigit(c); });
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](char c) { return absl::ascii_isdigit(c); });
 }
 
 // The pid in a debris name (IsCheckpointDebrisName holds).
@@ -308,8 +309,7 @@ Mismatch FindMismatch(const LayerConfig& config, const std::map<std::string, Ten
     // file was parsed, and ImportState checks it again.
     const Tensor& t = it->second;
     if (t.dtype != want.dtype || t.shape != want.shape) {
-      return {Mismatch::kShape, name, SpecText(t.dtype, t.shape),
-              SpecText(want.dtype, want.shape)};
+      return {Mismatch::kShape, name, SpecText(t.dtype, t.shape), SpecText(want.dtype, want.shape)};
     }
   }
   for (const auto& [name, t] : state) {
@@ -337,8 +337,8 @@ absl::StatusOr<std::vector<std::string>> SplitCheckpointPath(const std::string& 
   std::vector<std::string> parts = absl::StrSplit(relative, '/', absl::SkipEmpty());
   if (parts.empty()) return absl::InvalidArgumentError("path: empty");
   if (parts.size() > kMaxCheckpointPathComponents) {
-    return absl::InvalidArgumentError(absl::StrCat("path: more than ",
-                                                   kMaxCheckpointPathComponents, " components"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("path: more than ", kMaxCheckpointPathComponents, " components"));
   }
   for (const std::string& p : parts) {
     if (p == ".." || p == ".") {
@@ -410,9 +410,8 @@ absl::StatusOr<std::string> WriteCheckpointFile(const std::string& root,
   return absl::StrCat(root, "/", absl::StrJoin(*parts, "/"));
 }
 
-absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root,
-                                               const std::string& relative, int64_t max_bytes,
-                                               const KeepGoing& keep_going) {
+absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root, const std::string& relative,
+                                               int64_t max_bytes, const KeepGoing& keep_going) {
   auto parts = SplitCheckpointPath(relative);
   if (!parts.ok()) return parts.status();
   auto root_fd = OpenRoot(root);
@@ -433,9 +432,9 @@ absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root,
   if (absl::Status s = CheckKind(st, /*want_dir=*/false, relative, ""); !s.ok()) return s;
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size > static_cast<uint64_t>(std::max<int64_t>(max_bytes, 0))) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "path: ", Shown(relative), " is ", size, " bytes, more than the server reads (",
-        "max_checkpoint_bytes = ", max_bytes, ")"));
+    return absl::ResourceExhaustedError(absl::StrCat("path: ", Shown(relative), " is ", size,
+                                                     " bytes, more than the server reads (",
+                                                     "max_checkpoint_bytes = ", max_bytes, ")"));
   }
   std::string out;
   if (size < 8) return absl::DataLossError("safetensors: file shorter than 8 bytes");
@@ -527,8 +526,9 @@ absl::Status CheckCheckpointState(const LayerConfig& config,
       return absl::OkStatus();
     case Mismatch::kMissing:
       return absl::DataLossError(absl::StrCat(
-          tensor, "is missing: a checkpoint holds every weight, optimizer state and the step of "
-                  "its layer"));
+          tensor,
+          "is missing: a checkpoint holds every weight, optimizer state and the step of "
+          "its layer"));
     case Mismatch::kShape:
       return absl::DataLossError(
           absl::StrCat(tensor, "is ", m.have, ", its layer config needs ", m.want));
@@ -542,8 +542,8 @@ absl::Status CheckCheckpointFitsLayer(const std::string& layer, const LayerConfi
                                       const std::map<std::string, Tensor>& state) {
   const Mismatch m = FindMismatch(config, state);
   const std::string field = absl::StrCat("state[\"", absl::CHexEscape(m.name), "\"]: ");
-  const std::string why = absl::StrCat(" (the checkpoint is of a layer shaped unlike \"", layer,
-                                       "\")");
+  const std::string why =
+      absl::StrCat(" (the checkpoint is of a layer shaped unlike \"", layer, "\")");
   switch (m.kind) {
     case Mismatch::kNone:
       return absl::OkStatus();
@@ -554,8 +554,8 @@ absl::Status CheckCheckpointFitsLayer(const std::string& layer, const LayerConfi
       return absl::InvalidArgumentError(absl::StrCat(field, m.have, " in the checkpoint, ", m.want,
                                                      " in layer \"", layer, "\"", why));
     case Mismatch::kExtra:
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, "in the checkpoint, not a tensor of layer \"", layer, "\"", why));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "in the checkpoint, not a tensor of layer \"", layer, "\"", why));
   }
   return absl::OkStatus();
 }

@@ -65,9 +65,8 @@ absl::StatusOr<std::string> WriteCheckpointFile(const std::string& root,
 // Before reading: ResourceExhausted for a file above `max_bytes`, DataLoss for a safetensors
 // header length beyond the file or the format's bound. NotFound for a missing file. Errors never
 // quote the file's contents.
-absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root,
-                                               const std::string& relative, int64_t max_bytes,
-                                               const KeepGoing& keep_going = {});
+absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root, const std::string& relative,
+                                               int64_t max_bytes, const KeepGoing& keep_going = {});
 
 // What RemoveCheckpointDebris did.
 struct DebrisSweep {

@@ -16,11 +16,12 @@ struct ServerOptions {
   int metrics_port = 9464;      // 0: pick a free port; -1: no metrics endpoint
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
   std::string checkpoint_dir;   // empty: Save/LoadCheckpoint fail FAILED_PRECONDITION
-  int64_t max_checkpoint_bytes = int64_t{64} << 30;  // largest checkpoint file read or written
   int64_t context_budget_bytes = int64_t{4} << 30;  // saved training contexts, all layers
   double context_ttl_seconds = 600;                 // a context older than this is freed
   int64_t max_message_bytes = int64_t{64} << 20;    // largest request message accepted
   int max_layers = 64;                              // bounds the `layer` metric label too
+  // Largest checkpoint file LoadCheckpoint reads or SaveCheckpoint writes.
+  int64_t max_checkpoint_bytes = int64_t{64} << 30;
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
   // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;

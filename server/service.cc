@@ -1129,7 +1129,14 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServer
     }
     file_executor_.Submit([this, ctx, req, resp, reactor, state, config, step](double) {
       const Clock::time_point t1 = Clock::now();
-      const KeepGoing alive = [ctx] { return CallAlive(ctx); };
+      const KeepGoing alive = [ctx]() -> absl::Status {
+        const absl::Status st = CallAlive(ctx);
+        if (st.ok()) return st;
+        return absl::Status(st.code(), absl::StrCat(st.code() == absl::StatusCode::kCancelled
+                                                        ? "the client cancelled the call"
+                                                        : "the call's deadline passed",
+                                                    "; no checkpoint file was replaced"));
+      };
       const absl::Status written = [&]() -> absl::Status {
         if (auto st = alive(); !st.ok()) return st;
         auto bytes = EncodeCheckpoint(req->layer(), config, *state);
@@ -1159,7 +1166,15 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
   metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
   file_executor_.Submit([this, ctx, req, resp, reactor](double) {
     const Clock::time_point t1 = Clock::now();
-    const KeepGoing alive = [ctx] { return CallAlive(ctx); };
+    const KeepGoing alive = [ctx]() -> absl::Status {
+      const absl::Status st = CallAlive(ctx);
+      if (st.ok()) return st;
+      return absl::Status(st.code(), absl::StrCat(st.code() == absl::StatusCode::kCancelled
+                                                      ? "the client cancelled the call"
+                                                      : "the call's deadline passed",
+                                                  " while the checkpoint was read; nothing was "
+                                                  "imported"));
+    };
     auto decoded = std::make_shared<DecodedCheckpoint>();
     const absl::Status read = [&]() -> absl::Status {
       if (auto st = alive(); !st.ok()) return st;

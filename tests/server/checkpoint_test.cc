@@ -36,8 +36,8 @@ Tensor RandomTensor(DType dtype, std::vector<int64_t> shape, uint32_t seed) {
 
 std::string FreshDir(const std::string& name) {
   static int counter = 0;
-  std::string dir = absl::StrCat(::testing::TempDir(), "/moe_ckpt_", name, "_", ::getpid(), "_",
-                                 counter++);
+  std::string dir =
+      absl::StrCat(::testing::TempDir(), "/moe_ckpt_", name, "_", ::getpid(), "_", counter++);
   ::mkdir(dir.c_str(), 0755);
   return dir;
 }
@@ -103,8 +103,7 @@ TEST(CheckpointPathTest, OnlyPlainRelativePathsOfBoundedLength) {
   };
   for (const Case& c : cases) {
     auto parts = SplitCheckpointPath(c.path);
-    ExpectStatus(parts.status(), absl::StatusCode::kInvalidArgument, "path:",
-                 c.path.substr(0, 40));
+    ExpectStatus(parts.status(), absl::StatusCode::kInvalidArgument, "path:", c.path.substr(0, 40));
     ExpectStatus(parts.status(), absl::StatusCode::kInvalidArgument, c.message,
                  c.path.substr(0, 40));
     // The file operations apply the same rules before touching the directory.
@@ -132,8 +131,8 @@ TEST(CheckpointFileTest, WritesAtomicallyUnderTheRootAndReadsBack) {
   EXPECT_EQ(Entries(dir + "/run1/deep"), std::set<std::string>{"a.safetensors"});
   ExpectStatus(ReadCheckpointFile(dir, "run1/missing", kNoBound).status(),
                absl::StatusCode::kNotFound, "does not exist", "missing file");
-  ExpectStatus(ReadCheckpointFile(dir, "nowhere/x", kNoBound).status(),
-               absl::StatusCode::kNotFound, "does not exist", "missing directory");
+  ExpectStatus(ReadCheckpointFile(dir, "nowhere/x", kNoBound).status(), absl::StatusCode::kNotFound,
+               "does not exist", "missing directory");
   ExpectStatus(ReadCheckpointFile("", "x", kNoBound).status(),
                absl::StatusCode::kFailedPrecondition, "--checkpoint_dir", "no root");
   ExpectStatus(WriteCheckpointFile(dir + "/absent", "x", "y", kNoBound).status(),
@@ -188,8 +187,8 @@ TEST(CheckpointFileTest, RefusesLinksAndWhatIsNotARegularFile) {
   // Nothing was written through the links, nothing left behind.
   EXPECT_EQ(Entries(outside), std::set<std::string>{"victim.safetensors"});
   EXPECT_EQ(ReadRaw(outside + "/victim.safetensors"), SmallFile());
-  EXPECT_EQ(Entries(dir), (std::set<std::string>{"linkdir", "passwd", "zero", "link.st",
-                                                 "dangling", "fifo", "adir", "plain"}));
+  EXPECT_EQ(Entries(dir), (std::set<std::string>{"linkdir", "passwd", "zero", "link.st", "dangling",
+                                                 "fifo", "adir", "plain"}));
   EXPECT_TRUE(Entries(dir + "/adir").empty());
 }
 
@@ -273,8 +272,8 @@ TEST(CheckpointDebrisTest, RemovesTemporaryFilesOfDeadWritersOnly) {
   WriteRaw(dir + live, "live");
   ASSERT_EQ(::mkdir((dir + "/d.tmp.1.2").c_str(), 0755), 0);
   WriteRaw(outside + "/e.tmp.999999999.1", "outside");
-  ASSERT_EQ(::symlink((outside + "/e.tmp.999999999.1").c_str(), (dir + "/f.tmp.999999999.1").c_str()),
-            0);
+  ASSERT_EQ(
+      ::symlink((outside + "/e.tmp.999999999.1").c_str(), (dir + "/f.tmp.999999999.1").c_str()), 0);
   ASSERT_EQ(::symlink(outside.c_str(), (dir + "/linked").c_str()), 0);
 
   auto swept = RemoveCheckpointDebris(dir);
@@ -283,9 +282,9 @@ TEST(CheckpointDebrisTest, RemovesTemporaryFilesOfDeadWritersOnly) {
   EXPECT_EQ(swept->removed_bytes, 1024);
   EXPECT_EQ(swept->in_use, 1);
   EXPECT_EQ(swept->failed, 0);
-  EXPECT_EQ(Entries(dir), (std::set<std::string>{"a.safetensors", "run1", "notes.tmp.txt",
-                                                 live.substr(1), "d.tmp.1.2", "f.tmp.999999999.1",
-                                                 "linked"}));
+  EXPECT_EQ(Entries(dir),
+            (std::set<std::string>{"a.safetensors", "run1", "notes.tmp.txt", live.substr(1),
+                                   "d.tmp.1.2", "f.tmp.999999999.1", "linked"}));
   EXPECT_EQ(Entries(dir + "/run1/deep"), std::set<std::string>{"b.safetensors"});
   EXPECT_EQ(ReadRaw(dir + "/a.safetensors"), real);
   EXPECT_EQ(ReadRaw(dir + "/run1/deep/b.safetensors"), real);
@@ -351,15 +350,15 @@ TEST(CheckpointTest, EncodeDecodeKeepsConfigAndState) {
 TEST(CheckpointTest, DecodeRefusesFilesThatAreNotCheckpoints) {
   SafetensorsFile plain;
   plain.tensors["w"] = RandomTensor(DType::kFloat32, {2}, 1);
-  ExpectStatus(DecodeCheckpoint(*SerializeSafetensors(plain)).status(),
-               absl::StatusCode::kDataLoss, kCheckpointConfigKey, "no config");
+  ExpectStatus(DecodeCheckpoint(*SerializeSafetensors(plain)).status(), absl::StatusCode::kDataLoss,
+               kCheckpointConfigKey, "no config");
   plain.metadata[kCheckpointConfigKey] = "{\"numExperts\": \"secret-text\"";
   auto st = DecodeCheckpoint(*SerializeSafetensors(plain)).status();
   ExpectStatus(st, absl::StatusCode::kDataLoss, "not a moe.v1.LayerConfig", "bad config JSON");
   EXPECT_EQ(st.message().find("secret"), std::string::npos) << st;
   plain.metadata[kCheckpointConfigKey] = "{\"numExperts\": 0}";
-  ExpectStatus(DecodeCheckpoint(*SerializeSafetensors(plain)).status(),
-               absl::StatusCode::kDataLoss, "bad layer config", "invalid config");
+  ExpectStatus(DecodeCheckpoint(*SerializeSafetensors(plain)).status(), absl::StatusCode::kDataLoss,
+               "bad layer config", "invalid config");
 }
 
 TEST(CheckpointTest, OnlyAWholeStateIsAccepted) {
@@ -380,9 +379,14 @@ TEST(CheckpointTest, OnlyAWholeStateIsAccepted) {
       {"extra tensor", [](auto& s) { s["bogus"] = Tensor::Zeros(DType::kFloat32, {1}); },
        "\"bogus\""},
       {"state of another optimizer",
-       [](auto& s) { s["w1.exp_avg"] = Tensor::Zeros(DType::kFloat32, {3, 4, 8}); },
+       [](auto& s) {
+         s["w1.exp_avg"] = Tensor::Zeros(DType::kFloat32, {3, 4, 8});
+       },
        "\"w1.exp_avg\""},
-      {"wrong shape", [](auto& s) { s["w1"] = Tensor::Zeros(DType::kFloat32, {3, 8, 4}); },
+      {"wrong shape",
+       [](auto& s) {
+         s["w1"] = Tensor::Zeros(DType::kFloat32, {3, 8, 4});
+       },
        "\"w1\""},
       {"wrong dtype", [](auto& s) { s["step"] = Tensor::Zeros(DType::kInt32, {1}); }, "\"step\""},
   };

@@ -142,8 +142,7 @@ TEST(HostileCheckpointTest, EveryHostileInputGetsItsStatusAndChangesNothing) {
     return Encode("ref", good->config, state);
   };
   WriteRaw(dir + "/missing_w3.safetensors", edited([](auto& s) { s.erase("w3"); }));
-  WriteRaw(dir + "/missing_moment.safetensors",
-           edited([](auto& s) { s.erase("w2.exp_avg_sq"); }));
+  WriteRaw(dir + "/missing_moment.safetensors", edited([](auto& s) { s.erase("w2.exp_avg_sq"); }));
   WriteRaw(dir + "/extra.safetensors",
            edited([](auto& s) { s["bogus"] = Tensor::Zeros(DType::kFloat32, {2}); }));
   WriteRaw(dir + "/misshaped.safetensors", edited([](auto& s) {
@@ -168,7 +167,8 @@ TEST(HostileCheckpointTest, EveryHostileInputGetsItsStatusAndChangesNothing) {
   ASSERT_TRUE(before.ok()) << before.status();
   const std::set<std::string> dir_before = [&] {
     std::set<std::string> s;
-    for (const char* n : {"good.safetensors", "other.safetensors"}) s.insert(ReadRaw(dir + "/" + n));
+    for (const char* n : {"good.safetensors", "other.safetensors"})
+      s.insert(ReadRaw(dir + "/" + n));
     return s;
   }();
 

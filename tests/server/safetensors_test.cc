@@ -120,14 +120,13 @@ TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheProblem) {
        "unsupported dtype"},
       {"negative extent", File(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
        "shape extents"},
-      {"fractional extent",
-       File(R"({"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", 4), "shape extents"},
+      {"fractional extent", File(R"({"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", 4),
+       "shape extents"},
       {"extent beyond int64",
        File(R"({"w":{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,4]}})", 4),
        "shape extents"},
       {"element count overflows",
-       File(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})",
-            4),
+       File(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})", 4),
        "overflows"},
       {"byte count overflows",
        File(R"({"w":{"dtype":"I64","shape":[4611686018427387904],"data_offsets":[0,8]}})", 8),
@@ -140,8 +139,8 @@ TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheProblem) {
        File(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", 16), "span 8 bytes"},
       {"overlapping tensors", File(R"({"a":{)" + t16 + R"(:[0,16]},"b":{)" + t16 + ":[8,24]}}", 24),
        "overlaps"},
-      {"gap between tensors", File(R"({"a":{)" + t16 + R"(:[0,16]},"b":{)" + t16 + ":[24,40]}}", 40),
-       "gap of 8 bytes"},
+      {"gap between tensors",
+       File(R"({"a":{)" + t16 + R"(:[0,16]},"b":{)" + t16 + ":[24,40]}}", 40), "gap of 8 bytes"},
       {"duplicate name (the last one wins, leaving a gap)",
        File(R"({"a":{)" + t16 + R"(:[0,16]},"a":{)" + t16 + ":[16,32]}}", 32), "gap"},
       {"bytes after the last tensor", File(R"({"w":{)" + t16 + ":[0,16]}}", 20),
@@ -151,8 +150,8 @@ TEST(SafetensorsTest, MalformedFilesAreDataLossNamingTheProblem) {
   for (const Case& c : cases) {
     absl::StatusOr<SafetensorsFile> parsed;
     ASSERT_NO_THROW(parsed = ParseSafetensors(c.bytes)) << c.what;
-    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kDataLoss) << c.what << ": "
-                                                                    << parsed.status();
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kDataLoss)
+        << c.what << ": " << parsed.status();
     EXPECT_NE(parsed.status().message().find(c.message), std::string::npos)
         << c.what << ": " << parsed.status();
   }
@@ -181,8 +180,7 @@ TEST(SafetensorsTest, ErrorsDoNotQuoteTheFile) {
   EXPECT_LT(st.message().size(), 200u) << st;
   EXPECT_EQ(st.message().find('\x01'), std::string::npos) << st;
   EXPECT_EQ(st.message().find('\n'), std::string::npos) << st;
-  st = ParseSafetensors(
-           File(R"({"w\u0001":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", 8))
+  st = ParseSafetensors(File(R"({"w\u0001":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", 8))
            .status();
   EXPECT_NE(st.message().find("\"w\\x01\""), std::string::npos) << st;
 }

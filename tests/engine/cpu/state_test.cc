@@ -3,10 +3,11 @@
 // dtypes and shapes agree exactly, with and without the optimizer state. A checkpoint is checked
 // against FullStateSpec before it is imported, so a drift here would refuse good checkpoints or
 // let partial ones through.
+#include "engine/state.h"
+
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "engine/state.h"
 #include "tests/engine/cpu/test_util.h"
 
 namespace moe::testing {
@@ -22,10 +23,9 @@ TEST(FullStateSpecTest, MatchesExportStateOfEveryKindOfLayer) {
             c.optimizer.kind = opt;
             c.dtype = dtype;
             if (sharded) c.expert_first = 1, c.expert_count = 2;
-            const std::string what =
-                absl::StrCat("act ", static_cast<int>(act), " routing ", static_cast<int>(routing),
-                             " opt ", static_cast<int>(opt), " ", DTypeName(dtype),
-                             sharded ? " sharded" : "");
+            const std::string what = absl::StrCat(
+                "act ", static_cast<int>(act), " routing ", static_cast<int>(routing), " opt ",
+                static_cast<int>(opt), " ", DTypeName(dtype), sharded ? " sharded" : "");
             auto layer = MakeLayer(c);
             ASSERT_NE(layer, nullptr) << what;
             for (bool with_optimizer : {true, false}) {
