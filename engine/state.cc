@@ -109,4 +109,26 @@ absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t by
   return bytes;
 }
 
+std::map<std::string, StateTensorSpec> FullStateSpec(const LayerConfig& config,
+                                                     bool include_optimizer) {
+  const int64_t count = config.local_experts();
+  const int64_t d = config.d_model;
+  const int64_t h = config.d_hidden;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> params = {{"w1", {count, h, d}}};
+  if (config.gated()) params.push_back({"w3", {count, h, d}});
+  params.push_back({"w2", {count, d, h}});
+  if (config.routing == RoutingMode::kServer) params.push_back({"router", {d, config.num_experts}});
+  std::map<std::string, StateTensorSpec> out;
+  for (const auto& [param, shape] : params) {
+    out[param] = {config.dtype, shape};
+    if (!include_optimizer) continue;
+    for (StateKind kind :
+         {StateKind::kExpAvg, StateKind::kExpAvgSq, StateKind::kMomentum, StateKind::kMaster}) {
+      if (LayerKeeps(config, kind)) out[StateTensorName(param, kind)] = {DType::kFloat32, shape};
+    }
+  }
+  if (include_optimizer) out["step"] = {DType::kInt64, {1}};
+  return out;
+}
+
 }  // namespace moe

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,19 @@ absl::Status ValidateStateTensor(
 // that. Validates the config first (ValidateLayerConfig); ResourceExhausted, naming the layer
 // config, when the product does not fit in int64.
 absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t bytes_per_param);
+
+// The dtype and shape of one state tensor.
+struct StateTensorSpec {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+};
+
+// Every tensor a layer with `config` gives from ExportState(include_optimizer), by name: the
+// weights (w1, w3 when gated, w2, router with server routing) in the layer dtype and, with the
+// optimizer, their fp32 optimizer state (and masters for bf16 storage) and "step". A whole-state
+// import (a checkpoint) must hold exactly these; ImportState alone accepts any subset.
+std::map<std::string, StateTensorSpec> FullStateSpec(const LayerConfig& config,
+                                                     bool include_optimizer);
 
 }  // namespace moe
 

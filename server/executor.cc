@@ -1,13 +1,13 @@
-// The per-device executor thread (see executor.h).
+// The executor thread (see executor.h).
 #include "server/executor.h"
 
 #include <utility>
 
 namespace moe::server {
 
-DeviceExecutor::DeviceExecutor() : thread_([this] { Run(); }) {}
+SerialExecutor::SerialExecutor() : thread_([this] { Run(); }) {}
 
-DeviceExecutor::~DeviceExecutor() {
+SerialExecutor::~SerialExecutor() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -16,7 +16,7 @@ DeviceExecutor::~DeviceExecutor() {
   thread_.join();
 }
 
-void DeviceExecutor::Submit(Task task) {
+void SerialExecutor::Submit(Task task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back({std::move(task), std::chrono::steady_clock::now()});
@@ -24,7 +24,7 @@ void DeviceExecutor::Submit(Task task) {
   cv_.notify_one();
 }
 
-void DeviceExecutor::Run() {
+void SerialExecutor::Run() {
   for (;;) {
     Item item;
     {

@@ -1,7 +1,10 @@
-// One executor per device: a single thread that runs every engine call for that device, in
-// submission order. Reactions never block: they Submit() work and return; the task itself
-// continues the RPC (starts the write or finishes the call) when the engine is done. A single
-// thread is also what makes the engine's thread-compatible Layer safe to share among streams.
+// A single thread that runs tasks in submission order. Reactions never block: they Submit() work
+// and return; the task itself continues the RPC (starts the write or finishes the call).
+//
+// The server has two: one per device, which runs every engine call for that device (a single
+// thread is also what makes the engine's thread-compatible Layer safe to share among streams),
+// and one for checkpoint file I/O, so a slow disk holds up other file operations but never a
+// Forward.
 #ifndef MOE_SERVER_EXECUTOR_H_
 #define MOE_SERVER_EXECUTOR_H_
 
@@ -14,15 +17,15 @@
 
 namespace moe::server {
 
-class DeviceExecutor {
+class SerialExecutor {
  public:
   // `queued_seconds`: how long the task waited before it started (the "queue" latency stage).
   using Task = std::function<void(double queued_seconds)>;
 
-  DeviceExecutor();
-  ~DeviceExecutor();  // runs what is queued, then joins
-  DeviceExecutor(const DeviceExecutor&) = delete;
-  DeviceExecutor& operator=(const DeviceExecutor&) = delete;
+  SerialExecutor();
+  ~SerialExecutor();  // runs what is queued, then joins
+  SerialExecutor(const SerialExecutor&) = delete;
+  SerialExecutor& operator=(const SerialExecutor&) = delete;
 
   void Submit(Task task);
 
@@ -38,6 +41,9 @@ class DeviceExecutor {
   bool stopping_ = false;
   std::thread thread_;
 };
+
+using DeviceExecutor = SerialExecutor;
+using FileExecutor = SerialExecutor;
 
 }  // namespace moe::server
 

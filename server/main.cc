@@ -34,6 +34,9 @@ ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
 ABSL_FLAG(std::string, device, kDefaults.device, "auto | cpu | cuda | cuda:N");
 ABSL_FLAG(std::string, checkpoint_dir, kDefaults.checkpoint_dir,
           "Directory SaveCheckpoint/LoadCheckpoint paths are relative to (must exist)");
+ABSL_FLAG(int64_t, max_checkpoint_bytes, kDefaults.max_checkpoint_bytes,
+          "Largest checkpoint file LoadCheckpoint reads or SaveCheckpoint writes; larger ones get "
+          "RESOURCE_EXHAUSTED before a byte is read or written");
 ABSL_FLAG(int64_t, context_budget_bytes, kDefaults.context_budget_bytes,
           "Byte budget for saved training contexts; past it a training Forward gets "
           "RESOURCE_EXHAUSTED");
@@ -117,6 +120,7 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.device = absl::GetFlag(FLAGS_device);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.max_checkpoint_bytes = absl::GetFlag(FLAGS_max_checkpoint_bytes);
   options.context_budget_bytes = absl::GetFlag(FLAGS_context_budget_bytes);
   options.context_ttl_seconds = absl::GetFlag(FLAGS_context_ttl_seconds);
   options.sessionless_context_ttl_seconds = absl::GetFlag(FLAGS_sessionless_context_ttl_seconds);
@@ -144,6 +148,14 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::fprintf(stderr, "moe-server: %s\n", server.status().ToString().c_str());
     return 1;
+  }
+  if (const moe::server::DebrisSweep& d = (*server)->checkpoint_debris();
+      d.removed + d.in_use + d.failed > 0) {
+    std::printf(
+        "moe-server: --checkpoint_dir: removed %lld temporary files (%lld bytes) of interrupted "
+        "checkpoint writes; kept %lld of live processes; %lld could not be removed\n",
+        static_cast<long long>(d.removed), static_cast<long long>(d.removed_bytes),
+        static_cast<long long>(d.in_use), static_cast<long long>(d.failed));
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);

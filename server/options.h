@@ -36,6 +36,8 @@ struct ServerOptions {
   // bytes of its saved contexts.
   int64_t principal_layer_bytes_quota = 0;
   int64_t principal_context_bytes_quota = 0;
+  // Largest checkpoint file LoadCheckpoint reads or SaveCheckpoint writes.
+  int64_t max_checkpoint_bytes = int64_t{64} << 30;
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
   // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;

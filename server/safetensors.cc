@@ -1,18 +1,51 @@
-// safetensors serialisation (see safetensors.h) with a minimal JSON parser for the header: it
-// accepts full JSON (objects, arrays, strings with escapes, numbers, literals) but keeps only
-// what a safetensors header can hold.
+// safetensors serialisation (see safetensors.h). The header is parsed by nlohmann-json with a
+// callback that bounds nesting and the number of values, so a hostile header costs at most a
+// bounded amount of memory and time; every exception the library can throw becomes DataLoss.
 #include "server/safetensors.h"
 
-#include <cstdint>
+#include <algorithm>
 #include <cstring>
-#include <memory>
+#include <exception>
+#include <limits>
+#include <new>
+#include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace moe::server {
 namespace {
+
+using Json = nlohmann::json;
+
+// A header nests at most three levels (the root object, a tensor entry or __metadata__, a shape
+// or data_offsets array); one more is allowed, deeper is refused before it is built.
+constexpr int kMaxHeaderDepth = 4;
+// A tensor entry is about ten values; four million is far beyond any real checkpoint and keeps
+// the parsed header within a few hundred MB even for a 100 MB header of tiny values.
+constexpr int64_t kMaxHeaderValues = int64_t{1} << 22;
+constexpr size_t kMaxShownNameChars = 64;
+
+// Thrown by the parse callback when a bound is passed; caught in ParseHeader.
+struct HeaderTooComplex : std::exception {
+  explicit HeaderTooComplex(const char* what) : what_(what) {}
+  const char* what() const noexcept override { return what_; }
+  const char* what_;
+};
+
+absl::Status Bad(absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("safetensors: ", what));
+}
+
+// A name from the file for an error message: escaped (no control or non-ASCII bytes reach the
+// client's terminal) and shortened.
+std::string Shown(const std::string& name) {
+  const bool cut = name.size() > kMaxShownNameChars;
+  return absl::StrCat("\"", absl::CHexEscape(cut ? name.substr(0, kMaxShownNameChars) : name),
+                      cut ? "...\"" : "\"");
+}
 
 const char* SafeDType(DType d) {
   switch (d) {
@@ -42,253 +75,111 @@ bool DTypeFromSafe(const std::string& s, DType* d) {
   return true;
 }
 
-void AppendJsonString(const std::string& s, std::string* out) {
-  out->push_back('"');
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        *out += "\\\"";
-        break;
-      case '\\':
-        *out += "\\\\";
-        break;
-      case '\n':
-        *out += "\\n";
-        break;
-      case '\r':
-        *out += "\\r";
-        break;
-      case '\t':
-        *out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          *out += buf;
-        } else {
-          out->push_back(static_cast<char>(c));
-        }
-    }
-  }
-  out->push_back('"');
+// A dtype name worth quoting back: short and made of the characters the format's names use.
+bool LooksLikeDTypeName(const std::string& s) {
+  if (s.empty() || s.size() > 8) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+  });
 }
 
-// --- JSON ---------------------------------------------------------------------------------
-struct Json {
-  enum Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = kNull;
-  double number = 0;
-  int64_t integer = 0;
-  bool is_integer = false;
-  std::string str;
-  std::vector<Json> array;
-  std::vector<std::pair<std::string, Json>> object;
+absl::StatusOr<Json> ParseHeader(const char* begin, const char* end) {
+  int64_t values = 0;
+  const Json::parser_callback_t bound = [&values](int depth, Json::parse_event_t event, Json&) {
+    if (event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) {
+      if (depth >= kMaxHeaderDepth) throw HeaderTooComplex("header nests deeper than the format");
+    }
+    if (event == Json::parse_event_t::value || event == Json::parse_event_t::object_start ||
+        event == Json::parse_event_t::array_start) {
+      if (++values > kMaxHeaderValues) throw HeaderTooComplex("header holds too many values");
+    }
+    return true;
+  };
+  try {
+    return Json::parse(begin, end, bound, /*allow_exceptions=*/true, /*ignore_comments=*/false);
+  } catch (const Json::parse_error& e) {
+    // e.what() quotes the bytes last read: only the position is reported.
+    return Bad(absl::StrCat("header is not valid JSON (error near byte ", e.byte, ")"));
+  } catch (const HeaderTooComplex& e) {
+    return Bad(e.what());
+  } catch (const Json::exception& e) {
+    return Bad(absl::StrCat("header is not valid JSON (error ", e.id, ")"));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("safetensors: header too large for memory");
+  } catch (const std::exception&) {
+    return Bad("header is not valid JSON");
+  }
+}
+
+// A non-negative integer that fits int64, or false.
+bool Extent(const Json& v, uint64_t* out) {
+  if (!v.is_number_unsigned()) return false;
+  const uint64_t x = v.get<uint64_t>();
+  if (x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+  *out = x;
+  return true;
+}
+
+struct Entry {
+  std::string name;
+  Tensor tensor;  // dtype and shape; bytes filled once every entry is valid
+  uint64_t begin = 0;
+  uint64_t end = 0;
 };
 
-class JsonParser {
- public:
-  explicit JsonParser(const std::string& s) : s_(s) {}
-  absl::StatusOr<Json> ParseDocument() {
-    Json v;
-    absl::Status st = Parse(&v, 0);
-    if (!st.ok()) return st;
-    SkipSpace();
-    if (pos_ != s_.size()) return Error("trailing characters");
-    return v;
+absl::StatusOr<Entry> ParseEntry(const std::string& name, const Json& v, uint64_t data_size) {
+  auto bad = [&](absl::string_view what) {
+    return Bad(absl::StrCat("tensor ", Shown(name), ": ", what));
+  };
+  if (!v.is_object()) return bad("entry is not an object");
+  const auto dtype = v.find("dtype");
+  const auto shape = v.find("shape");
+  const auto offsets = v.find("data_offsets");
+  if (dtype == v.end() || !dtype->is_string()) return bad("missing dtype");
+  if (shape == v.end() || !shape->is_array()) return bad("missing shape");
+  if (offsets == v.end() || !offsets->is_array() || offsets->size() != 2) {
+    return bad("missing data_offsets");
   }
-
- private:
-  absl::Status Error(const std::string& what) {
-    return absl::DataLossError(absl::StrCat("safetensors header: ", what, " at byte ", pos_));
+  Entry e;
+  e.name = name;
+  const std::string& dtype_name = dtype->get_ref<const std::string&>();
+  if (!DTypeFromSafe(dtype_name, &e.tensor.dtype)) {
+    return bad(LooksLikeDTypeName(dtype_name) ? absl::StrCat("unsupported dtype ", dtype_name)
+                                              : std::string("unsupported dtype"));
   }
-  void SkipSpace() {
-    while (pos_ < s_.size() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\t' || s_[pos_] == '\r')) {
-      ++pos_;
+  uint64_t elements = 1;
+  for (const Json& s : *shape) {
+    uint64_t extent = 0;
+    if (!Extent(s, &extent)) return bad("shape extents must be integers in [0, 2^63)");
+    if (__builtin_mul_overflow(elements, extent, &elements)) {
+      return bad("shape's element count overflows");
     }
+    e.tensor.shape.push_back(static_cast<int64_t>(extent));
   }
-  absl::Status Parse(Json* v, int depth) {
-    if (depth > 16) return Error("nested too deeply");
-    SkipSpace();
-    if (pos_ >= s_.size()) return Error("unexpected end");
-    char c = s_[pos_];
-    if (c == '{') {
-      v->kind = Json::kObject;
-      ++pos_;
-      SkipSpace();
-      if (pos_ < s_.size() && s_[pos_] == '}') {
-        ++pos_;
-        return absl::OkStatus();
-      }
-      for (;;) {
-        SkipSpace();
-        std::string key;
-        absl::Status st = ParseString(&key);
-        if (!st.ok()) return st;
-        SkipSpace();
-        if (pos_ >= s_.size() || s_[pos_] != ':') return Error("expected ':'");
-        ++pos_;
-        Json child;
-        st = Parse(&child, depth + 1);
-        if (!st.ok()) return st;
-        v->object.emplace_back(std::move(key), std::move(child));
-        SkipSpace();
-        if (pos_ < s_.size() && s_[pos_] == ',') {
-          ++pos_;
-          continue;
-        }
-        if (pos_ < s_.size() && s_[pos_] == '}') {
-          ++pos_;
-          return absl::OkStatus();
-        }
-        return Error("expected ',' or '}'");
-      }
-    }
-    if (c == '[') {
-      v->kind = Json::kArray;
-      ++pos_;
-      SkipSpace();
-      if (pos_ < s_.size() && s_[pos_] == ']') {
-        ++pos_;
-        return absl::OkStatus();
-      }
-      for (;;) {
-        Json child;
-        absl::Status st = Parse(&child, depth + 1);
-        if (!st.ok()) return st;
-        v->array.push_back(std::move(child));
-        SkipSpace();
-        if (pos_ < s_.size() && s_[pos_] == ',') {
-          ++pos_;
-          continue;
-        }
-        if (pos_ < s_.size() && s_[pos_] == ']') {
-          ++pos_;
-          return absl::OkStatus();
-        }
-        return Error("expected ',' or ']'");
-      }
-    }
-    if (c == '"') {
-      v->kind = Json::kString;
-      return ParseString(&v->str);
-    }
-    if (s_.compare(pos_, 4, "true") == 0) {
-      v->kind = Json::kBool;
-      pos_ += 4;
-      return absl::OkStatus();
-    }
-    if (s_.compare(pos_, 5, "false") == 0) {
-      v->kind = Json::kBool;
-      pos_ += 5;
-      return absl::OkStatus();
-    }
-    if (s_.compare(pos_, 4, "null") == 0) {
-      v->kind = Json::kNull;
-      pos_ += 4;
-      return absl::OkStatus();
-    }
-    // Number.
-    size_t start = pos_;
-    bool integral = true;
-    if (s_[pos_] == '-') ++pos_;
-    while (pos_ < s_.size() && std::strchr("0123456789.eE+-", s_[pos_]) != nullptr) {
-      if (!std::isdigit(static_cast<unsigned char>(s_[pos_]))) integral = false;
-      ++pos_;
-    }
-    if (pos_ == start) return Error("unexpected character");
-    std::string text = s_.substr(start, pos_ - start);
-    v->kind = Json::kNumber;
-    v->number = std::strtod(text.c_str(), nullptr);
-    if (integral) {
-      v->is_integer = true;
-      v->integer = std::strtoll(text.c_str(), nullptr, 10);
-    }
-    return absl::OkStatus();
+  uint64_t size = 0;
+  if (__builtin_mul_overflow(elements, DTypeSize(e.tensor.dtype), &size) || size > data_size) {
+    return bad(absl::StrCat("shape needs more bytes than the file's ", data_size,
+                            " bytes of tensor data"));
   }
-  absl::Status ParseString(std::string* out) {
-    if (pos_ >= s_.size() || s_[pos_] != '"') return Error("expected a string");
-    ++pos_;
-    while (pos_ < s_.size() && s_[pos_] != '"') {
-      char c = s_[pos_++];
-      if (c != '\\') {
-        out->push_back(c);
-        continue;
-      }
-      if (pos_ >= s_.size()) return Error("bad escape");
-      char e = s_[pos_++];
-      switch (e) {
-        case '"':
-          out->push_back('"');
-          break;
-        case '\\':
-          out->push_back('\\');
-          break;
-        case '/':
-          out->push_back('/');
-          break;
-        case 'b':
-          out->push_back('\b');
-          break;
-        case 'f':
-          out->push_back('\f');
-          break;
-        case 'n':
-          out->push_back('\n');
-          break;
-        case 'r':
-          out->push_back('\r');
-          break;
-        case 't':
-          out->push_back('\t');
-          break;
-        case 'u': {
-          if (pos_ + 4 > s_.size()) return Error("bad \\u escape");
-          unsigned cp = std::stoul(s_.substr(pos_, 4), nullptr, 16);
-          pos_ += 4;
-          // UTF-8 encode (no surrogate pairs: our writer never emits them).
-          if (cp < 0x80) {
-            out->push_back(static_cast<char>(cp));
-          } else if (cp < 0x800) {
-            out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-            out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-          } else {
-            out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-            out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-            out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-          }
-          break;
-        }
-        default:
-          return Error("bad escape");
-      }
-    }
-    if (pos_ >= s_.size()) return Error("unterminated string");
-    ++pos_;
-    return absl::OkStatus();
+  if (!Extent((*offsets)[0], &e.begin) || !Extent((*offsets)[1], &e.end) || e.begin > e.end ||
+      e.end > data_size) {
+    return bad(absl::StrCat("data_offsets out of range (tensor data is ", data_size, " bytes)"));
   }
-
-  const std::string& s_;
-  size_t pos_ = 0;
-};
+  if (e.end - e.begin != size) {
+    return bad(absl::StrCat("data_offsets span ", e.end - e.begin, " bytes, shape needs ", size));
+  }
+  return e;
+}
 
 }  // namespace
 
 absl::StatusOr<std::string> SerializeSafetensors(const SafetensorsFile& file) {
-  std::string header = "{";
-  bool first = true;
+  // ordered_json keeps the insertion order: __metadata__ first, then tensors in name order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!file.metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool mfirst = true;
-    for (const auto& [k, v] : file.metadata) {
-      if (!mfirst) header += ",";
-      mfirst = false;
-      AppendJsonString(k, &header);
-      header += ":";
-      AppendJsonString(v, &header);
-    }
-    header += "}";
-    first = false;
+    nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : file.metadata) metadata[k] = v;
+    header["__metadata__"] = std::move(metadata);
   }
   uint64_t offset = 0;
   for (const auto& [name, t] : file.tensors) {
@@ -297,106 +188,105 @@ absl::StatusOr<std::string> SerializeSafetensors(const SafetensorsFile& file) {
     }
     const uint64_t want = static_cast<uint64_t>(t.num_elements()) * DTypeSize(t.dtype);
     if (t.bytes.size() != want) {
-      return absl::InternalError(absl::StrCat("safetensors: tensor ", name, " has ", t.bytes.size(),
-                                              " bytes, shape needs ", want));
+      return absl::InternalError(absl::StrCat("safetensors: tensor ", Shown(name), " has ",
+                                              t.bytes.size(), " bytes, shape needs ", want));
     }
-    if (!first) header += ",";
-    first = false;
-    AppendJsonString(name, &header);
-    absl::StrAppend(&header, ":{\"dtype\":\"", SafeDType(t.dtype), "\",\"shape\":[");
-    for (size_t i = 0; i < t.shape.size(); ++i) absl::StrAppend(&header, i ? "," : "", t.shape[i]);
-    absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", offset + want, "]}");
+    nlohmann::ordered_json entry = nlohmann::ordered_json::object();
+    entry["dtype"] = SafeDType(t.dtype);
+    entry["shape"] = t.shape;
+    entry["data_offsets"] = {offset, offset + want};
+    header[name] = std::move(entry);
     offset += want;
   }
-  header += "}";
-  while (header.size() % 8 != 0) header.push_back(' ');
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::ordered_json::exception&) {
+    return absl::InvalidArgumentError(
+        "safetensors: a tensor name or metadata string is not valid UTF-8");
+  }
+  while (text.size() % 8 != 0) text.push_back(' ');
   std::string out;
-  out.reserve(8 + header.size() + offset);
-  uint64_t n = header.size();
+  out.reserve(8 + text.size() + offset);
+  const uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xFF));
-  out += header;
+  out += text;
   for (const auto& [name, t] : file.tensors) {
     out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
   }
   return out;
 }
 
-absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
-  if (bytes.size() < 8) return absl::DataLossError("safetensors: file shorter than 8 bytes");
+absl::StatusOr<uint64_t> SafetensorsHeaderLength(const std::string& prefix, uint64_t file_size) {
+  if (prefix.size() < 8 || file_size < 8) return Bad("file shorter than 8 bytes");
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i)
-    n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  if (n > bytes.size() - 8) {
-    return absl::DataLossError(absl::StrCat("safetensors: header length ", n, " exceeds the file (",
-                                            bytes.size(), " bytes)"));
+  for (int i = 0; i < 8; ++i) {
+    n |= static_cast<uint64_t>(static_cast<unsigned char>(prefix[i])) << (8 * i);
   }
-  std::string header = bytes.substr(8, n);
-  auto json = JsonParser(header).ParseDocument();
+  // The length itself is not quoted: for a file that is not safetensors it is the file's first
+  // eight bytes.
+  if (n > kMaxSafetensorsHeaderBytes) {
+    return Bad(absl::StrCat("header length exceeds the format's bound of ",
+                            kMaxSafetensorsHeaderBytes, " bytes"));
+  }
+  if (n > file_size - 8) {
+    return Bad(absl::StrCat("header length exceeds the file (", file_size, " bytes)"));
+  }
+  return n;
+}
+
+absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
+  auto n = SafetensorsHeaderLength(bytes, bytes.size());
+  if (!n.ok()) return n.status();
+  const char* header_begin = bytes.data() + 8;
+  auto json = ParseHeader(header_begin, header_begin + *n);
   if (!json.ok()) return json.status();
-  if (json->kind != Json::kObject)
-    return absl::DataLossError("safetensors: header is not an object");
-  const uint64_t data_size = bytes.size() - 8 - n;
-  const char* data = bytes.data() + 8 + n;
+  if (!json->is_object()) return Bad("header is not an object");
+  const uint64_t data_size = bytes.size() - 8 - *n;
+  const char* data = header_begin + *n;
+
   SafetensorsFile file;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, v] : json->object) {
+  std::vector<Entry> entries;
+  for (auto it = json->begin(); it != json->end(); ++it) {
+    const std::string& name = it.key();
+    const Json& v = it.value();
     if (name == "__metadata__") {
-      if (v.kind != Json::kObject)
-        return absl::DataLossError("safetensors: __metadata__ is not an object");
-      for (const auto& [k, mv] : v.object) {
-        if (mv.kind != Json::kString) {
-          return absl::DataLossError(absl::StrCat("safetensors: metadata ", k, " is not a string"));
+      if (!v.is_object()) return Bad("__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) {
+          return Bad(absl::StrCat("metadata ", Shown(m.key()), " is not a string"));
         }
-        file.metadata[k] = mv.str;
+        file.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    auto bad = [&](const std::string& what) {
-      return absl::DataLossError(absl::StrCat("safetensors: tensor ", name, ": ", what));
-    };
-    if (v.kind != Json::kObject) return bad("entry is not an object");
-    const Json* dtype = nullptr;
-    const Json* shape = nullptr;
-    const Json* offsets = nullptr;
-    for (const auto& [k, f] : v.object) {
-      if (k == "dtype")
-        dtype = &f;
-      else if (k == "shape")
-        shape = &f;
-      else if (k == "data_offsets")
-        offsets = &f;
-    }
-    if (!dtype || dtype->kind != Json::kString) return bad("missing dtype");
-    if (!shape || shape->kind != Json::kArray) return bad("missing shape");
-    if (!offsets || offsets->kind != Json::kArray || offsets->array.size() != 2) {
-      return bad("missing data_offsets");
-    }
-    Tensor t;
-    if (!DTypeFromSafe(dtype->str, &t.dtype))
-      return bad(absl::StrCat("unsupported dtype ", dtype->str));
-    for (const Json& s : shape->array) {
-      if (!s.is_integer || s.integer < 0) return bad("bad shape");
-      t.shape.push_back(s.integer);
-    }
-    const Json& b = offsets->array[0];
-    const Json& e = offsets->array[1];
-    if (!b.is_integer || !e.is_integer || b.integer < 0 || e.integer < b.integer ||
-        static_cast<uint64_t>(e.integer) > data_size) {
-      return bad("data_offsets out of range");
-    }
-    const uint64_t size = e.integer - b.integer;
-    if (size != static_cast<uint64_t>(t.num_elements()) * DTypeSize(t.dtype)) {
-      return bad("byte count does not match shape");
-    }
-    ranges.emplace_back(b.integer, e.integer);
-    t.bytes.resize(size);
-    if (size) std::memcpy(t.bytes.data(), data + b.integer, size);
-    file.tensors[name] = std::move(t);
+    auto entry = ParseEntry(name, v, data_size);
+    if (!entry.ok()) return entry.status();
+    entries.push_back(std::move(*entry));
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second)
-      return absl::DataLossError("safetensors: overlapping tensors");
+  // As the reference reader: in offset order the tensors tile the data exactly.
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return std::make_pair(a.begin, a.end) < std::make_pair(b.begin, b.end);
+  });
+  uint64_t covered = 0;
+  for (const Entry& e : entries) {
+    if (e.begin < covered) {
+      return Bad(absl::StrCat("tensor ", Shown(e.name), " overlaps the tensor before it"));
+    }
+    if (e.begin > covered) {
+      return Bad(absl::StrCat("tensor ", Shown(e.name), " leaves a gap of ", e.begin - covered,
+                              " bytes before it"));
+    }
+    covered = e.end;
+  }
+  if (covered != data_size) {
+    return Bad(absl::StrCat(data_size - covered, " bytes after the last tensor"));
+  }
+  for (Entry& e : entries) {
+    const uint64_t size = e.end - e.begin;
+    e.tensor.bytes.resize(size);
+    if (size) std::memcpy(e.tensor.bytes.data(), data + e.begin, size);
+    file.tensors[e.name] = std::move(e.tensor);
   }
   return file;
 }

@@ -49,6 +49,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError("max_message_bytes: must be in [1024, 2^31)");
   }
   if (options.max_layers < 1) return absl::InvalidArgumentError("max_layers: must be >= 1");
+  if (options.max_checkpoint_bytes < 8) {
+    return absl::InvalidArgumentError("max_checkpoint_bytes: must be >= 8");
+  }
+  // Temporary files of checkpoint writes a crash interrupted, before any new write can start.
+  DebrisSweep debris;
+  if (!options.checkpoint_dir.empty()) {
+    auto swept = RemoveCheckpointDebris(options.checkpoint_dir);
+    if (!swept.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint_dir: ", options.checkpoint_dir, ": ", swept.status().message()));
+    }
+    debris = *swept;
+  }
 
   // Before the engine: a bad TLS file is the operator's to fix and should not wait on a GPU.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -76,6 +89,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   std::unique_ptr<Server> server(new Server());
   server->device_ = (*engine)->name();
   server->memory_budget_ = budget;
+  server->checkpoint_debris_ = debris;
   server->metrics_ = std::make_unique<Metrics>(server->device_);
   server->auth_ = *auth;
   server->service_ = std::make_unique<ExpertServiceImpl>(

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/memory_limits.h"
+#include "server/checkpoint.h"
 #include "server/options.h"
 
 namespace grpc {
@@ -33,6 +34,8 @@ class Server {
   // What the server admits into (memory_ledger.h).
   const MemoryBudget& memory_budget() const { return memory_budget_; }
   Metrics& metrics() { return *metrics_; }
+  // What the start-up sweep of --checkpoint_dir removed (checkpoint.h, RemoveCheckpointDebris).
+  const DebrisSweep& checkpoint_debris() const { return checkpoint_debris_; }
 
   // Reads --tokens_file again (SIGHUP); on an error the tokens in use stay.
   absl::Status ReloadTokens();
@@ -50,6 +53,7 @@ class Server {
   std::string device_;
   MemoryBudget memory_budget_;
   std::shared_ptr<Authenticator> auth_;
+  DebrisSweep checkpoint_debris_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::unique_ptr<ExpertServiceImpl> service_;

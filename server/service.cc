@@ -1075,6 +1075,14 @@ absl::StatusOr<std::string> ExpertServiceImpl::CheckpointRoot(const Caller& call
     return absl::InternalError(absl::StrCat("checkpoint directory ", dir, " of principal \"",
                                             caller.principal, "\": ", std::strerror(errno)));
   }
+  // The principal's directory is the root its paths resolve under (checkpoint.h), so it must be
+  // a directory itself, never a link planted to lead elsewhere.
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("path: the checkpoint directory of principal \"", caller.principal,
+                     "\" is not a directory (a symbolic link or another file is in its place)"));
+  }
   return dir;
 }
 
@@ -1328,79 +1336,186 @@ grpc::ServerReadReactor<v1::WeightChunk>* ExpertServiceImpl::ImportWeights(
   return new ImportReactor(this, ctx, resp);
 }
 
+// Save: the state is exported on the device executor (a copy, so the layer trains on), then
+// encoded and written on the file executor. Load: read (bounded by --max_checkpoint_bytes),
+// decoded and checked whole on the file executor, then imported on the device executor. Either
+// way a slow disk holds no Forward, and the call's deadline is asked between chunks of I/O and
+// at each hand-over: a call past it gets DEADLINE_EXCEEDED with no file replaced (Save) and
+// nothing imported (Load).
 grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::SaveCheckpointRequest* req,
                                                             v1::SaveCheckpointResponse* resp) {
-  return RunUnary(ctx, "SaveCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
-    auto entry = FindLayer(req->layer());
-    if (!entry.ok()) return entry.status();
-    if (auto st = AuthorizeLayer(caller, **entry, Access::kRead, "layer"); !st.ok()) return st;
-    auto root = CheckpointRoot(caller);
-    if (!root.ok()) return root.status();
-    auto path = ResolveCheckpointPath(*root, req->path());
-    if (!path.ok()) return path.status();
-    auto state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
-    if (!state.ok()) return state.status();
-    auto bytes = EncodeCheckpoint(req->layer(), (*entry)->config, *state);
-    if (!bytes.ok()) return bytes.status();
-    if (auto st = WriteFileAtomically(*path, *bytes); !st.ok()) return st;
-    resp->set_path(*path);
-    resp->set_bytes(static_cast<int64_t>(bytes->size()));
-    resp->set_step((*entry)->layer->step());
-    return absl::OkStatus();
+  static constexpr char kMethod[] = "SaveCheckpoint";
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
+  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
+  if (!authenticated.ok()) {
+    FinishUnary(reactor, kMethod, authenticated.status());
+    return reactor;
+  }
+  executor_.Submit([this, ctx, req, resp, reactor,
+                    caller = *std::move(authenticated)](double queued) {
+    metrics_->Stage(kMethod, "queue", queued);
+    const Clock::time_point t0 = Clock::now();
+    auto state = std::make_shared<std::map<std::string, Tensor>>();
+    LayerConfig config;
+    int64_t step = 0;
+    const absl::Status exported = [&]() -> absl::Status {
+      if (auto st = CallAlive(ctx); !st.ok()) return st;
+      auto entry = FindLayer(req->layer());
+      if (!entry.ok()) return entry.status();
+      if (auto st = AuthorizeLayer(caller, **entry, Access::kRead, "layer"); !st.ok()) return st;
+      // What needs no export first: a bad path or a server without --checkpoint_dir.
+      if (auto parts = SplitCheckpointPath(req->path()); !parts.ok()) return parts.status();
+      if (options_.checkpoint_dir.empty()) {
+        return absl::FailedPreconditionError("the server was started without --checkpoint_dir");
+      }
+      auto exported_state = (*entry)->layer->ExportState(/*include_optimizer=*/true);
+      if (!exported_state.ok()) return exported_state.status();
+      *state = std::move(*exported_state);
+      config = (*entry)->config;
+      step = (*entry)->layer->step();
+      return absl::OkStatus();
+    }();
+    metrics_->Stage(kMethod, "compute", SecondsSince(t0));
+    if (!exported.ok()) {
+      FinishUnary(reactor, kMethod, exported);
+      return;
+    }
+    file_executor_.Submit([this, ctx, req, resp, reactor, state, config, step, caller](double) {
+      const Clock::time_point t1 = Clock::now();
+      const KeepGoing alive = [ctx]() -> absl::Status {
+        const absl::Status st = CallAlive(ctx);
+        if (st.ok()) return st;
+        return absl::Status(st.code(), absl::StrCat(st.code() == absl::StatusCode::kCancelled
+                                                        ? "the client cancelled the call"
+                                                        : "the call's deadline passed",
+                                                    "; no checkpoint file was replaced"));
+      };
+      const absl::Status written = [&]() -> absl::Status {
+        if (auto st = alive(); !st.ok()) return st;
+        auto bytes = EncodeCheckpoint(req->layer(), config, *state);
+        state->clear();
+        if (!bytes.ok()) return bytes.status();
+        auto root = CheckpointRoot(caller);
+        if (!root.ok()) return root.status();
+        auto path =
+            WriteCheckpointFile(*root, req->path(), *bytes, options_.max_checkpoint_bytes, alive);
+        if (!path.ok()) return path.status();
+        resp->set_path(*path);
+        resp->set_bytes(static_cast<int64_t>(bytes->size()));
+        resp->set_step(step);
+        return absl::OkStatus();
+      }();
+      metrics_->Stage(kMethod, "io", SecondsSince(t1));
+      if (written.ok()) metrics_->BytesOut(kMethod, static_cast<int64_t>(resp->ByteSizeLong()));
+      FinishUnary(reactor, kMethod, written);
+    });
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::LoadCheckpointRequest* req,
                                                             v1::LoadCheckpointResponse* resp) {
-  return RunUnary(ctx, "LoadCheckpoint", req, resp, [this, req, resp](const Caller& caller) {
-    if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
-    if (auto existing = FindLayer(req->layer()); existing.ok()) {
-      absl::Status allowed = AuthorizeLayer(caller, **existing, Access::kManage, "layer");
-      if (!allowed.ok()) return allowed;
-    }
-    auto shared_with = SharedWith(req->shared_with());
-    if (!shared_with.ok()) return shared_with.status();
-    auto root = CheckpointRoot(caller);
-    if (!root.ok()) return root.status();
-    auto path = ResolveCheckpointPath(*root, req->path());
-    if (!path.ok()) return path.status();
-    auto bytes = ReadWholeFile(*path);
-    if (!bytes.ok()) return bytes.status();
-    auto decoded = DecodeCheckpoint(*bytes);
-    if (!decoded.ok()) return decoded.status();
-    auto entry = FindLayer(req->layer());
-    if (entry.ok()) {
-      // Into the existing layer: ImportState checks every name, shape and dtype first.
-      if (auto st = (*entry)->layer->ImportState(decoded->state); !st.ok()) return st;
-      RefreshLayer(**entry);
-      FillInfo(**entry, resp->mutable_layer());
-      return absl::OkStatus();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (static_cast<int>(layers_.size()) >= options_.max_layers) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("the server already holds --max_layers=", options_.max_layers, " layers"));
+  static constexpr char kMethod[] = "LoadCheckpoint";
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
+  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
+  if (!authenticated.ok()) {
+    FinishUnary(reactor, kMethod, authenticated.status());
+    return reactor;
+  }
+  file_executor_.Submit([this, ctx, req, resp, reactor,
+                         caller = *std::move(authenticated)](double) {
+    const Clock::time_point t1 = Clock::now();
+    const KeepGoing alive = [ctx]() -> absl::Status {
+      const absl::Status st = CallAlive(ctx);
+      if (st.ok()) return st;
+      return absl::Status(st.code(), absl::StrCat(st.code() == absl::StatusCode::kCancelled
+                                                      ? "the client cancelled the call"
+                                                      : "the call's deadline passed",
+                                                  " while the checkpoint was read; nothing was "
+                                                  "imported"));
+    };
+    auto decoded = std::make_shared<DecodedCheckpoint>();
+    const absl::Status read = [&]() -> absl::Status {
+      if (auto st = alive(); !st.ok()) return st;
+      if (auto st = ValidateLayerName(req->layer(), "layer"); !st.ok()) return st;
+      // Refused before the file is read: loading over another principal's layer.
+      if (auto existing = FindLayer(req->layer()); existing.ok()) {
+        absl::Status allowed = AuthorizeLayer(caller, **existing, Access::kManage, "layer");
+        if (!allowed.ok()) return allowed;
       }
+      if (auto listed = SharedWith(req->shared_with()); !listed.ok()) return listed.status();
+      auto root = CheckpointRoot(caller);
+      if (!root.ok()) return root.status();
+      auto bytes = ReadCheckpointFile(*root, req->path(), options_.max_checkpoint_bytes, alive);
+      if (!bytes.ok()) return bytes.status();
+      auto file = DecodeCheckpoint(*bytes);
+      if (!file.ok()) return file.status();
+      *decoded = std::move(*file);
+      // Whole or not at all: every tensor of the file's own layer config, nothing else.
+      return CheckCheckpointState(decoded->config, decoded->state);
+    }();
+    metrics_->Stage(kMethod, "io", SecondsSince(t1));
+    if (!read.ok()) {
+      FinishUnary(reactor, kMethod, read);
+      return;
     }
-    auto layer = CreateAdmittedLayer(caller.principal, req->layer(), decoded->config);
-    if (!layer.ok()) return layer.status();
-    if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) {
-      layer->reset();
-      ledger_.ReleaseLayer(req->layer());
-      return st;
-    }
-    std::shared_ptr<LayerEntry> created;
-    if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer), caller.principal,
-                              *std::move(shared_with), &created);
-        !st.ok()) {
-      return st;
-    }
-    FillInfo(*created, resp->mutable_layer());
-    return absl::OkStatus();
+    executor_.Submit([this, ctx, req, resp, reactor, decoded, caller](double queued) {
+      metrics_->Stage(kMethod, "queue", queued);
+      const Clock::time_point t0 = Clock::now();
+      const absl::Status imported = [&]() -> absl::Status {
+        if (auto st = CallAlive(ctx); !st.ok()) return st;
+        auto entry = FindLayer(req->layer());
+        if (entry.ok()) {
+          // Checked again here: the layer may have been created since the file was read.
+          if (auto st = AuthorizeLayer(caller, **entry, Access::kManage, "layer"); !st.ok()) {
+            return st;
+          }
+          // Into the existing layer: the checkpoint must fit it whole; ImportState then checks
+          // the values and changes nothing unless all of them pass.
+          if (auto st = CheckCheckpointFitsLayer(req->layer(), (*entry)->config, decoded->state);
+              !st.ok()) {
+            return st;
+          }
+          if (auto st = (*entry)->layer->ImportState(decoded->state); !st.ok()) return st;
+          RefreshLayer(**entry);
+          FillInfo(**entry, resp->mutable_layer());
+          return absl::OkStatus();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (static_cast<int>(layers_.size()) >= options_.max_layers) {
+            return absl::ResourceExhaustedError(absl::StrCat(
+                "the server already holds --max_layers=", options_.max_layers, " layers"));
+          }
+        }
+        auto shared_with = SharedWith(req->shared_with());
+        if (!shared_with.ok()) return shared_with.status();
+        auto layer = CreateAdmittedLayer(caller.principal, req->layer(), decoded->config);
+        if (!layer.ok()) return layer.status();
+        if (auto st = (*layer)->ImportState(decoded->state); !st.ok()) {
+          layer->reset();
+          ledger_.ReleaseLayer(req->layer());
+          return st;
+        }
+        std::shared_ptr<LayerEntry> created;
+        if (auto st = InsertLayer(req->layer(), decoded->config, std::move(*layer),
+                                  caller.principal, *std::move(shared_with), &created);
+            !st.ok()) {
+          return st;
+        }
+        FillInfo(*created, resp->mutable_layer());
+        return absl::OkStatus();
+      }();
+      metrics_->Stage(kMethod, "compute", SecondsSince(t0));
+      if (imported.ok()) metrics_->BytesOut(kMethod, static_cast<int64_t>(resp->ByteSizeLong()));
+      FinishUnary(reactor, kMethod, imported);
+    });
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::GetStats(grpc::CallbackServerContext* ctx,

@@ -4,6 +4,8 @@
 // device executor; they never wait. Every engine call, and every change to the layer table,
 // runs on the executor thread, which then starts the write or finishes the call. The layer table
 // is read (Get, List, stats) under a mutex from any thread, using values the executor caches.
+// Checkpoint files are read and written on a second executor, the file executor, never on the
+// device one.
 #ifndef MOE_SERVER_SERVICE_H_
 #define MOE_SERVER_SERVICE_H_
 
@@ -190,6 +192,9 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<LayerEntry>> layers_;  // written on the executor only
   // Last members: destroyed first, so no task or sweep runs once the rest starts going away.
+  // Checkpoint calls hand tasks between the two executors; both outlive every call, since the
+  // gRPC server is shut down, waiting for every call to finish, before the service goes away.
+  FileExecutor file_executor_;  // checkpoint file I/O, off the device thread
   DeviceExecutor executor_;
   std::mutex sweep_mu_;
   std::condition_variable sweep_cv_;
