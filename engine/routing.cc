@@ -19,7 +19,9 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
   }
   const int64_t t = request.x.shape[0];
   if (t < 1) return absl::InvalidArgumentError("x: needs at least one token (shape [0, d])");
-  if (t * config.top_k > std::numeric_limits<int32_t>::max()) {
+  // The routed pairs are indexed with int32 (dispatch, kernels): T * K, checked.
+  absl::StatusOr<int64_t> pairs = CheckedNumElements({t, config.top_k}, "x");
+  if (!pairs.ok() || *pairs > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
         absl::StrCat("x: ", t, " tokens times top_k = ", config.top_k, " exceeds 2^31 - 1"));
   }

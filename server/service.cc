@@ -20,6 +20,7 @@
 #include "proto/raw_message.h"
 #include "proto/wire.h"
 #include "server/checkpoint.h"
+#include "server/request_validation.h"
 #include "server/status_map.h"
 #include "server/stripe_join.h"
 
@@ -37,19 +38,6 @@ absl::Status CallAlive(grpc::CallbackServerContext* ctx) {
   if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (ctx->deadline() <= std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError("the call's deadline passed before the work started");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateLayerName(const std::string& name, const char* field) {
-  if (name.empty() || name.size() > 128) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": must be 1 to 128 characters"));
-  }
-  for (char c : name) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": \"", name, "\" may contain only letters, digits, '.', '_', '-'"));
-    }
   }
   return absl::OkStatus();
 }
@@ -72,10 +60,6 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
 // measured no better (-ed9e20e-response-pipeline).
 template <typename Resp>
 using ChunkedResponse = wire::ChunkedMessages<Resp>;
-
-int64_t ChunkSize(int64_t requested) {
-  return requested > 0 ? requested : kDefaultResponseChunkBytes;
-}
 
 // --- Forward / Backward -------------------------------------------------------------------
 // What a micro-batch computed: its result tensors (each [T, ...] or empty) and the response's
@@ -260,24 +244,23 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     rows_ = 0;
     layer_ = request_.layer();
     context_id_ = request_.context_id();
-    chunk_ = ChunkSize(request_.max_response_chunk_bytes());
+    chunk_ = ResponseChunkBytes(request_.max_response_chunk_bytes());
     {
       std::lock_guard<std::mutex> lock(join_mu_);
       stripe_ = request_.stripe();
     }
     absl::Status st = ReadHeader(request_);
     if (!st.ok() || !striped()) return st;
-    if (context_id_ == 0) {
-      return absl::InvalidArgumentError(
-          "context_id: a striped micro-batch needs a nonzero context_id, which joins its streams");
-    }
+    if (context_id_ == 0) return ValidateStripe(stripe_, context_id_);
     const std::string key = StripeJoins::Key(method_, layer_, session_, context_id_);
-    std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key);
+    std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key, stripe_.index());
     {
       std::lock_guard<std::mutex> lock(join_mu_);
       join_ = join;
       join_key_ = key;
     }
+    // Checked once in the join, so that a bad stripe fails the streams already waiting in it.
+    if (st = ValidateStripe(stripe_, context_id_); !st.ok()) return st;
     auto [names, values] = StripeHeader();
     st = join->Register(stripe_.index(), {stripe_.count(), stripe_.total_rows(), names, values});
     if (!st.ok()) return st;
@@ -688,9 +671,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
     if (!entry.ok()) return entry.status();
     auto state = (*entry)->layer->ExportState(req_.include_optimizer());
     if (!state.ok()) return state.status();
-    const int64_t chunk = req_.max_chunk_bytes() > 0
-                              ? req_.max_chunk_bytes()
-                              : std::max<int64_t>(1, service_->options().max_message_bytes / 2);
+    const int64_t chunk =
+        ExportChunkBytes(req_.max_chunk_bytes(), service_->options().max_message_bytes);
     for (const auto& [name, t] : *state) {
       size_t offset = 0;
       do {
@@ -699,6 +681,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
         c.set_layer(req_.layer());
         c.set_name(name);
         wire::SetTensorHeader(t.dtype, t.shape, c.mutable_tensor());
+        c.mutable_tensor()->set_offset(static_cast<int64_t>(offset));
         c.mutable_tensor()->set_data(reinterpret_cast<const char*>(t.bytes.data()) + offset, take);
         offset += take;
         c.set_last_chunk(offset == t.bytes.size());
@@ -749,17 +732,11 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
       return;
     }
     service_->metrics().BytesIn("ImportWeights", static_cast<int64_t>(chunk_.ByteSizeLong()));
-    if (layer_.empty()) {
-      layer_ = chunk_.layer();
-      if (layer_.empty()) {
-        Done(absl::InvalidArgumentError("layer: required in the first WeightChunk"));
-        return;
-      }
-    }
-    if (chunk_.name().empty()) {
-      Done(absl::InvalidArgumentError("name: every WeightChunk must name its tensor"));
+    if (absl::Status st = ValidateWeightChunk(chunk_, layer_); !st.ok()) {
+      Done(st);
       return;
     }
+    if (layer_.empty()) layer_ = chunk_.layer();
     auto it = parts_.find(chunk_.name());
     if (it == parts_.end()) {
       it = parts_
@@ -779,6 +756,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
 
  private:
   absl::Status Apply() {
+    if (absl::Status st = ValidateImportStream(layer_); !st.ok()) return st;
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     std::map<std::string, Tensor> state;

@@ -37,8 +37,9 @@ absl::Status SendRows(StripedAssembler& a, uint32_t s, const Tensor& t, int64_t 
   const size_t row = t.bytes.size() / static_cast<size_t>(t.shape[0]);
   const char* data = reinterpret_cast<const char*>(t.bytes.data()) + begin * row;
   const size_t n = static_cast<size_t>(end - begin) * row;
-  const v1::Tensor h = Header(t.dtype, {end - begin, t.shape[1]});
+  v1::Tensor h = Header(t.dtype, {end - begin, t.shape[1]});
   for (size_t off = 0; off < n; off += chunk) {
+    h.set_offset(static_cast<int64_t>(off));
     const size_t take = std::min(chunk, n - off);
     // Two pieces per chunk, as a message split over gRPC slices.
     std::vector<absl::string_view> pieces = {
@@ -121,7 +122,9 @@ TEST(StripedAssemblerTest, EveryDisagreementNamesTheField) {
     ASSERT_TRUE(SendRows(a, 0, t, 0, 5, 64).ok());
     ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {4, 3}), {}), "x");
     std::string extra(4, '\0');
-    ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {5, 3}), {extra}), "x");
+    v1::Tensor h = Header(DType::kFloat32, {5, 3});
+    h.set_offset(60);
+    ExpectInvalidNaming(a.Add(0, 0, h, {extra}), "x");
   }
   {  // at the end: a stream short of bytes, a stream missing, rows that leave a gap
     StripedAssembler a = fresh();

@@ -105,8 +105,8 @@ TEST(StripeJoinsTest, AJoinLivesWhileAnyOfItsStreamsDoes) {
   EXPECT_NE(key, StripeJoins::Key("Backward", "layer", "session", 7));
   EXPECT_NE(key, StripeJoins::Key("Forward", "layer", "session", 8));
   EXPECT_NE(StripeJoins::Key("F", "ab", "", 1), StripeJoins::Key("F", "a", "b", 1));
-  auto first = joins.Enter(key);
-  auto second = joins.Enter(key);
+  auto first = joins.Enter(key, 0);
+  auto second = joins.Enter(key, 0);
   EXPECT_EQ(first, second);
   EXPECT_EQ(joins.size(), 1u);
   joins.Leave(key, first);
@@ -114,7 +114,7 @@ TEST(StripeJoinsTest, AJoinLivesWhileAnyOfItsStreamsDoes) {
   joins.Leave(key, second);
   EXPECT_EQ(joins.size(), 0u);
   // A new micro-batch under the same key gets a fresh join; leaving the old one does not end it.
-  auto third = joins.Enter(key);
+  auto third = joins.Enter(key, 0);
   EXPECT_NE(third, first);
   joins.Leave(key, first);
   EXPECT_EQ(joins.size(), 1u);
