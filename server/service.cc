@@ -227,7 +227,15 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   // Finishes the stream with `status`; a striped micro-batch still collecting fails with it on
   // every stream.
   void Fail(const absl::Status& status) {
-    if (std::shared_ptr<StripeJoin> join = LeaveJoin()) join->Fail(status);
+    // Failed before this stream counts itself out, so that the join outlives it for the siblings
+    // still to come (StripeJoins::Leave).
+    std::shared_ptr<StripeJoin> join;
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      join = join_;
+    }
+    if (join) join->Fail(status);
+    LeaveJoin();
     service_->metrics().Request(method_, GrpcCodeName(ToGrpcStatus(status).error_code()));
     this->Finish(ToGrpcStatus(status));
   }

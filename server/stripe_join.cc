@@ -117,7 +117,12 @@ bool StripeJoin::Saw(uint32_t index) const {
 
 bool StripeJoin::AwaitsLateStreams() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (state_ != State::kFailed) return false;
+  // A cancelled call or a passed deadline says nothing about the micro-batch: a stream that comes
+  // later is more likely a retry than a sibling.
+  if (state_ != State::kFailed || absl::IsCancelled(failure_) ||
+      absl::IsDeadlineExceeded(failure_)) {
+    return false;
+  }
   return std::any_of(streams_.begin(), streams_.end(), [](const Stream& s) { return !s.seen; });
 }
 

@@ -14,8 +14,9 @@
 // arrives later gets it too. Nothing runs, and so no state changes, unless every stream arrived.
 //
 // A stream may fail (bad rows, a bad tensor) before a sibling's first message has reached the
-// server. So that the sibling is answered at once instead of at its deadline, a failed join that
-// knows its stream count is kept for a short while after its last stream left (StripeJoins):
+// server. So that the sibling is answered at once instead of at its deadline, a join that failed
+// so (not by a cancelled call or a passed deadline) and knows its stream count is kept for a
+// short while after its last stream left (StripeJoins):
 // a stream of an index that had not joined it yet gets its failure; a stream of an index that
 // had is a retry of the micro-batch and starts a fresh join.
 #ifndef MOE_SERVER_STRIPE_JOIN_H_
@@ -89,8 +90,9 @@ class StripeJoin {
   bool failed() const;
   // Whether a stream of `index` registered, or tried to, since the join learned its count.
   bool Saw(uint32_t index) const;
-  // Whether the join failed while streams of some index it knows of never registered: a late
-  // sibling of the failed micro-batch may still come.
+  // Whether the join failed for a reason other than a cancelled call or a passed deadline while
+  // streams of some index it knows of never registered: a late sibling of the failed micro-batch
+  // may still come.
   bool AwaitsLateStreams() const;
 
  private:
