@@ -289,6 +289,8 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": a striped micro-batch's tensors need a row (first) dimension"));
   }
+  // Every chunk's extents (later streams' rows included), before any is used in a product.
+  if (absl::Status s = CheckedNumElements(shape, field_).status(); !s.ok()) return s;
   size_t n = 0;
   for (absl::string_view p : pieces) n += p.size();
   std::byte* dst = nullptr;
@@ -323,7 +325,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
     if (it == streams_.end()) {
       // A stream's first chunk: its rows must lie in [0, total_rows) and overlap no other's
       // (row_begin checked first, so total_rows_ - row_begin cannot overflow).
-      bool bad = row_begin < 0 || shape[0] < 0 || shape[0] > total_rows_ - row_begin;
+      bool bad = row_begin < 0 || shape[0] > total_rows_ - row_begin;
       for (const auto& [other, o] : streams_) {
         if (!bad && row_begin < o.row_begin + o.rows && o.row_begin < row_begin + shape[0]) {
           bad = true;

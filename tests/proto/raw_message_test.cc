@@ -249,6 +249,9 @@ TEST(RawMessageTest, ChunkedMessagesCarryEveryByteOnce) {
     EXPECT_EQ(r.out().dtype(), v1::DTYPE_FLOAT32);
     EXPECT_EQ(r.out().shape_size(), 2);
     EXPECT_LE(r.out().data().size() + r.expert_ids().data().size(), 24u);
+    // Each tensor's offset is the bytes of it the earlier messages carried.
+    EXPECT_EQ(r.out().offset(), static_cast<int64_t>(out.size())) << "message " << m;
+    EXPECT_EQ(r.expert_ids().offset(), static_cast<int64_t>(got_ids.size())) << "message " << m;
     out += r.out().data();
     got_ids += r.expert_ids().data();
   }
