@@ -180,29 +180,19 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
 
 absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
                                   absl::Span<const absl::string_view> pieces) {
+  // A refused chunk changes nothing: the first accepted chunk fixes dtype and shape.
+  int64_t expected = expected_;
   if (!seen_) {
-    seen_ = true;
-    dtype_ = chunk.dtype();
-    shape_.assign(chunk.shape().begin(), chunk.shape().end());
-    absl::StatusOr<DType> dtype = DTypeFromProto(dtype_, field_);
+    absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), field_);
     if (!dtype.ok()) return dtype.status();
-    absl::StatusOr<int64_t> bytes = CheckedByteSize(shape_, *dtype, field_);
+    absl::StatusOr<int64_t> bytes = CheckedByteSize(chunk.shape(), *dtype, field_);
     if (!bytes.ok()) return bytes.status();
-    expected_ = *bytes;
-    // Past 4 GiB the buffer grows as bytes come (a shape that large is more likely a peer's
-    // bug than a tensor to send in one call).
-    constexpr int64_t kMaxReserve = int64_t{4} << 30;
-    if (sizing_ != Sizing::kGrow && expected_ <= kMaxReserve) {
-      claimed_ = static_cast<size_t>(expected_);
-    }
+    expected = *bytes;
   } else if (chunk.dtype() != dtype_ ||
              !std::equal(shape_.begin(), shape_.end(), chunk.shape().begin(),
                          chunk.shape().end())) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
-  }
-  if (expected_ < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field_, ": its first chunk was refused"));
   }
   if (chunk.offset() != static_cast<int64_t>(bytes_.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -211,10 +201,21 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
   }
   size_t n = 0;
   for (absl::string_view p : pieces) n += p.size();
-  if (n > static_cast<size_t>(expected_) - bytes_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(field_, ": ", bytes_.size() + n,
-                                                   " bytes, more than its shape holds (",
-                                                   expected_, ")"));
+  if (n > static_cast<size_t>(expected) - bytes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": ", bytes_.size() + n, " bytes, more than its shape holds (", expected, ")"));
+  }
+  if (!seen_) {
+    seen_ = true;
+    dtype_ = chunk.dtype();
+    shape_.assign(chunk.shape().begin(), chunk.shape().end());
+    expected_ = expected;
+    // Past 4 GiB the buffer grows as bytes come (a shape that large is more likely a peer's
+    // bug than a tensor to send in one call).
+    constexpr int64_t kMaxReserve = int64_t{4} << 30;
+    if (sizing_ != Sizing::kGrow && expected_ <= kMaxReserve) {
+      claimed_ = static_cast<size_t>(expected_);
+    }
   }
   const size_t arrived = bytes_.size() + n;
   if (claimed_ > 0 && (sizing_ == Sizing::kClaimedAtOnce || arrived >= claimed_ / 8)) {
@@ -296,24 +297,26 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
   std::byte* dst = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A refused chunk changes nothing: the first accepted chunk fixes dtype and extents.
+    DType dtype = dtype_;
+    size_t row_bytes = row_bytes_;
     if (!seen_) {
-      absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), field_);
-      if (!dtype.ok()) return dtype.status();
+      absl::StatusOr<DType> d = DTypeFromProto(chunk.dtype(), field_);
+      if (!d.ok()) return d.status();
       // One row, this stream's rows and the whole tensor, each within CheckedByteSize's bounds.
       std::vector<int64_t> whole = shape;
       whole[0] = 1;
-      absl::StatusOr<int64_t> row = CheckedByteSize(whole, *dtype, field_);
+      absl::StatusOr<int64_t> row = CheckedByteSize(whole, *d, field_);
       if (!row.ok()) return row.status();
-      if (absl::Status s = CheckedByteSize(shape, *dtype, field_).status(); !s.ok()) return s;
+      if (absl::Status s = CheckedByteSize(shape, *d, field_).status(); !s.ok()) return s;
       whole[0] = total_rows_;
-      absl::StatusOr<int64_t> all = CheckedByteSize(whole, *dtype, field_);
+      absl::StatusOr<int64_t> all = CheckedByteSize(whole, *d, field_);
       if (!all.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("stripe.total_rows: ", all.status().message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("stripe.total_rows: ", all.status().message()));
       }
-      seen_ = true;
-      dtype_ = *dtype;
-      shape_ = shape;
-      row_bytes_ = static_cast<size_t>(*row);
+      dtype = *d;
+      row_bytes = static_cast<size_t>(*row);
     } else if (chunk.dtype() != DTypeToProto(dtype_) || shape.size() != shape_.size() ||
                !std::equal(shape.begin() + 1, shape.end(), shape_.begin() + 1)) {
       return absl::InvalidArgumentError(
@@ -322,7 +325,9 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
                        "extents past the first"));
     }
     auto it = streams_.find(stream);
-    if (it == streams_.end()) {
+    const bool fresh = it == streams_.end();
+    Stream candidate{row_begin, shape[0], 0, {}};
+    if (fresh) {
       // A stream's first chunk: its rows must lie in [0, total_rows) and overlap no other's
       // (row_begin checked first, so total_rows_ - row_begin cannot overflow).
       bool bad = row_begin < 0 || shape[0] > total_rows_ - row_begin;
@@ -341,23 +346,31 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
             field_, ": stream ", stream, "'s first chunk at byte offset ", chunk.offset(),
             ", not 0 (chunks out of order, repeated or lost)"));
       }
-      it = streams_.emplace(stream, Stream{row_begin, shape[0], 0, {}}).first;
     } else if (row_begin != it->second.row_begin || shape[0] != it->second.rows) {
       return absl::InvalidArgumentError(
           absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
     }
-    Stream& s = it->second;
-    if (chunk.offset() != static_cast<int64_t>(s.received)) {
+    const Stream& current = fresh ? candidate : it->second;
+    if (chunk.offset() != static_cast<int64_t>(current.received)) {
       return absl::InvalidArgumentError(absl::StrCat(
           field_, ": stream ", stream, " sent a chunk at byte offset ", chunk.offset(), ", but ",
-          s.received, " bytes of its rows had arrived (chunks out of order, repeated or lost)"));
+          current.received,
+          " bytes of its rows had arrived (chunks out of order, repeated or lost)"));
     }
-    const size_t capacity = static_cast<size_t>(s.rows) * row_bytes_;
-    if (n > capacity - s.received) {
+    const size_t capacity = static_cast<size_t>(current.rows) * row_bytes;
+    if (n > capacity - current.received) {
       return absl::InvalidArgumentError(absl::StrCat(field_, ": stream ", stream,
-                                                     " sent more bytes than its ", s.rows,
+                                                     " sent more bytes than its ", current.rows,
                                                      " rows hold (", capacity, ")"));
     }
+    if (!seen_) {
+      seen_ = true;
+      dtype_ = dtype;
+      shape_ = shape;
+      row_bytes_ = row_bytes;
+    }
+    if (fresh) it = streams_.emplace(stream, std::move(candidate)).first;
+    Stream& s = it->second;
     const size_t whole = static_cast<size_t>(total_rows_) * row_bytes_;
     if (!allocated_ && (sizing_ == Sizing::kClaimedAtOnce || arrived_ + n >= whole / 8)) {
       AllocateLocked();
@@ -376,6 +389,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
   // Outside the lock: the streams' rows are disjoint and the buffer never moves once allocated.
   for (absl::string_view p : pieces) {
     if (dst == nullptr) break;
+    if (p.empty()) continue;
     std::memcpy(dst, p.data(), p.size());
     dst += p.size();
   }
@@ -385,6 +399,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
 void StripedAssembler::AllocateLocked() {
   whole_.resize(static_cast<size_t>(total_rows_) * row_bytes_);
   for (auto& [id, s] : streams_) {
+    if (s.pending.empty()) continue;  // memcpy's pointers must be valid even for 0 bytes
     std::memcpy(whole_.data() + static_cast<size_t>(s.row_begin) * row_bytes_, s.pending.data(),
                 s.pending.size());
     TensorBytes().swap(s.pending);
@@ -399,6 +414,7 @@ bool StripedAssembler::seen() const {
 
 absl::StatusOr<Tensor> StripedAssembler::Finish(uint32_t streams) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!seen_) return absl::InvalidArgumentError(absl::StrCat(field_, ": missing"));
   if (streams_.size() != streams) {
     return absl::InvalidArgumentError(absl::StrCat(field_, ": carried by ", streams_.size(),
                                                    " of the ", streams,

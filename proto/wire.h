@@ -48,7 +48,7 @@ void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor*
 // Collects one tensor's chunks. The first chunk fixes dtype and shape, which must be known and
 // within CheckedByteSize's bounds; later chunks must repeat them, each chunk's `offset` must equal
 // the bytes collected so far, and no chunk may bring the total past what the shape holds
-// (InvalidArgument naming `field` otherwise).
+// (InvalidArgument naming `field` otherwise). A refused chunk changes nothing.
 //
 // How the buffer is sized (a 144 MiB tensor took 230 ms to assemble into a doubling buffer on
 // the H100 machine, 93-103 ms into one reserved up front; docs/SERVICE_PERFORMANCE.md):
@@ -85,7 +85,7 @@ class TensorAssembler {
   std::string field_;
   Sizing sizing_ = Sizing::kGrow;
   bool seen_ = false;
-  int64_t expected_ = -1;  // the bytes the shape holds; -1 while the first chunk was refused
+  int64_t expected_ = -1;  // the bytes the shape holds; -1 before the first accepted chunk
   size_t claimed_ = 0;     // what the shape claims, once to be reserved; 0 after reserving
   int dtype_ = 0;
   std::vector<int64_t> shape_;
@@ -122,14 +122,15 @@ class StripedAssembler {
   // InvalidArgument naming the field when the dtype is unknown, the shape or the whole tensor
   // leaves CheckedByteSize's bounds, the dtype or the extents past the first differ from another
   // stream's, the rows leave [0, total_rows) or overlap another stream's, the offset is not the
-  // bytes this stream has sent so far, or the stream sends more bytes than its rows hold.
+  // bytes this stream has sent so far, or the stream sends more bytes than its rows hold. A
+  // refused chunk changes nothing.
   absl::Status Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
                    absl::Span<const absl::string_view> pieces);
   // Whether any stream carried this tensor.
   bool seen() const;
-  // The whole tensor, [total_rows, ...]. Checks that exactly `streams` streams carried it, each
-  // all its rows' bytes, and that their rows tile [0, total_rows) (InvalidArgument naming the
-  // field). Afterwards the assembler holds no bytes.
+  // The whole tensor, [total_rows, ...]. Checks that some stream carried it, exactly `streams`
+  // streams, each all its rows' bytes, and that their rows tile [0, total_rows) (InvalidArgument
+  // naming the field). Afterwards the assembler holds no bytes.
   absl::StatusOr<Tensor> Finish(uint32_t streams);
 
  private:
