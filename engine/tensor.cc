@@ -44,8 +44,8 @@ absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
                                            absl::string_view field) {
   auto shape_str = [&] { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); };
   if (shape.size() > kMaxTensorRank) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", shape.size(),
-                                                   " dimensions, at most ", kMaxTensorRank));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", shape.size(), " dimensions, at most ", kMaxTensorRank));
   }
   int64_t n = 1;
   for (int64_t s : shape) {
@@ -56,8 +56,9 @@ absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
     // Each extent is bounded on its own too, so that a zero elsewhere cannot hide a huge one
     // from code that multiplies only some of the extents.
     if (s > kMaxTensorBytes || __builtin_mul_overflow(n, s, &n) || n > kMaxTensorBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": shape ", shape_str(), " has more than 2^40 elements (no tensor is that large)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", shape_str(),
+                       " has more than 2^40 elements (no tensor is that large)"));
     }
   }
   return n;

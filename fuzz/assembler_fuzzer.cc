@@ -65,7 +65,8 @@ void CheckTensor(const moe::Tensor& t, const std::vector<int64_t>& shape, const 
 
 // One tensor in chunks; `want` is what the accepted chunks carried.
 void Whole(FuzzInput& in) {
-  moe::wire::TensorAssembler a("x", in.Bool() ? Sizing::kGrow : Sizing::kClaimedOnceAnEighthArrived);
+  moe::wire::TensorAssembler a("x",
+                               in.Bool() ? Sizing::kGrow : Sizing::kClaimedOnceAnEighthArrived);
   std::string want;
   moe::v1::Tensor first;
   bool have_first = false;
@@ -118,8 +119,8 @@ void Striped(FuzzInput& in) {
       for (const auto& [id, s] : sent) {
         if (!s.accepted || s.bytes.empty()) continue;
         Check(static_cast<size_t>(s.row_begin) * row + s.bytes.size() <= t->bytes.size());
-        Check(std::memcmp(t->bytes.data() + static_cast<size_t>(s.row_begin) * row,
-                          s.bytes.data(), s.bytes.size()) == 0);
+        Check(std::memcmp(t->bytes.data() + static_cast<size_t>(s.row_begin) * row, s.bytes.data(),
+                          s.bytes.size()) == 0);
       }
       return;
     }

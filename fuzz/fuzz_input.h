@@ -5,9 +5,9 @@
 #ifndef MOE_FUZZ_FUZZ_INPUT_H_
 #define MOE_FUZZ_FUZZ_INPUT_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>

@@ -5,15 +5,15 @@
 //
 // Input: byte 0 picks the message type, byte 1 the number of slice cuts (mod 8), the next that
 // many bytes where each cut falls (as a fraction of the message), the rest is the message.
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/slice.h>
 
 #include "engine/tensor.h"
 #include "moe/v1/moe.pb.h"

@@ -82,8 +82,7 @@ void Forward(const std::string& bytes, const absl::StatusOr<moe::LayerConfig>& c
   absl::StatusOr<int64_t> t = moe::ValidateForwardRequest(*config, f);
   CheckRefusal(t.status());
   if (!t.ok()) return;
-  Check(*t >= 1 && f.x.shape.size() == 2 && f.x.shape[0] == *t &&
-        f.x.shape[1] == config->d_model);
+  Check(*t >= 1 && f.x.shape.size() == 2 && f.x.shape[0] == *t && f.x.shape[1] == config->d_model);
   Check(*t * config->top_k <= std::numeric_limits<int32_t>::max());
   Check(f.x.size_bytes ==
         static_cast<size_t>(*t * config->d_model) * moe::DTypeSize(config->dtype));

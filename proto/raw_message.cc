@@ -74,9 +74,7 @@ class SliceReader {
   }
   // A length as protobuf's parser reads one: at most five bytes, below 2^31 - 16 (protobuf keeps
   // that much room so its limits cannot overflow an int).
-  bool ReadSize(uint64_t* size) {
-    return ReadVarint(size, 5) && *size <= uint64_t{INT32_MAX} - 16;
-  }
+  bool ReadSize(uint64_t* size) { return ReadVarint(size, 5) && *size <= uint64_t{INT32_MAX} - 16; }
 
   // The next n bytes as views into the slices, appended to *pieces.
   bool Take(size_t n, std::vector<absl::string_view>* pieces) {

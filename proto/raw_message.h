@@ -84,9 +84,9 @@ class IncomingMessage {
 // A micro-batch's tensors cut into messages of at most `chunk` payload bytes (ChunkPlan), each
 // encoded only when it is about to be written, by reference to the tensors, which this object
 // shares with the encoded messages' slices. Every message gives each present tensor's `offset`:
-// the bytes of it the earlier messages carried. `header` prepares an empty message (its small fields)
-// and returns the proto tensors of the present tensors in the order of `fields` (nullptr for an
-// absent one; an empty tensor is absent on the wire).
+// the bytes of it the earlier messages carried. `header` prepares an empty message (its small
+// fields) and returns the proto tensors of the present tensors in the order of `fields` (nullptr
+// for an absent one; an empty tensor is absent on the wire).
 template <typename Msg>
 class ChunkedMessages {
  public:

@@ -188,16 +188,15 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
     absl::StatusOr<int64_t> bytes = CheckedByteSize(chunk.shape(), *dtype, field_);
     if (!bytes.ok()) return bytes.status();
     expected = *bytes;
-  } else if (chunk.dtype() != dtype_ ||
-             !std::equal(shape_.begin(), shape_.end(), chunk.shape().begin(),
-                         chunk.shape().end())) {
+  } else if (chunk.dtype() != dtype_ || !std::equal(shape_.begin(), shape_.end(),
+                                                    chunk.shape().begin(), chunk.shape().end())) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
   }
   if (chunk.offset() != static_cast<int64_t>(bytes_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field_, ": chunk at byte offset ", chunk.offset(), ", but ", bytes_.size(),
-        " bytes of it had arrived (chunks out of order, repeated or lost)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ": chunk at byte offset ", chunk.offset(), ", but ", bytes_.size(),
+                     " bytes of it had arrived (chunks out of order, repeated or lost)"));
   }
   size_t n = 0;
   for (absl::string_view p : pieces) n += p.size();
@@ -237,10 +236,9 @@ absl::Status TensorAssembler::CheckComplete(DType* dtype) {
   absl::StatusOr<int64_t> want = CheckedByteSize(shape_, *dtype, field_);
   if (!want.ok()) return want.status();
   if (bytes_.size() != static_cast<size_t>(*want)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field_, ": ", bytes_.size(), " bytes do not match shape [",
-                     absl::StrJoin(shape_, ","), "] of ", DTypeName(*dtype), " (", *want,
-                     " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": ", bytes_.size(), " bytes do not match shape [", absl::StrJoin(shape_, ","),
+        "] of ", DTypeName(*dtype), " (", *want, " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -342,9 +340,9 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
             stream, " leave [0, ", total_rows_, ") or overlap another stream's"));
       }
       if (chunk.offset() != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field_, ": stream ", stream, "'s first chunk at byte offset ", chunk.offset(),
-            ", not 0 (chunks out of order, repeated or lost)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field_, ": stream ", stream, "'s first chunk at byte offset ",
+                         chunk.offset(), ", not 0 (chunks out of order, repeated or lost)"));
       }
     } else if (row_begin != it->second.row_begin || shape[0] != it->second.rows) {
       return absl::InvalidArgumentError(
@@ -352,10 +350,10 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
     }
     const Stream& current = fresh ? candidate : it->second;
     if (chunk.offset() != static_cast<int64_t>(current.received)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field_, ": stream ", stream, " sent a chunk at byte offset ", chunk.offset(), ", but ",
-          current.received,
-          " bytes of its rows had arrived (chunks out of order, repeated or lost)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_, ": stream ", stream, " sent a chunk at byte offset ", chunk.offset(),
+                       ", but ", current.received,
+                       " bytes of its rows had arrived (chunks out of order, repeated or lost)"));
     }
     const size_t capacity = static_cast<size_t>(current.rows) * row_bytes;
     if (n > capacity - current.received) {

@@ -42,13 +42,13 @@ absl::Status ValidateStripe(const v1::Stripe& stripe, uint64_t context_id) {
                                                    " is not below stripe.count ", stripe.count()));
   }
   if (stripe.total_rows() < 1 || stripe.total_rows() > kMaxTensorBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stripe.total_rows: must be in [1, 2^40], got ", stripe.total_rows()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.total_rows: must be in [1, 2^40], got ", stripe.total_rows()));
   }
   if (stripe.row_begin() < 0 || stripe.row_begin() > stripe.total_rows()) {
-    return absl::InvalidArgumentError(absl::StrCat("stripe.row_begin: ", stripe.row_begin(),
-                                                   " is outside [0, stripe.total_rows = ",
-                                                   stripe.total_rows(), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.row_begin: ", stripe.row_begin(),
+                     " is outside [0, stripe.total_rows = ", stripe.total_rows(), "]"));
   }
   if (context_id == 0) {
     return absl::InvalidArgumentError(
@@ -61,9 +61,8 @@ absl::Status ValidateWeightChunk(const v1::WeightChunk& chunk, absl::string_view
   if (layer.empty()) {
     if (absl::Status st = ValidateImportStream(chunk.layer()); !st.ok()) return st;
   } else if (!chunk.layer().empty() && chunk.layer() != layer) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: \"", chunk.layer(),
-                                                   "\" differs from the first message's \"",
-                                                   layer, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer: \"", chunk.layer(), "\" differs from the first message's \"", layer, "\""));
   }
   if (chunk.name().empty()) {
     return absl::InvalidArgumentError("name: every WeightChunk must name its tensor");

@@ -111,8 +111,9 @@ class HostileServer {
     a.status = stream->Finish();
     return a;
   }
-  Answer<v1::ForwardResponse> Forward(const std::vector<v1::ForwardRequest>& requests,
-                                      std::chrono::milliseconds deadline = std::chrono::seconds(20)) {
+  Answer<v1::ForwardResponse> Forward(
+      const std::vector<v1::ForwardRequest>& requests,
+      std::chrono::milliseconds deadline = std::chrono::seconds(20)) {
     return Stream<v1::ForwardRequest, v1::ForwardResponse>(
         requests, [&](grpc::ClientContext* ctx) { return conn_->stub()->Forward(ctx); }, deadline);
   }

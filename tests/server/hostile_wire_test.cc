@@ -129,8 +129,8 @@ std::vector<Case> Cases() {
     v1::ForwardRequest r = ForwardOf(ref, TensorProto(DType::kFloat32, {kHuge, 16}));
     *r.mutable_expert_ids() = TensorProto(DType::kInt32, {kHuge, 2});
     *r.mutable_weights() = TensorProto(DType::kFloat32, {kHuge, 2});
-    cases.push_back({"client routing, x [2^62, 16], expert_ids and weights [2^62, 2]",
-                     forward({r}), Code::INVALID_ARGUMENT, "x: shape"});
+    cases.push_back({"client routing, x [2^62, 16], expert_ids and weights [2^62, 2]", forward({r}),
+                     Code::INVALID_ARGUMENT, "x: shape"});
     v1::ForwardRequest ids_only = ClientRouted(ref, 4);
     *ids_only.mutable_expert_ids() = TensorProto(DType::kInt32, {kHuge, 2});
     cases.push_back({"client routing, expert_ids [2^62, 2] beside a valid x", forward({ids_only}),
@@ -196,8 +196,8 @@ std::vector<Case> Cases() {
   }
   {
     const std::string w1(6 * 24 * 16 * 4, 0);
-    v1::WeightChunk a = WeightOf(ref, "w1", TensorProto(DType::kFloat32, {6, 24, 16},
-                                                       w1.substr(0, 4096)), false);
+    v1::WeightChunk a =
+        WeightOf(ref, "w1", TensorProto(DType::kFloat32, {6, 24, 16}, w1.substr(0, 4096)), false);
     v1::WeightChunk b =
         WeightOf("", "w1", TensorProto(DType::kFloat32, {6, 24, 16}, w1.substr(4096), 4096));
     v1::WeightChunk b_first = b;

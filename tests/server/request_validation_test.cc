@@ -41,13 +41,11 @@ TEST(RequestValidationTest, StripesNameTheFieldThatIsOutOfRange) {
   ExpectInvalidNaming(ValidateStripe(StripeOf(2, 2, 0, 10), 7), "stripe.index");
   ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 0, 0), 7), "stripe.total_rows");
   ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 0, -5), 7), "stripe.total_rows");
-  ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 0, int64_t{1} << 62), 7),
-                      "stripe.total_rows");
+  ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 0, int64_t{1} << 62), 7), "stripe.total_rows");
   ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, -1, 10), 7), "stripe.row_begin");
   ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 11, 10), 7), "stripe.row_begin");
-  ExpectInvalidNaming(
-      ValidateStripe(StripeOf(0, 2, std::numeric_limits<int64_t>::min(), 10), 7),
-      "stripe.row_begin");
+  ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, std::numeric_limits<int64_t>::min(), 10), 7),
+                      "stripe.row_begin");
   ExpectInvalidNaming(ValidateStripe(StripeOf(0, 2, 0, 10), 0), "context_id");
 }
 

@@ -247,10 +247,10 @@ TEST(TensorTest, CheckedNumElementsRefusesWhatCannotExist) {
   const std::vector<std::vector<int64_t>> bad = {
       {-1},
       {4, -2},
-      {k62, 4},                          // 2^64: wraps to 0
-      {int64_t{1} << 61, 8},             // wraps to 0 too
-      {k62, k62, 0},                     // a zero after the overflow
-      {0, int64_t{1} << 41},             // an extent past the bound, hidden by a zero
+      {k62, 4},                              // 2^64: wraps to 0
+      {int64_t{1} << 61, 8},                 // wraps to 0 too
+      {k62, k62, 0},                         // a zero after the overflow
+      {0, int64_t{1} << 41},                 // an extent past the bound, hidden by a zero
       {int64_t{1} << 20, int64_t{1} << 21},  // 2^41 elements: no overflow, past the bound
       {kMaxTensorBytes + 1},
       std::vector<int64_t>(kMaxTensorRank + 1, 1),
@@ -287,8 +287,8 @@ TEST(ValidateForwardRequestTest, TokensTimesTopKIsChecked) {
   c.num_experts = int64_t{1} << 26;
   ASSERT_TRUE(ValidateLayerConfig(c).ok());
   static const char byte = 0;
-  for (auto [tokens, top_k] : {std::pair<int64_t, int64_t>{int64_t{1} << 30, 4},
-                               {int64_t{1} << 38, int64_t{1} << 26}}) {
+  for (auto [tokens, top_k] :
+       {std::pair<int64_t, int64_t>{int64_t{1} << 30, 4}, {int64_t{1} << 38, int64_t{1} << 26}}) {
     c.top_k = top_k;
     ForwardRequest r;
     r.x.dtype = DType::kFloat32;
