@@ -25,6 +25,17 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
     return absl::InvalidArgumentError(
         absl::StrCat("x: ", t, " tokens times top_k = ", config.top_k, " exceeds 2^31 - 1"));
   }
+  // The engine's working set grows with T too: the routed rows' hidden activations [T * K, 2h]
+  // and, with server routing, the router's logits [T, E], both fp32. A T for which either could
+  // not exist is refused here, before an engine sizes a buffer from it.
+  if (!CheckedByteSize({t, config.top_k, 2 * config.d_hidden}, DType::kFloat32, "x").ok() ||
+      (config.routing == RoutingMode::kServer &&
+       !CheckedByteSize({t, config.num_experts}, DType::kFloat32, "x").ok())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x: ", t, " tokens would need more than 2^40 bytes of activations in this "
+                     "layer (top_k = ", config.top_k, ", d_hidden = ", config.d_hidden,
+                     ", num_experts = ", config.num_experts, ")"));
+  }
   if (config.routing == RoutingMode::kServer) {
     if (!request.expert_ids.empty() || request.expert_ids.size_bytes != 0) {
       return absl::InvalidArgumentError("expert_ids: must be empty with server routing");

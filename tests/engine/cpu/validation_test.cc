@@ -50,6 +50,13 @@ TEST(ValidateLayerConfigTest, NamesTheBadField) {
       {"optimizer.weight_decay", [](LayerConfig& c) { c.optimizer.weight_decay = INFINITY; }},
       {"optimizer.momentum", [](LayerConfig& c) { c.optimizer.momentum = 1.5; }},
       {"optimizer.max_grad_norm", [](LayerConfig& c) { c.optimizer.max_grad_norm = -1; }},
+      // Weights or a router that could not exist, whatever their products wrap to.
+      {"d_hidden", [](LayerConfig& c) { c.d_model = c.d_hidden = int64_t{1} << 30; }},
+      {"num_experts",
+       [](LayerConfig& c) {
+         c.num_experts = c.d_model = (int64_t{1} << 31) - 1;
+         c.expert_first = 0, c.expert_count = 1, c.d_hidden = 1;
+       }},
   };
   for (const Case& cs : cases) {
     LayerConfig c = good;
@@ -297,6 +304,23 @@ TEST(ValidateForwardRequestTest, TokensTimesTopKIsChecked) {
     r.x.data = &byte;
     ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: ");
   }
+  // 2^20 tokens of d = 1 (4 MiB of x) whose hidden activations [T * K, 2h] would be 8 TiB, and
+  // ones whose router logits [T, E] would be: refused before an engine sizes anything from them.
+  c.num_experts = 2;
+  c.top_k = 1;
+  c.d_hidden = int64_t{1} << 20;
+  ASSERT_TRUE(ValidateLayerConfig(c).ok());
+  ForwardRequest r;
+  r.x.dtype = DType::kFloat32;
+  r.x.shape = {int64_t{1} << 20, 1};
+  r.x.size_bytes = size_t{4} << 20;
+  r.x.data = &byte;
+  ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: 1048576 tokens");
+  c.d_hidden = 1;
+  c.num_experts = int64_t{1} << 26;
+  r.x.shape = {int64_t{1} << 16, 1};
+  r.x.size_bytes = size_t{4} << 16;
+  ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: 65536 tokens");
 }
 
 TEST(EngineFactoryTest, DeviceStrings) {
