@@ -32,8 +32,10 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
       (config.routing == RoutingMode::kServer &&
        !CheckedByteSize({t, config.num_experts}, DType::kFloat32, "x").ok())) {
     return absl::InvalidArgumentError(
-        absl::StrCat("x: ", t, " tokens would need more than 2^40 bytes of activations in this "
-                     "layer (top_k = ", config.top_k, ", d_hidden = ", config.d_hidden,
+        absl::StrCat("x: ", t,
+                     " tokens would need more than 2^40 bytes of activations in this "
+                     "layer (top_k = ",
+                     config.top_k, ", d_hidden = ", config.d_hidden,
                      ", num_experts = ", config.num_experts, ")"));
   }
   if (config.routing == RoutingMode::kServer) {
