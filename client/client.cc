@@ -809,6 +809,7 @@ absl::Status Connection::ImportWeights(const std::string& layer,
       first = false;
       c.set_name(name);
       wire::SetTensorHeader(t.dtype, t.shape, c.mutable_tensor());
+      c.mutable_tensor()->set_offset(static_cast<int64_t>(offset));
       c.mutable_tensor()->set_data(reinterpret_cast<const char*>(t.bytes.data()) + offset, take);
       offset += take;
       c.set_last_chunk(offset == t.bytes.size());

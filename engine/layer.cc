@@ -58,9 +58,17 @@ absl::Status ValidateLayerConfig(const LayerConfig& c) {
                               " exceeds num_experts = ", c.num_experts));
     }
   }
-  // Weights per local expert must be addressable; 2^40 elements is far beyond any host/GPU.
-  const double elems = static_cast<double>(c.local_experts()) * c.d_model * c.d_hidden;
-  if (elems > 1099511627776.0) return Bad("d_hidden", "makes the expert weights too large");
+  // Each weight tensor [count, h, d] and the router [d, E] (server routing), fp32 as the
+  // optimizer keeps them, must be tensors that can exist (CheckedByteSize: at most 2^40 bytes,
+  // products checked).
+  if (!CheckedByteSize({c.local_experts(), c.d_model, c.d_hidden}, DType::kFloat32, "d_hidden")
+           .ok()) {
+    return Bad("d_hidden", "makes the expert weights too large");
+  }
+  if (c.routing == RoutingMode::kServer &&
+      !CheckedByteSize({c.d_model, c.num_experts}, DType::kFloat32, "num_experts").ok()) {
+    return Bad("num_experts", "with d_model makes the router too large");
+  }
   if (!Finite(c.init_scale) || c.init_scale < 0) {
     return Bad("init_scale", absl::StrCat("= ", c.init_scale, ", must be finite and >= 0"));
   }

@@ -19,9 +19,24 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
   }
   const int64_t t = request.x.shape[0];
   if (t < 1) return absl::InvalidArgumentError("x: needs at least one token (shape [0, d])");
-  if (t * config.top_k > std::numeric_limits<int32_t>::max()) {
+  // The routed pairs are indexed with int32 (dispatch, kernels): T * K, checked.
+  absl::StatusOr<int64_t> pairs = CheckedNumElements({t, config.top_k}, "x");
+  if (!pairs.ok() || *pairs > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
         absl::StrCat("x: ", t, " tokens times top_k = ", config.top_k, " exceeds 2^31 - 1"));
+  }
+  // The engine's working set grows with T too: the routed rows' hidden activations [T * K, 2h]
+  // and, with server routing, the router's logits [T, E], both fp32. A T for which either could
+  // not exist is refused here, before an engine sizes a buffer from it.
+  if (!CheckedByteSize({t, config.top_k, 2 * config.d_hidden}, DType::kFloat32, "x").ok() ||
+      (config.routing == RoutingMode::kServer &&
+       !CheckedByteSize({t, config.num_experts}, DType::kFloat32, "x").ok())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x: ", t,
+                     " tokens would need more than 2^40 bytes of activations in this "
+                     "layer (top_k = ",
+                     config.top_k, ", d_hidden = ", config.d_hidden,
+                     ", num_experts = ", config.num_experts, ")"));
   }
   if (config.routing == RoutingMode::kServer) {
     if (!request.expert_ids.empty() || request.expert_ids.size_bytes != 0) {

@@ -17,7 +17,9 @@
 namespace moe {
 
 // Checks x (and, for client routing, expert_ids and weights; for server routing, that both
-// are empty). Returns T, the number of tokens (>= 1; T * K must fit in int32).
+// are empty). Returns T, the number of tokens (>= 1; T * K must fit in int32, and the hidden
+// activations [T * K, 2h] and, with server routing, the logits [T, E] in CheckedByteSize's
+// bounds).
 absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
                                                const ForwardRequest& request);
 

@@ -40,10 +40,46 @@ const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
-int64_t NumElements(const std::vector<int64_t>& shape) {
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
+                                           absl::string_view field) {
+  auto shape_str = [&] { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); };
+  if (shape.size() > kMaxTensorRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", shape.size(), " dimensions, at most ", kMaxTensorRank));
+  }
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    if (s < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": negative extent ", s, " in shape ", shape_str()));
+    }
+    // Each extent is bounded on its own too, so that a zero elsewhere cannot hide a huge one
+    // from code that multiplies only some of the extents.
+    if (s > kMaxTensorBytes || __builtin_mul_overflow(n, s, &n) || n > kMaxTensorBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", shape_str(),
+                       " has more than 2^40 elements (no tensor is that large)"));
+    }
+  }
   return n;
+}
+
+absl::StatusOr<int64_t> CheckedByteSize(absl::Span<const int64_t> shape, DType dtype,
+                                        absl::string_view field) {
+  absl::StatusOr<int64_t> n = CheckedNumElements(shape, field);
+  if (!n.ok()) return n.status();
+  const int64_t size = static_cast<int64_t>(DTypeSize(dtype));
+  if (*n > kMaxTensorBytes / size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape [", absl::StrJoin(shape, ", "), "] of ", DTypeName(dtype),
+                     " is more than 2^40 bytes (no tensor is that large)"));
+  }
+  return *n * size;
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  absl::StatusOr<int64_t> n = CheckedNumElements(shape, "");
+  return n.ok() ? *n : -1;
 }
 
 Tensor Tensor::Zeros(DType dtype, std::vector<int64_t> shape) {
@@ -79,7 +115,9 @@ absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType 
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", shape_str(view.shape),
                                                    ", expected ", shape_str(shape), " (-1 = any)"));
   }
-  const size_t want = static_cast<size_t>(view.num_elements()) * DTypeSize(dtype);
+  absl::StatusOr<int64_t> bytes = CheckedByteSize(view.shape, dtype, field);
+  if (!bytes.ok()) return bytes.status();
+  const size_t want = static_cast<size_t>(*bytes);
   if (view.size_bytes != want) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", view.size_bytes,
                                                    " bytes for shape ", shape_str(view.shape),

@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "engine/host_memory.h"
 
 namespace moe {
@@ -26,6 +28,26 @@ enum class DType { kFloat32 = 0, kBFloat16 = 1, kInt32 = 2, kInt64 = 3 };
 size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);  // "float32", "bfloat16", "int32", "int64"
 
+// Bounds on any shape a peer or a file describes. No host holds a tensor of 1 TiB, and none of
+// this project's tensors has more than 3 dimensions: a shape past either bound is a peer's bug or
+// an attack, refused before anything is sized from it.
+inline constexpr size_t kMaxTensorRank = 8;
+inline constexpr int64_t kMaxTensorBytes = int64_t{1} << 40;
+
+// The one checked product of a shape's extents. Every product of extents a client or a file
+// supplied goes through it (or CheckedByteSize) before anything is allocated or indexed from
+// it: at most kMaxTensorRank extents, each >= 0, and a product that neither overflows int64 nor
+// exceeds kMaxTensorBytes (no element is smaller than a byte). InvalidArgument naming `field`.
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
+                                           absl::string_view field);
+// The same, times the dtype's size: the bytes a tensor of that shape holds, at most
+// kMaxTensorBytes.
+absl::StatusOr<int64_t> CheckedByteSize(absl::Span<const int64_t> shape, DType dtype,
+                                        absl::string_view field);
+
+// The product of a shape the caller already knows to be valid (the engine's own tensors, or a
+// peer's after CheckedNumElements). -1 for a shape CheckedNumElements refuses, never a wrapped
+// product.
 int64_t NumElements(const std::vector<int64_t>& shape);
 
 struct TensorView {
@@ -94,8 +116,8 @@ struct Tensor {
   }
 };
 
-// OK when `view` has `dtype`, exactly `shape` (-1 matches any extent) and the matching byte
-// count; otherwise InvalidArgument naming `field`.
+// OK when `view` has `dtype`, exactly `shape` (-1 matches any extent), a size within
+// CheckedByteSize's bounds and the matching byte count; otherwise InvalidArgument naming `field`.
 absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType dtype,
                          const std::vector<int64_t>& shape);
 

@@ -54,17 +54,27 @@ class SliceReader {
   bool at_end() const { return index_ == slices_.size(); }
   size_t position() const { return position_; }
 
-  bool ReadVarint(uint64_t* value) {
+  // A varint of at most `max_bytes` bytes (ten: any 64-bit value).
+  bool ReadVarint(uint64_t* value, int max_bytes = 10) {
     *value = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
+    for (int i = 0; i < max_bytes; ++i) {
       if (at_end()) return false;
       const uint8_t byte = slices_[index_].begin()[offset_];
       Advance(1);
-      *value |= static_cast<uint64_t>(byte & 0x7F) << shift;
+      *value |= static_cast<uint64_t>(byte & 0x7F) << (7 * i);
       if (!(byte & 0x80)) return true;
     }
-    return false;  // more than ten bytes: not a varint
+    return false;  // longer: not a varint protobuf reads here
   }
+  // A field tag as protobuf's parser reads one: at most five bytes, the value taken mod 2^32.
+  bool ReadTag(uint64_t* tag) {
+    if (!ReadVarint(tag, 5)) return false;
+    *tag &= 0xFFFFFFFFu;
+    return true;
+  }
+  // A length as protobuf's parser reads one: at most five bytes, below 2^31 - 16 (protobuf keeps
+  // that much room so its limits cannot overflow an int).
+  bool ReadSize(uint64_t* size) { return ReadVarint(size, 5) && *size <= uint64_t{INT32_MAX} - 16; }
 
   // The next n bytes as views into the slices, appended to *pieces.
   bool Take(size_t n, std::vector<absl::string_view>* pieces) {
@@ -116,7 +126,7 @@ bool CopyField(SliceReader& in, uint64_t tag, std::string* out, int depth = 0) {
       if (depth >= kMaxDepth) return false;
       for (;;) {
         uint64_t inner;
-        if (!in.ReadVarint(&inner) || (inner >> 3) == 0) return false;
+        if (!in.ReadTag(&inner) || (inner >> 3) == 0) return false;
         if ((inner & 7) == kEndGroup) {
           AppendVarint(inner, out);
           return (inner >> 3) == (tag >> 3);
@@ -134,7 +144,7 @@ bool CopyField(SliceReader& in, uint64_t tag, std::string* out, int depth = 0) {
       return in.CopyTo(8, out);
     case kLengthDelimited: {
       uint64_t n;
-      if (!in.ReadVarint(&n)) return false;
+      if (!in.ReadSize(&n)) return false;
       AppendVarint(n, out);
       return in.CopyTo(n, out);
     }
@@ -189,7 +199,7 @@ absl::Status IncomingMessage::Decode(grpc::ByteBuffer* buffer, absl::Span<const 
   SliceReader in(slices_);
   while (!in.at_end()) {
     uint64_t tag;
-    if (!in.ReadVarint(&tag) || (tag >> 3) == 0) return malformed("bad field tag");
+    if (!in.ReadTag(&tag) || (tag >> 3) == 0) return malformed("bad field tag");
     const int field = static_cast<int>(std::min<uint64_t>(tag >> 3, INT32_MAX));
     const bool is_tensor =
         (tag & 7) == kLengthDelimited &&
@@ -200,15 +210,15 @@ absl::Status IncomingMessage::Decode(grpc::ByteBuffer* buffer, absl::Span<const 
     }
     // A tensor: its fields but `data` go to the small fields, re-framed with their new length.
     uint64_t length;
-    if (!in.ReadVarint(&length)) return malformed("truncated tensor length");
+    if (!in.ReadSize(&length)) return malformed("truncated tensor length");
     const size_t end = in.position() + length;
     std::string tensor_fields_bytes;
     while (in.position() < end) {
       uint64_t inner_tag;
-      if (!in.ReadVarint(&inner_tag) || (inner_tag >> 3) == 0) return malformed("bad tensor tag");
+      if (!in.ReadTag(&inner_tag) || (inner_tag >> 3) == 0) return malformed("bad tensor tag");
       if (inner_tag == ((kTensorDataField << 3) | kLengthDelimited)) {
         uint64_t n;
-        if (!in.ReadVarint(&n)) return malformed("truncated tensor data length");
+        if (!in.ReadSize(&n)) return malformed("truncated tensor data length");
         auto it = std::find_if(payloads_.begin(), payloads_.end(),
                                [&](const Payload& p) { return p.field == field; });
         if (it == payloads_.end()) it = payloads_.insert(payloads_.end(), Payload{field, {}});

@@ -21,6 +21,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -80,11 +81,12 @@ class IncomingMessage {
   size_t wire_bytes_ = 0;
 };
 
-// A micro-batch's tensors cut into messages of at most `chunk` payload bytes (PlanChunks), each
+// A micro-batch's tensors cut into messages of at most `chunk` payload bytes (ChunkPlan), each
 // encoded only when it is about to be written, by reference to the tensors, which this object
-// shares with the encoded messages' slices. `header` prepares an empty message (its small fields)
-// and returns the proto tensors of the present tensors in the order of `fields` (nullptr for an
-// absent one; an empty tensor is absent on the wire).
+// shares with the encoded messages' slices. Every message gives each present tensor's `offset`:
+// the bytes of it the earlier messages carried. `header` prepares an empty message (its small
+// fields) and returns the proto tensors of the present tensors in the order of `fields` (nullptr
+// for an absent one; an empty tensor is absent on the wire).
 template <typename Msg>
 class ChunkedMessages {
  public:
@@ -115,7 +117,7 @@ class ChunkedMessages {
       sizes.push_back(s.size);
       slices_.push_back(std::move(s));
     }
-    plan_ = PlanChunks(sizes, static_cast<size_t>(chunk));
+    plan_ = ChunkPlan(std::move(sizes), static_cast<size_t>(std::max<int64_t>(chunk, 1)));
   }
 
   size_t size() const { return plan_.size(); }
@@ -126,11 +128,13 @@ class ChunkedMessages {
     std::vector<v1::Tensor*> protos = header_(&msg);
     for (size_t i = 0; i < tensors_->size(); ++i) {
       const Tensor& t = (*tensors_)[i];
-      if (!t.empty() && protos[i]) SetTensorHeader(t.dtype, slices_[i].shape, protos[i]);
+      if (t.empty() || !protos[i]) continue;
+      SetTensorHeader(t.dtype, slices_[i].shape, protos[i]);
+      protos[i]->set_offset(static_cast<int64_t>(plan_.Offset(static_cast<int>(i), m)));
     }
     msg.set_last_chunk(m + 1 == plan_.size());
     std::vector<OutgoingPayload> payloads;
-    for (const Piece& p : plan_[m]) {
+    for (const Piece& p : plan_.Pieces(m)) {
       if (!protos[p.tensor]) continue;
       payloads.push_back({fields_[p.tensor],
                           (*tensors_)[p.tensor].bytes.data() + slices_[p.tensor].offset + p.offset,
@@ -149,7 +153,7 @@ class ChunkedMessages {
   std::vector<Slice> slices_;
   std::vector<int> fields_;
   Header header_;
-  std::vector<std::vector<Piece>> plan_;
+  ChunkPlan plan_;
 };
 
 }  // namespace moe::wire

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace moe::wire {
 
@@ -179,20 +180,45 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk) {
 
 absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
                                   absl::Span<const absl::string_view> pieces) {
-  std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+  // A refused chunk changes nothing: the first accepted chunk fixes dtype and shape.
+  int64_t expected = expected_;
   if (!seen_) {
-    seen_ = true;
-    dtype_ = chunk.dtype();
-    shape_ = std::move(shape);
-    if (sizing_ != Sizing::kGrow) claimed_ = ClaimedBytes();
-  } else if (chunk.dtype() != dtype_ || shape != shape_) {
+    absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), field_);
+    if (!dtype.ok()) return dtype.status();
+    absl::StatusOr<int64_t> bytes = CheckedByteSize(chunk.shape(), *dtype, field_);
+    if (!bytes.ok()) return bytes.status();
+    expected = *bytes;
+  } else if (chunk.dtype() != dtype_ || !std::equal(shape_.begin(), shape_.end(),
+                                                    chunk.shape().begin(), chunk.shape().end())) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
   }
-  size_t arrived = bytes_.size();
-  for (absl::string_view p : pieces) arrived += p.size();
+  if (chunk.offset() != static_cast<int64_t>(bytes_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field_, ": chunk at byte offset ", chunk.offset(), ", but ", bytes_.size(),
+                     " bytes of it had arrived (chunks out of order, repeated or lost)"));
+  }
+  size_t n = 0;
+  for (absl::string_view p : pieces) n += p.size();
+  if (n > static_cast<size_t>(expected) - bytes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": ", bytes_.size() + n, " bytes, more than its shape holds (", expected, ")"));
+  }
+  if (!seen_) {
+    seen_ = true;
+    dtype_ = chunk.dtype();
+    shape_.assign(chunk.shape().begin(), chunk.shape().end());
+    expected_ = expected;
+    // Past 4 GiB the buffer grows as bytes come (a shape that large is more likely a peer's
+    // bug than a tensor to send in one call).
+    constexpr int64_t kMaxReserve = int64_t{4} << 30;
+    if (sizing_ != Sizing::kGrow && expected_ <= kMaxReserve) {
+      claimed_ = static_cast<size_t>(expected_);
+    }
+  }
+  const size_t arrived = bytes_.size() + n;
   if (claimed_ > 0 && (sizing_ == Sizing::kClaimedAtOnce || arrived >= claimed_ / 8)) {
-    bytes_.reserve(std::max(claimed_, arrived));
+    bytes_.reserve(claimed_);
     claimed_ = 0;
   }
   for (absl::string_view p : pieces) {
@@ -202,40 +228,17 @@ absl::Status TensorAssembler::Add(const v1::Tensor& chunk,
   return absl::OkStatus();
 }
 
-size_t TensorAssembler::ClaimedBytes() const {
-  absl::StatusOr<DType> dtype = DTypeFromProto(dtype_, field_);
-  if (!dtype.ok()) return 0;  // CheckComplete reports it
-  // A negative extent is left to CheckComplete too; past 4 GiB the buffer grows as bytes come
-  // (a shape that large is more likely a peer's bug than a tensor to send in one call).
-  constexpr int64_t kMaxReserve = int64_t{4} << 30;
-  int64_t bytes = static_cast<int64_t>(DTypeSize(*dtype));
-  for (int64_t s : shape_) {
-    if (s < 0 || (s > 0 && bytes > kMaxReserve / s)) return 0;
-    bytes *= s;
-  }
-  return bytes > kMaxReserve ? 0 : static_cast<size_t>(bytes);
-}
-
 absl::Status TensorAssembler::CheckComplete(DType* dtype) {
   if (!seen_) return absl::InvalidArgumentError(absl::StrCat(field_, ": missing"));
   auto d = DTypeFromProto(dtype_, field_);
   if (!d.ok()) return d.status();
   *dtype = *d;
-  int64_t n = 1;
-  for (int64_t s : shape_) {
-    if (s < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field_, ": negative extent ", s));
-    }
-    n *= s;
-  }
-  const size_t want = static_cast<size_t>(n) * DTypeSize(*dtype);
-  if (bytes_.size() != want) {
-    std::string shape = "[";
-    for (size_t i = 0; i < shape_.size(); ++i) absl::StrAppend(&shape, i ? "," : "", shape_[i]);
-    shape += "]";
-    return absl::InvalidArgumentError(absl::StrCat(field_, ": ", bytes_.size(),
-                                                   " bytes do not match shape ", shape, " of ",
-                                                   DTypeName(*dtype), " (", want, " bytes)"));
+  absl::StatusOr<int64_t> want = CheckedByteSize(shape_, *dtype, field_);
+  if (!want.ok()) return want.status();
+  if (bytes_.size() != static_cast<size_t>(*want)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": ", bytes_.size(), " bytes do not match shape [", absl::StrJoin(shape_, ","),
+        "] of ", DTypeName(*dtype), " (", *want, " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -261,6 +264,7 @@ absl::StatusOr<TensorView> TensorAssembler::FinishView() {
 
 void TensorAssembler::Reset() {
   seen_ = false;
+  expected_ = -1;
   claimed_ = 0;
   dtype_ = 0;
   shape_.clear();
@@ -280,36 +284,37 @@ int64_t TiledRows(std::vector<std::pair<int64_t, int64_t>> ranges) {
 absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
                                    absl::Span<const absl::string_view> pieces) {
   const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-  if (shape.empty() || shape[0] < 0) {
+  if (shape.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field_, ": a striped micro-batch's tensors need a row (first) dimension"));
   }
+  // Every chunk's extents (later streams' rows included), before any is used in a product.
+  if (absl::Status s = CheckedNumElements(shape, field_).status(); !s.ok()) return s;
   size_t n = 0;
   for (absl::string_view p : pieces) n += p.size();
   std::byte* dst = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A refused chunk changes nothing: the first accepted chunk fixes dtype and extents.
+    DType dtype = dtype_;
+    size_t row_bytes = row_bytes_;
     if (!seen_) {
-      absl::StatusOr<DType> dtype = DTypeFromProto(chunk.dtype(), field_);
-      if (!dtype.ok()) return dtype.status();
-      // One row, and the whole tensor, within 1 TiB: a larger claim is a peer's bug.
-      constexpr int64_t kMaxBytes = int64_t{1} << 40;
-      int64_t row = static_cast<int64_t>(DTypeSize(*dtype));
-      for (size_t i = 1; i < shape.size(); ++i) {
-        if (shape[i] < 0 || (shape[i] > 0 && row > kMaxBytes / shape[i])) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field_, ": extent ", shape[i], " is negative or too large"));
-        }
-        row *= shape[i];
-      }
-      if (row > 0 && total_rows_ > kMaxBytes / row) {
+      absl::StatusOr<DType> d = DTypeFromProto(chunk.dtype(), field_);
+      if (!d.ok()) return d.status();
+      // One row, this stream's rows and the whole tensor, each within CheckedByteSize's bounds.
+      std::vector<int64_t> whole = shape;
+      whole[0] = 1;
+      absl::StatusOr<int64_t> row = CheckedByteSize(whole, *d, field_);
+      if (!row.ok()) return row.status();
+      if (absl::Status s = CheckedByteSize(shape, *d, field_).status(); !s.ok()) return s;
+      whole[0] = total_rows_;
+      absl::StatusOr<int64_t> all = CheckedByteSize(whole, *d, field_);
+      if (!all.ok()) {
         return absl::InvalidArgumentError(
-            absl::StrCat(field_, ": ", total_rows_, " rows of ", row, " bytes are too large"));
+            absl::StrCat("stripe.total_rows: ", all.status().message()));
       }
-      seen_ = true;
-      dtype_ = *dtype;
-      shape_ = shape;
-      row_bytes_ = static_cast<size_t>(row);
+      dtype = *d;
+      row_bytes = static_cast<size_t>(*row);
     } else if (chunk.dtype() != DTypeToProto(dtype_) || shape.size() != shape_.size() ||
                !std::equal(shape.begin() + 1, shape.end(), shape_.begin() + 1)) {
       return absl::InvalidArgumentError(
@@ -317,34 +322,53 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
                        ": every stream of a striped micro-batch must send the same dtype and "
                        "extents past the first"));
     }
-    auto [it, fresh] = streams_.try_emplace(stream);
-    Stream& s = it->second;
+    auto it = streams_.find(stream);
+    const bool fresh = it == streams_.end();
+    Stream candidate{row_begin, shape[0], 0, {}};
     if (fresh) {
-      const int64_t end = row_begin + shape[0];
-      bool overlaps = row_begin < 0 || shape[0] > total_rows_ - row_begin;
+      // A stream's first chunk: its rows must lie in [0, total_rows) and overlap no other's
+      // (row_begin checked first, so total_rows_ - row_begin cannot overflow).
+      bool bad = row_begin < 0 || shape[0] > total_rows_ - row_begin;
       for (const auto& [other, o] : streams_) {
-        if (other != stream && row_begin < o.row_begin + o.rows && o.row_begin < end) {
-          overlaps = true;
+        if (!bad && row_begin < o.row_begin + o.rows && o.row_begin < row_begin + shape[0]) {
+          bad = true;
         }
       }
-      if (overlaps) {
-        streams_.erase(it);
+      if (bad) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "stripe.row_begin: ", field_, " rows [", row_begin, ", ", end, ") of stream ", stream,
-            " leave [0, ", total_rows_, ") or overlap another stream's"));
+            "stripe.row_begin: ", field_, " rows [", row_begin, ", +", shape[0], ") of stream ",
+            stream, " leave [0, ", total_rows_, ") or overlap another stream's"));
       }
-      s.row_begin = row_begin;
-      s.rows = shape[0];
-    } else if (row_begin != s.row_begin || shape[0] != s.rows) {
+      if (chunk.offset() != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field_, ": stream ", stream, "'s first chunk at byte offset ",
+                         chunk.offset(), ", not 0 (chunks out of order, repeated or lost)"));
+      }
+    } else if (row_begin != it->second.row_begin || shape[0] != it->second.rows) {
       return absl::InvalidArgumentError(
           absl::StrCat(field_, ": dtype or shape changed between chunks of one micro-batch"));
     }
-    const size_t capacity = static_cast<size_t>(s.rows) * row_bytes_;
-    if (n > capacity - s.received) {
+    const Stream& current = fresh ? candidate : it->second;
+    if (chunk.offset() != static_cast<int64_t>(current.received)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field_, ": stream ", stream, " sent a chunk at byte offset ", chunk.offset(),
+                       ", but ", current.received,
+                       " bytes of its rows had arrived (chunks out of order, repeated or lost)"));
+    }
+    const size_t capacity = static_cast<size_t>(current.rows) * row_bytes;
+    if (n > capacity - current.received) {
       return absl::InvalidArgumentError(absl::StrCat(field_, ": stream ", stream,
-                                                     " sent more bytes than its ", s.rows,
+                                                     " sent more bytes than its ", current.rows,
                                                      " rows hold (", capacity, ")"));
     }
+    if (!seen_) {
+      seen_ = true;
+      dtype_ = dtype;
+      shape_ = shape;
+      row_bytes_ = row_bytes;
+    }
+    if (fresh) it = streams_.emplace(stream, std::move(candidate)).first;
+    Stream& s = it->second;
     const size_t whole = static_cast<size_t>(total_rows_) * row_bytes_;
     if (!allocated_ && (sizing_ == Sizing::kClaimedAtOnce || arrived_ + n >= whole / 8)) {
       AllocateLocked();
@@ -363,6 +387,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
   // Outside the lock: the streams' rows are disjoint and the buffer never moves once allocated.
   for (absl::string_view p : pieces) {
     if (dst == nullptr) break;
+    if (p.empty()) continue;
     std::memcpy(dst, p.data(), p.size());
     dst += p.size();
   }
@@ -372,6 +397,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
 void StripedAssembler::AllocateLocked() {
   whole_.resize(static_cast<size_t>(total_rows_) * row_bytes_);
   for (auto& [id, s] : streams_) {
+    if (s.pending.empty()) continue;  // memcpy's pointers must be valid even for 0 bytes
     std::memcpy(whole_.data() + static_cast<size_t>(s.row_begin) * row_bytes_, s.pending.data(),
                 s.pending.size());
     TensorBytes().swap(s.pending);
@@ -386,6 +412,7 @@ bool StripedAssembler::seen() const {
 
 absl::StatusOr<Tensor> StripedAssembler::Finish(uint32_t streams) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!seen_) return absl::InvalidArgumentError(absl::StrCat(field_, ": missing"));
   if (streams_.size() != streams) {
     return absl::InvalidArgumentError(absl::StrCat(field_, ": carried by ", streams_.size(),
                                                    " of the ", streams,
@@ -416,24 +443,40 @@ absl::StatusOr<Tensor> StripedAssembler::Finish(uint32_t streams) {
   return t;
 }
 
+ChunkPlan::ChunkPlan(std::vector<size_t> sizes, size_t max_chunk_bytes)
+    : sizes_(std::move(sizes)), chunk_(std::max<size_t>(max_chunk_bytes, 1)) {
+  size_t total = 0;
+  for (size_t s : sizes_) {
+    starts_.push_back(total);
+    total += s;
+  }
+  messages_ = std::max<size_t>(1, total / chunk_ + (total % chunk_ != 0));
+}
+
+std::vector<Piece> ChunkPlan::Pieces(size_t m) const {
+  std::vector<Piece> pieces;
+  const size_t begin = m * chunk_;
+  for (size_t i = 0; i < sizes_.size(); ++i) {
+    // The overlap of [begin, begin + chunk_) with tensor i's [starts_[i], + sizes_[i]).
+    const size_t from = std::max(begin, starts_[i]);
+    const size_t to = std::min(begin + chunk_, starts_[i] + sizes_[i]);
+    if (from < to) pieces.push_back({static_cast<int>(i), from - starts_[i], to - from});
+  }
+  return pieces;
+}
+
+size_t ChunkPlan::Offset(int tensor, size_t m) const {
+  const size_t i = static_cast<size_t>(tensor);
+  const size_t begin = m * chunk_;
+  if (begin <= starts_[i]) return 0;
+  return std::min(begin - starts_[i], sizes_[i]);
+}
+
 std::vector<std::vector<Piece>> PlanChunks(const std::vector<size_t>& sizes,
                                            size_t max_chunk_bytes) {
-  max_chunk_bytes = std::max<size_t>(max_chunk_bytes, 1);
-  std::vector<std::vector<Piece>> messages(1);
-  size_t room = max_chunk_bytes;
-  for (int i = 0; i < static_cast<int>(sizes.size()); ++i) {
-    size_t offset = 0;
-    while (offset < sizes[i]) {
-      if (room == 0) {
-        messages.emplace_back();
-        room = max_chunk_bytes;
-      }
-      const size_t take = std::min(room, sizes[i] - offset);
-      messages.back().push_back({i, offset, take});
-      offset += take;
-      room -= take;
-    }
-  }
+  const ChunkPlan plan(sizes, max_chunk_bytes);
+  std::vector<std::vector<Piece>> messages;
+  for (size_t m = 0; m < plan.size(); ++m) messages.push_back(plan.Pieces(m));
   return messages;
 }
 

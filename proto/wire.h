@@ -4,9 +4,14 @@
 // Chunking: a micro-batch is a set of named tensors. The sender cuts each tensor's bytes into
 // pieces so that no message carries more than `max_chunk_bytes` of tensor payload, and fills the
 // pieces into consecutive messages in a fixed tensor order (every message repeats each tensor's
-// dtype and shape). The receiver appends the pieces per tensor (`TensorAssembler`) and checks the
-// byte count against the shape only when the micro-batch is complete, so a wrong size is always
-// reported as the field that is wrong, never as a chunking error.
+// dtype and shape, and the byte offset of its piece). The receiver appends the pieces per tensor
+// (`TensorAssembler`): a piece must start where the previous one ended, and the bytes may never
+// exceed what the shape holds; that they fill it exactly is checked once the micro-batch is
+// complete. Every error names the tensor's field, never just "chunking".
+//
+// Shapes come from the peer: every product of their extents goes through CheckedByteSize
+// (engine/tensor.h) before anything is reserved or compared, so no shape can overflow int64 or
+// claim more than kMaxTensorBytes.
 #ifndef MOE_PROTO_WIRE_H_
 #define MOE_PROTO_WIRE_H_
 
@@ -40,8 +45,10 @@ v1::LayerConfig LayerConfigToProto(const LayerConfig& config);
 // Metadata-only copy (dtype + shape, no bytes) into a proto tensor.
 void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* proto);
 
-// Collects one tensor's chunks. The first chunk fixes dtype and shape; later chunks must repeat
-// them (InvalidArgument naming `field` otherwise).
+// Collects one tensor's chunks. The first chunk fixes dtype and shape, which must be known and
+// within CheckedByteSize's bounds; later chunks must repeat them, each chunk's `offset` must equal
+// the bytes collected so far, and no chunk may bring the total past what the shape holds
+// (InvalidArgument naming `field` otherwise). A refused chunk changes nothing.
 //
 // How the buffer is sized (a 144 MiB tensor took 230 ms to assemble into a doubling buffer on
 // the H100 machine, 93-103 ms into one reserved up front; docs/SERVICE_PERFORMANCE.md):
@@ -51,8 +58,7 @@ void SetTensorHeader(DType dtype, const std::vector<int64_t>& shape, v1::Tensor*
 //   kClaimedOnceAnEighthArrived: the claimed size is reserved once an eighth of it has arrived.
 //     For the server, whose peer could otherwise make one small message allocate any amount:
 //     what it reserves is at most 8x what the client has actually sent.
-// Claims above 4 GiB, negative or overflowing are never reserved (CheckComplete reports the
-// bad ones).
+// Claims above 4 GiB are never reserved up front: they grow as the bytes come.
 class TensorAssembler {
  public:
   enum class Sizing { kGrow, kClaimedAtOnce, kClaimedOnceAnEighthArrived };
@@ -76,11 +82,11 @@ class TensorAssembler {
 
  private:
   absl::Status CheckComplete(DType* dtype);
-  size_t ClaimedBytes() const;  // 0 when not to be reserved (see above)
   std::string field_;
   Sizing sizing_ = Sizing::kGrow;
   bool seen_ = false;
-  size_t claimed_ = 0;  // what the shape claims, once to be reserved; 0 after reserving
+  int64_t expected_ = -1;  // the bytes the shape holds; -1 before the first accepted chunk
+  size_t claimed_ = 0;     // what the shape claims, once to be reserved; 0 after reserving
   int dtype_ = 0;
   std::vector<int64_t> shape_;
   TensorBytes bytes_;  // Tensor's own byte type, so Finish() can move it out
@@ -112,16 +118,19 @@ class StripedAssembler {
       : field_(std::move(field)), sizing_(sizing), total_rows_(total_rows) {}
 
   // A chunk of stream `stream`'s rows [row_begin, row_begin + chunk.shape[0]): `chunk` gives
-  // dtype and shape, its bytes are `pieces`. InvalidArgument naming the field when the dtype or
-  // the extents past the first differ from another stream's, the rows leave [0, total_rows), or
-  // the stream sends more bytes than its rows hold.
+  // dtype, shape and the offset of its bytes within the stream's rows, its bytes are `pieces`.
+  // InvalidArgument naming the field when the dtype is unknown, the shape or the whole tensor
+  // leaves CheckedByteSize's bounds, the dtype or the extents past the first differ from another
+  // stream's, the rows leave [0, total_rows) or overlap another stream's, the offset is not the
+  // bytes this stream has sent so far, or the stream sends more bytes than its rows hold. A
+  // refused chunk changes nothing.
   absl::Status Add(uint32_t stream, int64_t row_begin, const v1::Tensor& chunk,
                    absl::Span<const absl::string_view> pieces);
   // Whether any stream carried this tensor.
   bool seen() const;
-  // The whole tensor, [total_rows, ...]. Checks that exactly `streams` streams carried it, each
-  // all its rows' bytes, and that their rows tile [0, total_rows) (InvalidArgument naming the
-  // field). Afterwards the assembler holds no bytes.
+  // The whole tensor, [total_rows, ...]. Checks that some stream carried it, exactly `streams`
+  // streams, each all its rows' bytes, and that their rows tile [0, total_rows) (InvalidArgument
+  // naming the field). Afterwards the assembler holds no bytes.
   absl::StatusOr<Tensor> Finish(uint32_t streams);
 
  private:
@@ -149,14 +158,34 @@ class StripedAssembler {
 
 // A piece of a tensor to put into one message.
 struct Piece {
-  int tensor = 0;  // index into the tensors passed to PlanChunks
+  int tensor = 0;  // index into the tensors' sizes
   size_t offset = 0;
   size_t size = 0;
 };
 
-// Splits tensors of the given byte sizes into messages of at most `max_chunk_bytes` payload
-// each (at least one message, even when every tensor is empty). Result[m] lists the pieces of
-// message m.
+// How tensors of the given byte sizes are cut into messages of at most `max_chunk_bytes` payload
+// each (0 counts as 1): message m carries bytes [m * max_chunk_bytes, (m + 1) * max_chunk_bytes)
+// of the tensors laid end to end in order, and there is at least one message, even when every
+// tensor is empty. Worked out per message, so a tiny chunk size a peer asks for costs no memory
+// up front.
+class ChunkPlan {
+ public:
+  ChunkPlan() = default;  // no messages
+  ChunkPlan(std::vector<size_t> sizes, size_t max_chunk_bytes);
+  size_t size() const { return messages_; }
+  // The pieces of message m, in tensor order.
+  std::vector<Piece> Pieces(size_t m) const;
+  // The bytes of tensor `tensor` in the messages before m: its `offset` in message m.
+  size_t Offset(int tensor, size_t m) const;
+
+ private:
+  std::vector<size_t> sizes_;
+  std::vector<size_t> starts_;  // of each tensor, laid end to end
+  size_t chunk_ = 1;
+  size_t messages_ = 0;  // none in a default-made plan
+};
+
+// Every message's pieces at once (ChunkPlan's Pieces for each m): result[m] lists message m's.
 std::vector<std::vector<Piece>> PlanChunks(const std::vector<size_t>& sizes,
                                            size_t max_chunk_bytes);
 

@@ -25,6 +25,7 @@
 #include "server/auth.h"
 #include "server/checkpoint.h"
 #include "server/held_bytes.h"
+#include "server/request_validation.h"
 #include "server/status_map.h"
 #include "server/stripe_join.h"
 
@@ -42,19 +43,6 @@ absl::Status CallAlive(grpc::CallbackServerContext* ctx) {
   if (ctx->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (ctx->deadline() <= std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError("the call's deadline passed before the work started");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateLayerName(const std::string& name, const char* field) {
-  if (name.empty() || name.size() > 128) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": must be 1 to 128 characters"));
-  }
-  for (char c : name) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": \"", name, "\" may contain only letters, digits, '.', '_', '-'"));
-    }
   }
   return absl::OkStatus();
 }
@@ -92,10 +80,6 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
 // strings and again into gRPC's buffers (docs/decisions/0007-lazy-response-encoding.md).
 template <typename Resp>
 using ChunkedResponse = wire::ChunkedMessages<Resp>;
-
-int64_t ChunkSize(int64_t requested) {
-  return requested > 0 ? requested : kDefaultResponseChunkBytes;
-}
 
 // --- Forward / Backward -------------------------------------------------------------------
 // What a micro-batch computed: its result tensors (each [T, ...] or empty) and the response's
@@ -286,7 +270,15 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   // Finishes the stream with `status`; a striped micro-batch still collecting fails with it on
   // every stream.
   void Fail(const absl::Status& status) {
-    if (std::shared_ptr<StripeJoin> join = LeaveJoin()) join->Fail(status);
+    // Failed before this stream counts itself out, so that the join outlives it for the siblings
+    // still to come (StripeJoins::Leave).
+    std::shared_ptr<StripeJoin> join;
+    {
+      std::lock_guard<std::mutex> lock(join_mu_);
+      join = join_;
+    }
+    if (join) join->Fail(status);
+    LeaveJoin();
     service_->metrics().Request(method_, GrpcCodeName(ToGrpcStatus(status).error_code()));
     this->Finish(ToGrpcStatus(status));
   }
@@ -303,7 +295,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     rows_ = 0;
     layer_ = request_.layer();
     context_id_ = request_.context_id();
-    chunk_ = ChunkSize(request_.max_response_chunk_bytes());
+    chunk_ = ResponseChunkBytes(request_.max_response_chunk_bytes());
     {
       std::lock_guard<std::mutex> lock(join_mu_);
       stripe_ = request_.stripe();
@@ -320,20 +312,19 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
     if (st.code() != absl::StatusCode::kPermissionDenied) st = absl::OkStatus();
     if (st.ok()) st = ReadHeader(request_);
     if (!st.ok() || !striped()) return st;
-    if (context_id_ == 0) {
-      return absl::InvalidArgumentError(
-          "context_id: a striped micro-batch needs a nonzero context_id, which joins its streams");
-    }
+    if (context_id_ == 0) return ValidateStripe(stripe_, context_id_);
     // Principals never join each other's micro-batches: the principal qualifies the session.
     const std::string key = StripeJoins::Key(
         method_, layer_, absl::StrCat(caller().principal.size(), ":", caller().principal, session_),
         context_id_);
-    std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key);
+    std::shared_ptr<StripeJoin> join = service_->stripes().Enter(key, stripe_.index());
     {
       std::lock_guard<std::mutex> lock(join_mu_);
       join_ = join;
       join_key_ = key;
     }
+    // Checked once in the join, so that a bad stripe fails the streams already waiting in it.
+    if (st = ValidateStripe(stripe_, context_id_); !st.ok()) return st;
     auto [names, values] = StripeHeader();
     st = join->Register(stripe_.index(), {stripe_.count(), stripe_.total_rows(), names, values});
     if (!st.ok()) return st;
@@ -786,9 +777,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
     }
     auto state = (*entry)->layer->ExportState(req_.include_optimizer());
     if (!state.ok()) return state.status();
-    const int64_t chunk = req_.max_chunk_bytes() > 0
-                              ? req_.max_chunk_bytes()
-                              : std::max<int64_t>(1, service_->options().max_message_bytes / 2);
+    const int64_t chunk =
+        ExportChunkBytes(req_.max_chunk_bytes(), service_->options().max_message_bytes);
     for (const auto& [name, t] : *state) {
       size_t offset = 0;
       do {
@@ -797,6 +787,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
         c.set_layer(req_.layer());
         c.set_name(name);
         wire::SetTensorHeader(t.dtype, t.shape, c.mutable_tensor());
+        c.mutable_tensor()->set_offset(static_cast<int64_t>(offset));
         c.mutable_tensor()->set_data(reinterpret_cast<const char*>(t.bytes.data()) + offset, take);
         offset += take;
         c.set_last_chunk(offset == t.bytes.size());
@@ -856,12 +847,12 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
       return;
     }
     service_->metrics().BytesIn("ImportWeights", static_cast<int64_t>(chunk_.ByteSizeLong()));
+    if (absl::Status st = ValidateWeightChunk(chunk_, layer_); !st.ok()) {
+      Done(st);
+      return;
+    }
     if (layer_.empty()) {
       layer_ = chunk_.layer();
-      if (layer_.empty()) {
-        Done(absl::InvalidArgumentError("layer: required in the first WeightChunk"));
-        return;
-      }
       // Refused before any tensor is buffered; Apply checks again on the executor.
       if (auto entry = service_->FindLayer(layer_); entry.ok()) {
         absl::Status allowed =
@@ -871,10 +862,6 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
           return;
         }
       }
-    }
-    if (chunk_.name().empty()) {
-      Done(absl::InvalidArgumentError("name: every WeightChunk must name its tensor"));
-      return;
     }
     auto it = parts_.find(chunk_.name());
     if (it == parts_.end()) {
@@ -904,6 +891,7 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
 
  private:
   absl::Status Apply() {
+    if (absl::Status st = ValidateImportStream(layer_); !st.ok()) return st;
     auto entry = service_->FindLayer(layer_);
     if (!entry.ok()) return entry.status();
     if (absl::Status st = service_->AuthorizeLayer(*caller_, **entry, Access::kManage, "layer");

@@ -31,14 +31,13 @@
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/options.h"
+#include "server/request_validation.h"
 #include "server/stripe_join.h"
 
 namespace moe::server {
 
 // Metadata key naming the caller's session (see context_store.h).
 inline constexpr char kSessionMetadataKey[] = "moe-session-id";
-// Response chunk size when the request does not ask for one.
-inline constexpr int64_t kDefaultResponseChunkBytes = int64_t{1} << 20;
 
 struct LayerEntry {
   std::string name;

@@ -23,6 +23,7 @@ absl::Status StripeJoin::Register(uint32_t index, const Shape& shape) {
         absl::StrCat("stripe.total_rows: must be positive, got ", shape.total_rows));
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (index < streams_.size()) streams_[index].seen = true;
   if (state_ == State::kFailed) return failure_;
   if (state_ == State::kRunning) {
     return absl::AlreadyExistsError(
@@ -31,6 +32,7 @@ absl::Status StripeJoin::Register(uint32_t index, const Shape& shape) {
   if (streams_.empty()) {
     shape_ = shape;
     streams_.resize(shape.count);
+    streams_[index].seen = true;
   } else if (shape.count != shape_.count) {
     return absl::InvalidArgumentError(absl::StrCat("stripe.count: ", shape.count,
                                                    ", but another stream of the micro-batch said ",
@@ -103,6 +105,27 @@ std::shared_ptr<void> StripeJoin::Shared(const std::function<std::shared_ptr<voi
   return shared_;
 }
 
+bool StripeJoin::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_ == State::kFailed;
+}
+
+bool StripeJoin::Saw(uint32_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return index < streams_.size() && streams_[index].seen;
+}
+
+bool StripeJoin::AwaitsLateStreams() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A cancelled call or a passed deadline says nothing about the micro-batch: a stream that comes
+  // later is more likely a retry than a sibling.
+  if (state_ != State::kFailed || absl::IsCancelled(failure_) ||
+      absl::IsDeadlineExceeded(failure_)) {
+    return false;
+  }
+  return std::any_of(streams_.begin(), streams_.end(), [](const Stream& s) { return !s.seen; });
+}
+
 void StripeJoin::Fail(const absl::Status& status) {
   std::vector<Part*> abort;
   {
@@ -116,6 +139,7 @@ void StripeJoin::Fail(const absl::Status& status) {
 std::vector<StripeJoin::Part*> StripeJoin::FailLocked(const absl::Status& status) {
   state_ = State::kFailed;
   failure_ = status;
+  shared_.reset();  // nothing will run: the inputs go with the last stream that holds them
   std::vector<Part*> parts;
   for (Stream& s : streams_) {
     if (s.waiting != nullptr) parts.push_back(s.waiting);
@@ -135,10 +159,16 @@ std::string StripeJoins::Key(const std::string& method, const std::string& layer
                       session, context_id);
 }
 
-std::shared_ptr<StripeJoin> StripeJoins::Enter(const std::string& key) {
+std::shared_ptr<StripeJoin> StripeJoins::Enter(const std::string& key, uint32_t index) {
   std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked(Clock::now());
   Entry& e = joins_[key];
-  if (!e.join) e.join = std::make_shared<StripeJoin>();
+  // A failed join is no place for a retry: a stream of an index it saw starts afresh (the old
+  // join lives on with the streams that still hold it).
+  if (!e.join || (e.join->failed() && e.join->Saw(index))) {
+    e.join = std::make_shared<StripeJoin>();
+    e.streams = 0;
+  }
   ++e.streams;
   return e.join;
 }
@@ -147,7 +177,29 @@ void StripeJoins::Leave(const std::string& key, const std::shared_ptr<StripeJoin
   std::lock_guard<std::mutex> lock(mu_);
   auto it = joins_.find(key);
   if (it == joins_.end() || it->second.join != join) return;
-  if (--it->second.streams == 0) joins_.erase(it);
+  if (--it->second.streams > 0) return;
+  if (join->AwaitsLateStreams()) {
+    it->second.left = Clock::now();
+    retained_.emplace_back(key, join.get());
+    ExpireLocked(it->second.left);
+  } else {
+    joins_.erase(it);
+  }
+}
+
+void StripeJoins::ExpireLocked(Clock::time_point now) {
+  while (!retained_.empty()) {
+    auto it = joins_.find(retained_.front().first);
+    // Still the retained join, and nobody entered it since it was retained.
+    const bool current = it != joins_.end() && it->second.join.get() == retained_.front().second &&
+                         it->second.streams == 0;
+    if (current && retained_.size() <= kMaxRetainedFailedJoins &&
+        now - it->second.left < retention_) {
+      break;
+    }
+    if (current) joins_.erase(it);
+    retained_.pop_front();
+  }
 }
 
 size_t StripeJoins::size() const {

@@ -12,15 +12,25 @@
 // waiting, so it is where one stream's failure (bad input, a cancelled call) reaches the
 // others: every waiting stream is aborted with that status, and a stream that registers or
 // arrives later gets it too. Nothing runs, and so no state changes, unless every stream arrived.
+//
+// A stream may fail (bad rows, a bad tensor) before a sibling's first message has reached the
+// server. So that the sibling is answered at once instead of at its deadline, a join that failed
+// so (not by a cancelled call or a passed deadline) and knows its stream count is kept for a
+// short while after its last stream left (StripeJoins):
+// a stream of an index that had not joined it yet gets its failure; a stream of an index that
+// had is a retry of the micro-batch and starts a fresh join.
 #ifndef MOE_SERVER_STRIPE_JOIN_H_
 #define MOE_SERVER_STRIPE_JOIN_H_
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -68,7 +78,7 @@ class StripeJoin {
                                             Part* part);
 
   // State the streams share (their reactors' inputs, assembled in place), made by `make` for the
-  // first stream that asks and the same object for every later one.
+  // first stream that asks and the same object for every later one. Released when the join fails.
   std::shared_ptr<void> Shared(const std::function<std::shared_ptr<void>()>& make);
 
   // A stream failed, or its call was cancelled, before the micro-batch ran: the join fails with
@@ -76,9 +86,19 @@ class StripeJoin {
   // was waiting (one still reading finishes itself). No effect once the micro-batch runs.
   void Fail(const absl::Status& status);
 
+  // Whether the join failed.
+  bool failed() const;
+  // Whether a stream of `index` registered, or tried to, since the join learned its count.
+  bool Saw(uint32_t index) const;
+  // Whether the join failed for a reason other than a cancelled call or a passed deadline while
+  // streams of some index it knows of never registered: a late sibling of the failed micro-batch
+  // may still come.
+  bool AwaitsLateStreams() const;
+
  private:
   enum class State { kCollecting, kRunning, kFailed };
   struct Stream {
+    bool seen = false;  // a stream of this index registered or tried to
     bool registered = false;
     Part* waiting = nullptr;  // set from Arrive until the micro-batch runs or fails
     int64_t row_begin = 0;
@@ -88,7 +108,7 @@ class StripeJoin {
   std::vector<Part*> FailLocked(const absl::Status& status);
   static void AbortAll(const std::vector<Part*>& parts, const absl::Status& status);
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   State state_ = State::kCollecting;
   absl::Status failure_;
   Shape shape_;  // from the first Register
@@ -97,25 +117,45 @@ class StripeJoin {
   std::shared_ptr<void> shared_;
 };
 
+// How long a failed join waits for late siblings after its last stream left, and how many such
+// joins are kept at most (the oldest go first).
+inline constexpr std::chrono::milliseconds kFailedJoinRetention{2000};
+inline constexpr size_t kMaxRetainedFailedJoins = 4096;
+
 // The joins in progress, by key (method, layer, session, context id). A join lives while any of
-// its streams is between its first message and the end of its response.
+// its streams is between its first message and the end of its response; a failed one that
+// awaits late streams (StripeJoin::AwaitsLateStreams) up to `failure_retention` longer.
 class StripeJoins {
  public:
+  explicit StripeJoins(std::chrono::milliseconds failure_retention = kFailedJoinRetention)
+      : retention_(failure_retention) {}
   static std::string Key(const std::string& method, const std::string& layer,
                          const std::string& session, uint64_t context_id);
-  // The join of `key`, made on first use; counts one stream in.
-  std::shared_ptr<StripeJoin> Enter(const std::string& key);
-  // Counts one stream of `join` out; the join is forgotten when none is left.
+  // The join of `key` for a stream of index `index`, made on first use; counts one stream in.
+  // A failed join is given to a stream of an index it has not seen (a late sibling, which its
+  // Register then fails); a stream of an index it has seen, or one that comes after the
+  // retention, gets a fresh join (a retry).
+  std::shared_ptr<StripeJoin> Enter(const std::string& key, uint32_t index);
+  // Counts one stream of `join` out; the join is forgotten when none is left, unless it failed
+  // and awaits late streams.
   void Leave(const std::string& key, const std::shared_ptr<StripeJoin>& join);
+  // Joins held: in progress, and failed ones retained.
   size_t size() const;
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Entry {
     std::shared_ptr<StripeJoin> join;
     int streams = 0;
+    Clock::time_point left;  // when the last stream left a retained failed join
   };
+  // Forgets retained failed joins past the retention or beyond the most kept. Under mu_.
+  void ExpireLocked(Clock::time_point now);
+  const std::chrono::milliseconds retention_;
   mutable std::mutex mu_;
   std::map<std::string, Entry> joins_;
+  // Retained failed joins, oldest first (an entry may have been replaced since).
+  std::deque<std::pair<std::string, const StripeJoin*>> retained_;
 };
 
 }  // namespace moe::server

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "moe/v1/moe.pb.h"
 
 namespace moe::wire {
@@ -219,6 +220,35 @@ TEST(RawMessageTest, FailsExactlyWhereProtobufFails) {
   EXPECT_GT(rejected, 10);  // the inputs do include broken messages
 }
 
+// Protobuf reads a tag in at most five bytes (its value taken mod 2^32) and a length in at most
+// five bytes below 2^31 - 16; overlong encodings it refuses, the decoder refuses too, and it reads
+// what protobuf reads (a five-byte tag of an unknown field, a padded length).
+TEST(RawMessageTest, TagsAndLengthsAreReadAsProtobufReadsThem) {
+  const std::vector<std::string> inputs = {
+      std::string("\x8a\x8a\x8a\x8a\x8a\x00\x01\x6c", 8),      // a six-byte tag
+      std::string("\x8a\x8a\x8a\x8a\x0a\x01\x6c", 7),          // five bytes: unknown field
+      std::string("\x8a\x80\x80\x80\x10\x01\x6c", 7),          // five bytes, wraps to field 1
+      std::string("\x0a\x81\x80\x80\x80\x80\x00\x6c", 8),      // a six-byte length
+      std::string("\x0a\x81\x80\x80\x80\x00\x6c", 7),          // a padded five-byte length
+      std::string("\x22\x82\x80\x80\x80\x00\x1a\x00", 8),      // x: a six-byte length
+      std::string("\x22\x02\x1a\x80\x80\x80\x80\x80\x00", 9),  // x.data: six-byte length
+      std::string("\x22\xff\xff\xff\xff\x07", 6),              // x: a length of 2^31 - 1
+  };
+  for (const std::string& input : inputs) {
+    v1::ForwardRequest want;
+    const bool protobuf_ok = want.ParseFromString(input);
+    grpc::ByteBuffer buffer = Split(input, {input.size() / 2});
+    IncomingMessage in;
+    v1::ForwardRequest got;
+    absl::Status st = in.Decode(&buffer, kForwardTensors, &got, "ForwardRequest");
+    EXPECT_EQ(st.ok(), protobuf_ok) << st << " on " << absl::CEscape(input);
+    if (st.ok()) {
+      if (want.has_x()) want.mutable_x()->clear_data();
+      EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString()) << absl::CEscape(input);
+    }
+  }
+}
+
 TEST(RawMessageTest, ChunkedMessagesCarryEveryByteOnce) {
   Tensor x = Tensor::Uninitialized(DType::kFloat32, {7, 5});
   const std::string xb = RandomBytes(x.bytes.size(), 12);
@@ -249,6 +279,9 @@ TEST(RawMessageTest, ChunkedMessagesCarryEveryByteOnce) {
     EXPECT_EQ(r.out().dtype(), v1::DTYPE_FLOAT32);
     EXPECT_EQ(r.out().shape_size(), 2);
     EXPECT_LE(r.out().data().size() + r.expert_ids().data().size(), 24u);
+    // Each tensor's offset is the bytes of it the earlier messages carried.
+    EXPECT_EQ(r.out().offset(), static_cast<int64_t>(out.size())) << "message " << m;
+    EXPECT_EQ(r.expert_ids().offset(), static_cast<int64_t>(got_ids.size())) << "message " << m;
     out += r.out().data();
     got_ids += r.expert_ids().data();
   }

@@ -1,13 +1,16 @@
 // wire::StripedAssembler: a tensor whose rows arrive on several streams is assembled in place,
 // bit for bit, whatever the order and the threads; a peer's claim is reserved only once an
 // eighth of it has arrived (server sizing); and every way the streams can disagree is an
-// InvalidArgument naming the field.
+// InvalidArgument naming the field. wire::TensorAssembler and StripedAssembler: a chunk's offset
+// must be the bytes already received (per stream when striped), and shapes that cannot exist are
+// refused on the first chunk. wire::ChunkPlan: messages worked out one at a time.
 #include "proto/wire.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -37,8 +40,9 @@ absl::Status SendRows(StripedAssembler& a, uint32_t s, const Tensor& t, int64_t 
   const size_t row = t.bytes.size() / static_cast<size_t>(t.shape[0]);
   const char* data = reinterpret_cast<const char*>(t.bytes.data()) + begin * row;
   const size_t n = static_cast<size_t>(end - begin) * row;
-  const v1::Tensor h = Header(t.dtype, {end - begin, t.shape[1]});
+  v1::Tensor h = Header(t.dtype, {end - begin, t.shape[1]});
   for (size_t off = 0; off < n; off += chunk) {
+    h.set_offset(static_cast<int64_t>(off));
     const size_t take = std::min(chunk, n - off);
     // Two pieces per chunk, as a message split over gRPC slices.
     std::vector<absl::string_view> pieces = {
@@ -121,7 +125,9 @@ TEST(StripedAssemblerTest, EveryDisagreementNamesTheField) {
     ASSERT_TRUE(SendRows(a, 0, t, 0, 5, 64).ok());
     ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {4, 3}), {}), "x");
     std::string extra(4, '\0');
-    ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {5, 3}), {extra}), "x");
+    v1::Tensor h = Header(DType::kFloat32, {5, 3});
+    h.set_offset(60);
+    ExpectInvalidNaming(a.Add(0, 0, h, {extra}), "x");
   }
   {  // at the end: a stream short of bytes, a stream missing, rows that leave a gap
     StripedAssembler a = fresh();
@@ -137,6 +143,137 @@ TEST(StripedAssemblerTest, EveryDisagreementNamesTheField) {
                     .ok());
     ExpectInvalidNaming(b.Finish(2).status(), "x");
   }
+}
+
+v1::Tensor Chunk(DType dtype, std::vector<int64_t> shape, std::string data, int64_t offset) {
+  v1::Tensor c = Header(dtype, std::move(shape));
+  c.set_data(std::move(data));
+  c.set_offset(offset);
+  return c;
+}
+
+TEST(TensorAssemblerTest, EachChunkMustStartWhereTheLastEnded) {
+  for (Sizing sizing :
+       {Sizing::kGrow, Sizing::kClaimedAtOnce, Sizing::kClaimedOnceAnEighthArrived}) {
+    SCOPED_TRACE(static_cast<int>(sizing));
+    {  // in order: the bytes in order
+      TensorAssembler a("x", sizing);
+      ASSERT_TRUE(a.Add(Chunk(DType::kInt32, {2, 2}, "abcdefgh", 0)).ok());
+      ASSERT_TRUE(a.Add(Chunk(DType::kInt32, {2, 2}, "", 8)).ok());  // an empty piece
+      ASSERT_TRUE(a.Add(Chunk(DType::kInt32, {2, 2}, "ijklmnop", 8)).ok());
+      absl::StatusOr<Tensor> t = a.Finish();
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_EQ(std::string(reinterpret_cast<const char*>(t->bytes.data()), t->bytes.size()),
+                "abcdefghijklmnop");
+    }
+    {  // the second chunk first
+      TensorAssembler a("x", sizing);
+      ExpectInvalidNaming(a.Add(Chunk(DType::kInt32, {2, 2}, "ijklmnop", 8)),
+                          "x: chunk at byte offset 8");
+    }
+    {  // a chunk repeated, a chunk lost
+      TensorAssembler a("expert_ids", sizing);
+      ASSERT_TRUE(a.Add(Chunk(DType::kInt32, {2, 2}, "abcd", 0)).ok());
+      ExpectInvalidNaming(a.Add(Chunk(DType::kInt32, {2, 2}, "abcd", 0)),
+                          "expert_ids: chunk at byte offset 0");
+      ExpectInvalidNaming(a.Add(Chunk(DType::kInt32, {2, 2}, "ijkl", 8)),
+                          "expert_ids: chunk at byte offset 8");
+      ASSERT_TRUE(a.Add(Chunk(DType::kInt32, {2, 2}, "efgh", 4)).ok());
+    }
+    {  // more bytes than the shape holds, at once or over chunks
+      TensorAssembler a("dout", sizing);
+      ExpectInvalidNaming(a.Add(Chunk(DType::kInt32, {1, 2}, "abcdefghi", 0)),
+                          "dout: 9 bytes, more than its shape holds (8)");
+      TensorAssembler b("dout", sizing);
+      ASSERT_TRUE(b.Add(Chunk(DType::kInt32, {1, 2}, "abcdef", 0)).ok());
+      ExpectInvalidNaming(b.Add(Chunk(DType::kInt32, {1, 2}, "ghi", 6)), "dout");
+    }
+    {  // shapes that cannot exist, an unknown dtype: refused on the first chunk, and after
+      for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+               {int64_t{1} << 62, 4}, {-1, 4}, {1, 2, 3, 4, 5, 6, 7, 8, 9}}) {
+        TensorAssembler a("x", sizing);
+        ExpectInvalidNaming(a.Add(Chunk(DType::kFloat32, shape, "", 0)), "x: ");
+        ExpectInvalidNaming(a.Add(Chunk(DType::kFloat32, shape, "", 0)), "x: ");
+        ExpectInvalidNaming(a.Finish().status(), "x: ");
+      }
+      TensorAssembler a("weights", sizing);
+      v1::Tensor c = Chunk(DType::kFloat32, {1}, "abcd", 0);
+      c.set_dtype(static_cast<v1::DType>(42));
+      ExpectInvalidNaming(a.Add(c), "weights: unknown dtype");
+    }
+  }
+}
+
+TEST(StripedAssemblerTest, EachStreamsOffsetsCountItsOwnRows) {
+  const Tensor t = Table(6);
+  const char* bytes = reinterpret_cast<const char*>(t.bytes.data());
+  auto rows = [&](int64_t begin, int64_t end) {
+    return std::string(bytes + begin * 12, static_cast<size_t>(end - begin) * 12);
+  };
+  StripedAssembler a("x", Sizing::kClaimedAtOnce, 6);
+  // Stream 1 (rows [3, 6)) and stream 0 (rows [0, 3)) interleaved, each from its own offset 0.
+  const std::string s0 = rows(0, 3), s1 = rows(3, 6);
+  auto add = [&](uint32_t s, int64_t begin, const std::string& all, size_t off, size_t n) {
+    const absl::string_view piece(all.data() + off, n);
+    return a.Add(s, begin, Chunk(DType::kFloat32, {3, 3}, "", static_cast<int64_t>(off)), {piece});
+  };
+  ASSERT_TRUE(add(1, 3, s1, 0, 20).ok());
+  ASSERT_TRUE(add(0, 0, s0, 0, 12).ok());
+  ExpectInvalidNaming(add(1, 3, s1, 0, 16), "x: stream 1 sent a chunk at byte offset 0");
+  ExpectInvalidNaming(add(0, 0, s0, 20, 16), "x: stream 0 sent a chunk at byte offset 20");
+  ASSERT_TRUE(add(1, 3, s1, 20, 16).ok());
+  ASSERT_TRUE(add(0, 0, s0, 12, 24).ok());
+  absl::StatusOr<Tensor> got = a.Finish(2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->bytes == t.bytes);
+  // A stream's first chunk must start at 0.
+  StripedAssembler b("x", Sizing::kClaimedAtOnce, 6);
+  ExpectInvalidNaming(b.Add(0, 0, Chunk(DType::kFloat32, {3, 3}, "", 12), {}),
+                      "x: stream 0's first chunk at byte offset 12");
+}
+
+TEST(StripedAssemblerTest, ShapesThatCannotExistAreRefusedOnTheFirstChunk) {
+  {  // a row whose size overflows; a whole tensor past the bound
+    StripedAssembler a("x", Sizing::kClaimedOnceAnEighthArrived, 4);
+    ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {2, int64_t{1} << 62}), {}), "x: ");
+    StripedAssembler b("x", Sizing::kClaimedOnceAnEighthArrived, int64_t{1} << 40);
+    ExpectInvalidNaming(b.Add(0, 0, Header(DType::kFloat32, {2, 4}), {}), "stripe.total_rows");
+  }
+  {  // rows that overflow row_begin + rows
+    StripedAssembler a("x", Sizing::kClaimedOnceAnEighthArrived, 4);
+    ExpectInvalidNaming(
+        a.Add(0, std::numeric_limits<int64_t>::max() - 1, Header(DType::kFloat32, {4, 4}), {}),
+        "stripe.row_begin");
+    ExpectInvalidNaming(a.Add(0, 0, Header(DType::kFloat32, {-4, 4}), {}), "x: ");
+  }
+}
+
+TEST(ChunkPlanTest, MessagesAreWorkedOutOneAtATime) {
+  for (size_t limit : {1u, 7u, 8u, 64u}) {
+    const std::vector<size_t> sizes = {10, 0, 25, 3};
+    const ChunkPlan plan(sizes, limit);
+    std::vector<size_t> next(sizes.size(), 0);
+    for (size_t m = 0; m < plan.size(); ++m) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        EXPECT_EQ(plan.Offset(static_cast<int>(i), m), next[i]) << "limit " << limit;
+      }
+      size_t total = 0;
+      for (const Piece& p : plan.Pieces(m)) {
+        EXPECT_EQ(p.offset, next[p.tensor]);
+        next[p.tensor] += p.size;
+        total += p.size;
+      }
+      EXPECT_LE(total, limit);
+      EXPECT_TRUE(total == limit || m + 1 == plan.size());
+    }
+    EXPECT_EQ(next, sizes);
+  }
+  // A terabyte in one-byte chunks: 2^40 messages, planned in no memory.
+  const ChunkPlan huge({size_t{1} << 40}, 1);
+  EXPECT_EQ(huge.size(), size_t{1} << 40);
+  EXPECT_EQ(huge.Offset(0, 12345), 12345u);
+  EXPECT_EQ(ChunkPlan({0, 0}, 16).size(), 1u);  // an empty micro-batch is one message
+  EXPECT_EQ(ChunkPlan().size(), 0u);
 }
 
 }  // namespace

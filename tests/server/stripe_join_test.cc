@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace moe::server {
@@ -105,8 +107,8 @@ TEST(StripeJoinsTest, AJoinLivesWhileAnyOfItsStreamsDoes) {
   EXPECT_NE(key, StripeJoins::Key("Backward", "layer", "session", 7));
   EXPECT_NE(key, StripeJoins::Key("Forward", "layer", "session", 8));
   EXPECT_NE(StripeJoins::Key("F", "ab", "", 1), StripeJoins::Key("F", "a", "b", 1));
-  auto first = joins.Enter(key);
-  auto second = joins.Enter(key);
+  auto first = joins.Enter(key, 0);
+  auto second = joins.Enter(key, 0);
   EXPECT_EQ(first, second);
   EXPECT_EQ(joins.size(), 1u);
   joins.Leave(key, first);
@@ -114,12 +116,92 @@ TEST(StripeJoinsTest, AJoinLivesWhileAnyOfItsStreamsDoes) {
   joins.Leave(key, second);
   EXPECT_EQ(joins.size(), 0u);
   // A new micro-batch under the same key gets a fresh join; leaving the old one does not end it.
-  auto third = joins.Enter(key);
+  auto third = joins.Enter(key, 0);
   EXPECT_NE(third, first);
   joins.Leave(key, first);
   EXPECT_EQ(joins.size(), 1u);
   joins.Leave(key, third);
   EXPECT_EQ(joins.size(), 0u);
+}
+
+// A failed join whose count is known is kept after its last stream left, for a while: a stream
+// of an index it never saw (a late sibling) gets its failure at once; one of an index it saw (a
+// retry) gets a fresh join; after the retention, or once every index has been seen, it is gone.
+TEST(StripeJoinsTest, AFailedJoinAnswersLateSiblingsThenGoes) {
+  const std::string key = StripeJoins::Key("Forward", "layer", "", 7);
+  const absl::Status bad = absl::InvalidArgumentError("stripe.row_begin: rows [8, 12)");
+  auto fail_alone = [&](StripeJoins& joins, uint32_t index) {
+    auto join = joins.Enter(key, index);
+    EXPECT_TRUE(join->Register(index, ShapeOf(3, 10)).ok());
+    join->Fail(bad);
+    joins.Leave(key, join);
+    return join;
+  };
+  {
+    StripeJoins joins;
+    auto failed = fail_alone(joins, 1);
+    EXPECT_EQ(joins.size(), 1u);  // kept: streams 0 and 2 may still come
+    auto late = joins.Enter(key, 0);
+    EXPECT_EQ(late, failed);
+    EXPECT_EQ(late->Register(0, ShapeOf(3, 10)), bad);
+    joins.Leave(key, late);
+    EXPECT_EQ(joins.size(), 1u);  // stream 2 may still come
+    auto retry = joins.Enter(key, 1);
+    EXPECT_NE(retry, failed);
+    EXPECT_TRUE(retry->Register(1, ShapeOf(3, 10)).ok());
+    joins.Leave(key, retry);
+    EXPECT_EQ(joins.size(), 0u);
+  }
+  {  // every index seen: nothing left to wait for
+    StripeJoins joins;
+    auto failed = fail_alone(joins, 1);
+    for (uint32_t i : {0u, 2u}) {
+      auto late = joins.Enter(key, i);
+      EXPECT_EQ(late->Register(i, ShapeOf(3, 10)), bad);
+      joins.Leave(key, late);
+    }
+    EXPECT_EQ(joins.size(), 0u);
+  }
+  {  // past the retention, a stream of an unseen index starts afresh
+    StripeJoins joins(std::chrono::milliseconds(20));
+    auto failed = fail_alone(joins, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    auto fresh = joins.Enter(key, 0);
+    EXPECT_NE(fresh, failed);
+    EXPECT_TRUE(fresh->Register(0, ShapeOf(3, 10)).ok());
+    joins.Leave(key, fresh);
+    EXPECT_EQ(joins.size(), 0u);
+  }
+  {  // a cancelled call or a passed deadline leaves no failure behind: a later stream is a retry
+    for (const absl::Status& why : {absl::CancelledError("stripe 1 of 3: the call was cancelled"),
+                                    absl::DeadlineExceededError("deadline")}) {
+      StripeJoins joins;
+      auto join = joins.Enter(key, 1);
+      EXPECT_TRUE(join->Register(1, ShapeOf(3, 10)).ok());
+      join->Fail(why);
+      joins.Leave(key, join);
+      EXPECT_EQ(joins.size(), 0u) << why;
+    }
+  }
+  {  // a join that failed before it knew its count waits for nobody
+    StripeJoins joins;
+    auto join = joins.Enter(key, 0);
+    EXPECT_FALSE(join->Register(0, ShapeOf(1, 10)).ok());
+    join->Fail(bad);
+    joins.Leave(key, join);
+    EXPECT_EQ(joins.size(), 0u);
+  }
+  {  // at most kMaxRetainedFailedJoins are kept
+    StripeJoins joins;
+    for (size_t i = 0; i < kMaxRetainedFailedJoins + 10; ++i) {
+      const std::string k = StripeJoins::Key("Forward", "layer", "", 100 + i);
+      auto join = joins.Enter(k, 0);
+      EXPECT_TRUE(join->Register(0, ShapeOf(2, 10)).ok());
+      join->Fail(bad);
+      joins.Leave(k, join);
+    }
+    EXPECT_EQ(joins.size(), kMaxRetainedFailedJoins);
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Bad configs and requests get InvalidArgument whose message names the field, before any work;
-// and the Tensor helpers (bf16 rounding, CheckTensor, Zeros and Uninitialized).
+// and the Tensor helpers (bf16 rounding, the checked shape arithmetic, CheckTensor, Zeros and
+// Uninitialized).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -49,6 +50,13 @@ TEST(ValidateLayerConfigTest, NamesTheBadField) {
       {"optimizer.weight_decay", [](LayerConfig& c) { c.optimizer.weight_decay = INFINITY; }},
       {"optimizer.momentum", [](LayerConfig& c) { c.optimizer.momentum = 1.5; }},
       {"optimizer.max_grad_norm", [](LayerConfig& c) { c.optimizer.max_grad_norm = -1; }},
+      // Weights or a router that could not exist, whatever their products wrap to.
+      {"d_hidden", [](LayerConfig& c) { c.d_model = c.d_hidden = int64_t{1} << 30; }},
+      {"num_experts",
+       [](LayerConfig& c) {
+         c.num_experts = c.d_model = (int64_t{1} << 31) - 1;
+         c.expert_first = 0, c.expert_count = 1, c.d_hidden = 1;
+       }},
   };
   for (const Case& cs : cases) {
     LayerConfig c = good;
@@ -230,6 +238,89 @@ TEST(TensorTest, CheckTensorNamesFieldAndChecksBytes) {
   ExpectInvalid(CheckTensor(v, "gamma", DType::kFloat32, {2, 3}), "gamma");
   EXPECT_EQ(DTypeSize(DType::kInt64), 8u);
   EXPECT_STREQ(DTypeName(DType::kBFloat16), "bfloat16");
+}
+
+// The one checked product of extents: exact below the bounds; a negative extent, too many
+// dimensions, an overflowing product (whatever it wraps to) or one past kMaxTensorBytes is
+// InvalidArgument naming the field; NumElements of such a shape is -1, never a wrapped value.
+TEST(TensorTest, CheckedNumElementsRefusesWhatCannotExist) {
+  EXPECT_EQ(*CheckedNumElements({}, "s"), 1);
+  EXPECT_EQ(*CheckedNumElements({0, 5}, "s"), 0);
+  EXPECT_EQ(*CheckedNumElements({3, 5, 7}, "s"), 105);
+  EXPECT_EQ(*CheckedNumElements({kMaxTensorBytes}, "s"), kMaxTensorBytes);
+  EXPECT_EQ(*CheckedByteSize({kMaxTensorBytes / 4}, DType::kFloat32, "s"), kMaxTensorBytes);
+  EXPECT_EQ(*CheckedByteSize({2, 3}, DType::kBFloat16, "s"), 12);
+  constexpr int64_t k62 = int64_t{1} << 62;
+  const std::vector<std::vector<int64_t>> bad = {
+      {-1},
+      {4, -2},
+      {k62, 4},                              // 2^64: wraps to 0
+      {int64_t{1} << 61, 8},                 // wraps to 0 too
+      {k62, k62, 0},                         // a zero after the overflow
+      {0, int64_t{1} << 41},                 // an extent past the bound, hidden by a zero
+      {int64_t{1} << 20, int64_t{1} << 21},  // 2^41 elements: no overflow, past the bound
+      {kMaxTensorBytes + 1},
+      std::vector<int64_t>(kMaxTensorRank + 1, 1),
+  };
+  for (const auto& shape : bad) {
+    SCOPED_TRACE(::testing::PrintToString(shape));
+    ExpectInvalid(CheckedNumElements(shape, "x").status(), "x: ");
+    ExpectInvalid(CheckedByteSize(shape, DType::kInt64, "dout").status(), "dout: ");
+    EXPECT_EQ(NumElements(shape), -1);
+  }
+  // Within the element bound but past the byte bound once the dtype's size counts.
+  ExpectInvalid(CheckedByteSize({kMaxTensorBytes / 2}, DType::kFloat32, "w").status(), "w: ");
+  EXPECT_EQ(NumElements({3, 5}), 15);
+}
+
+// CheckTensor goes through the checked size: a shape whose byte count wraps to the view's
+// (here 0 bytes, no data) is refused, not taken as an empty tensor.
+TEST(TensorTest, CheckTensorRefusesAWrappingShape) {
+  TensorView v;
+  v.dtype = DType::kFloat32;
+  v.shape = {int64_t{1} << 62, 4};
+  ExpectInvalid(CheckTensor(v, "x", DType::kFloat32, {-1, 4}), "x: shape");
+  v.shape = {-1, 4};
+  ExpectInvalid(CheckTensor(v, "x", DType::kFloat32, {-1, 4}), "x");
+}
+
+// T * top_k is checked: tokens whose product with K passes 2^31 - 1 are refused, also when the
+// product overflows int64 and wraps to 0 (2^38 tokens of d = 1 times K = 2^26). Only the view's
+// shape and size are read before the refusal, so no memory stands behind it.
+TEST(ValidateForwardRequestTest, TokensTimesTopKIsChecked) {
+  LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
+  c.d_model = 1;
+  c.d_hidden = 1;
+  c.num_experts = int64_t{1} << 26;
+  ASSERT_TRUE(ValidateLayerConfig(c).ok());
+  static const char byte = 0;
+  for (auto [tokens, top_k] :
+       {std::pair<int64_t, int64_t>{int64_t{1} << 30, 4}, {int64_t{1} << 38, int64_t{1} << 26}}) {
+    c.top_k = top_k;
+    ForwardRequest r;
+    r.x.dtype = DType::kFloat32;
+    r.x.shape = {tokens, 1};
+    r.x.size_bytes = static_cast<size_t>(tokens) * 4;
+    r.x.data = &byte;
+    ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: ");
+  }
+  // 2^20 tokens of d = 1 (4 MiB of x) whose hidden activations [T * K, 2h] would be 8 TiB, and
+  // ones whose router logits [T, E] would be: refused before an engine sizes anything from them.
+  c.num_experts = 2;
+  c.top_k = 1;
+  c.d_hidden = int64_t{1} << 20;
+  ASSERT_TRUE(ValidateLayerConfig(c).ok());
+  ForwardRequest r;
+  r.x.dtype = DType::kFloat32;
+  r.x.shape = {int64_t{1} << 20, 1};
+  r.x.size_bytes = size_t{4} << 20;
+  r.x.data = &byte;
+  ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: 1048576 tokens");
+  c.d_hidden = 1;
+  c.num_experts = int64_t{1} << 26;
+  r.x.shape = {int64_t{1} << 16, 1};
+  r.x.size_bytes = size_t{4} << 16;
+  ExpectInvalid(ValidateForwardRequest(c, r).status(), "x: 65536 tokens");
 }
 
 TEST(EngineFactoryTest, DeviceStrings) {
