@@ -52,7 +52,8 @@ absl::Status ValidateLayerConfig(const LayerConfig& c) {
     if (c.expert_count < 1) {
       return Bad("expert_count", absl::StrCat("= ", c.expert_count, ", must be -1 or >= 1"));
     }
-    if (c.expert_first < 0 || c.expert_first + c.expert_count > c.num_experts) {
+    // Written so that no sum can overflow: expert_count >= 1 and num_experts >= 1 here.
+    if (c.expert_first < 0 || c.expert_first > c.num_experts - c.expert_count) {
       return Bad("expert_first",
                  absl::StrCat("= ", c.expert_first, " with expert_count = ", c.expert_count,
                               " exceeds num_experts = ", c.num_experts));

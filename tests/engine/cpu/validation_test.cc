@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,11 @@ TEST(ValidateLayerConfigTest, NamesTheBadField) {
       {"routing", [](LayerConfig& c) { c.routing = static_cast<RoutingMode>(2); }},
       {"expert_count", [](LayerConfig& c) { c.expert_count = 0; }},
       {"expert_first", [](LayerConfig& c) { c.expert_first = 3, c.expert_count = 2; }},
+      // expert_first + expert_count past int64 (found by the request_validation fuzzer).
+      {"expert_first",
+       [](LayerConfig& c) {
+         c.expert_first = std::numeric_limits<int64_t>::max(), c.expert_count = 72;
+       }},
       {"expert_first", [](LayerConfig& c) { c.expert_first = 1; }},
       {"init_scale", [](LayerConfig& c) { c.init_scale = NAN; }},
       {"aux_loss_coef", [](LayerConfig& c) { c.aux_loss_coef = -1; }},
