@@ -180,7 +180,7 @@ void StripeJoins::Leave(const std::string& key, const std::shared_ptr<StripeJoin
   if (--it->second.streams > 0) return;
   if (join->AwaitsLateStreams()) {
     it->second.left = Clock::now();
-    retained_.emplace_back(key, join.get());
+    retained_.emplace_back(key, join);
     ExpireLocked(it->second.left);
   } else {
     joins_.erase(it);
@@ -191,7 +191,7 @@ void StripeJoins::ExpireLocked(Clock::time_point now) {
   while (!retained_.empty()) {
     auto it = joins_.find(retained_.front().first);
     // Still the retained join, and nobody entered it since it was retained.
-    const bool current = it != joins_.end() && it->second.join.get() == retained_.front().second &&
+    const bool current = it != joins_.end() && it->second.join == retained_.front().second.lock() &&
                          it->second.streams == 0;
     if (current && retained_.size() <= kMaxRetainedFailedJoins &&
         now - it->second.left < retention_) {

@@ -16,9 +16,9 @@
 // A stream may fail (bad rows, a bad tensor) before a sibling's first message has reached the
 // server. So that the sibling is answered at once instead of at its deadline, a join that failed
 // so (not by a cancelled call or a passed deadline) and knows its stream count is kept for a
-// short while after its last stream left (StripeJoins):
-// a stream of an index that had not joined it yet gets its failure; a stream of an index that
-// had is a retry of the micro-batch and starts a fresh join.
+// short while after its last stream left (StripeJoins): a stream of an index that had not
+// joined it yet gets its failure; a stream of an index that had is a retry of the micro-batch
+// and starts a fresh join.
 #ifndef MOE_SERVER_STRIPE_JOIN_H_
 #define MOE_SERVER_STRIPE_JOIN_H_
 
@@ -155,7 +155,7 @@ class StripeJoins {
   mutable std::mutex mu_;
   std::map<std::string, Entry> joins_;
   // Retained failed joins, oldest first (an entry may have been replaced since).
-  std::deque<std::pair<std::string, const StripeJoin*>> retained_;
+  std::deque<std::pair<std::string, std::weak_ptr<StripeJoin>>> retained_;
 };
 
 }  // namespace moe::server

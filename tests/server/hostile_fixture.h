@@ -33,13 +33,13 @@ class HostileServer {
  public:
   static constexpr char kReference[] = "reference";
 
-  // Starts the server, creates the reference layer (client routing, 6 experts, top 2, d 16, h 24),
-  // runs one Forward, Backward and Step on it and remembers its exported state.
-  explicit HostileServer(server::ServerOptions options = testing_util::LoopbackOptions()) {
+  // Starts the server, connects with `copts` (a token or certificate, where the server asks for
+  // one), creates the reference layer (client routing, 6 experts, top 2, d 16, h 24), runs one
+  // Forward, Backward and Step on it and remembers its exported state.
+  explicit HostileServer(server::ServerOptions options = testing_util::LoopbackOptions(),
+                         client::ClientOptions copts = {}) {
     server_ = testing_util::StartServer(std::move(options));
     if (!server_) return;
-    client::ClientOptions copts;
-    copts.timeout = std::chrono::seconds(20);
     auto c = client::Connection::Connect(testing_util::Target(*server_), copts);
     EXPECT_TRUE(c.ok()) << c.status();
     if (!c.ok()) return;
