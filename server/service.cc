@@ -1118,12 +1118,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
                                                       const google::protobuf::Message* resp,
                                                       Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  metrics_->BytesIn(method, static_cast<int64_t>(req->ByteSizeLong()));
-  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
-  if (!authenticated.ok()) {
-    FinishUnary(reactor, method, authenticated.status());
-    return reactor;
-  }
+  absl::StatusOr<Caller> authenticated = BeginUnary(ctx, method, *req, reactor);
+  if (!authenticated.ok()) return reactor;
   Caller caller = *std::move(authenticated);
   executor_.Submit([this, ctx, reactor, method, resp, work, caller](double queued) {
     metrics_->Stage(method, "queue", queued);
@@ -1137,6 +1133,16 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
     FinishUnary(reactor, method, st);
   });
   return reactor;
+}
+
+absl::StatusOr<Caller> ExpertServiceImpl::BeginUnary(grpc::CallbackServerContext* ctx,
+                                                     const char* method,
+                                                     const google::protobuf::Message& req,
+                                                     grpc::ServerUnaryReactor* reactor) {
+  metrics_->BytesIn(method, static_cast<int64_t>(req.ByteSizeLong()));
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  if (!caller.ok()) FinishUnary(reactor, method, caller.status());
+  return caller;
 }
 
 absl::StatusOr<std::unique_ptr<Layer>> ExpertServiceImpl::CreateAdmittedLayer(
@@ -1335,12 +1341,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::SaveCheckpoint(grpc::CallbackServer
                                                             v1::SaveCheckpointResponse* resp) {
   static constexpr char kMethod[] = "SaveCheckpoint";
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
-  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
-  if (!authenticated.ok()) {
-    FinishUnary(reactor, kMethod, authenticated.status());
-    return reactor;
-  }
+  absl::StatusOr<Caller> authenticated = BeginUnary(ctx, kMethod, *req, reactor);
+  if (!authenticated.ok()) return reactor;
   executor_.Submit([this, ctx, req, resp, reactor,
                     caller = *std::move(authenticated)](double queued) {
     metrics_->Stage(kMethod, "queue", queued);
@@ -1408,12 +1410,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::LoadCheckpoint(grpc::CallbackServer
                                                             v1::LoadCheckpointResponse* resp) {
   static constexpr char kMethod[] = "LoadCheckpoint";
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  metrics_->BytesIn(kMethod, static_cast<int64_t>(req->ByteSizeLong()));
-  absl::StatusOr<Caller> authenticated = Authenticate(ctx);
-  if (!authenticated.ok()) {
-    FinishUnary(reactor, kMethod, authenticated.status());
-    return reactor;
-  }
+  absl::StatusOr<Caller> authenticated = BeginUnary(ctx, kMethod, *req, reactor);
+  if (!authenticated.ok()) return reactor;
   file_executor_.Submit([this, ctx, req, resp, reactor,
                          caller = *std::move(authenticated)](double) {
     const Clock::time_point t1 = Clock::now();

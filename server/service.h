@@ -160,6 +160,11 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // its status; accounts queue and compute latency and bytes.
   // `work` gets the authenticated Caller; a call that does not authenticate never reaches the
   // executor.
+  // Every unary call's start: counts the request's bytes and authenticates the caller; on a
+  // refusal the call is already finished with that status.
+  absl::StatusOr<Caller> BeginUnary(grpc::CallbackServerContext* ctx, const char* method,
+                                    const google::protobuf::Message& req,
+                                    grpc::ServerUnaryReactor* reactor);
   template <typename Work>
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
                                      const google::protobuf::Message* req,
