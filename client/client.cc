@@ -17,11 +17,11 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "proto/raw_message.h"
-#include "proto/tls.h"
-#include "proto/wire.h"
+#include "wire/raw_message.h"
+#include "wire/tls.h"
+#include "wire/wire.h"
 
 namespace moe::client {
 namespace {
@@ -73,7 +73,7 @@ constexpr char kForwardMethod[] = "/moe.v1.ExpertService/Forward";
 constexpr char kBackwardMethod[] = "/moe.v1.ExpertService/Backward";
 
 // One micro-batch (or one stream of a striped one) on its own bidi stream, on raw buffers
-// (proto/raw_message.h): the requests are encoded by reference to the call's own copy of the
+// (wire/raw_message.h): the requests are encoded by reference to the call's own copy of the
 // caller's tensors, one message at a time as it is written; each response's tensor bytes are
 // copied once, as it arrives, by `accept` into the assembled outputs, `finish` makes the result
 // from the first response's small fields, and `done` receives it (or the call's error) just

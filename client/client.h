@@ -15,7 +15,7 @@
 // saved contexts when the client goes away.
 //
 // Received tensors are large fresh buffers; under glibc's default malloc each is page-faulted
-// in anew. A trainer should call moe::RetainFreedHeapMemory() (engine/host_memory.h) first thing
+// in anew. A trainer should call moe::RetainFreedHeapMemory() (common/host_memory.h) first thing
 // in main, or set the GLIBC_TUNABLES given there (docs/decisions/0005-retained-heap-memory.md).
 // The library does not do it itself: it is the whole process's allocator.
 #ifndef MOE_CLIENT_CLIENT_H_
@@ -37,10 +37,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/layer_config.h"
+#include "common/tensor.h"
 #include "moe/v1/moe.grpc.pb.h"
-#include "proto/tls.h"
+#include "wire/tls.h"
 
 namespace moe::client {
 
@@ -63,7 +63,7 @@ struct ClientOptions {
   // stripes.
   int64_t stripe_bytes = int64_t{8} << 20;
   // Plaintext unless set: TLS to a server started with a certificate, mutual TLS with this
-  // client's own certificate as well (proto/tls.h; docs/OPERATIONS.md, "Transport security").
+  // client's own certificate as well (wire/tls.h; docs/OPERATIONS.md, "Transport security").
   wire::ClientTls tls;
   // The bearer token of this client's principal, for a server started with --tokens_file: sent
   // as "authorization: Bearer <token>" on every call, the session's included. Empty: none (the
@@ -167,7 +167,7 @@ class Connection {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
-  // Forward and Backward as raw buffers (proto/raw_message.h), one stub per connection (the
+  // Forward and Backward as raw buffers (wire/raw_message.h), one stub per connection (the
   // first on channel_), taken in turn.
   using RawStub = grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>;
   std::vector<std::unique_ptr<RawStub>> raw_stubs_;

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace moe {
 

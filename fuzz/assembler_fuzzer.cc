@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "fuzz/fuzz_input.h"
 #include "moe/v1/moe.pb.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 namespace {
 

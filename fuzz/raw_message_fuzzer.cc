@@ -1,4 +1,4 @@
-// The wire decoder (proto/raw_message.h) on any bytes, split into gRPC slices anywhere: it must
+// The wire decoder (wire/raw_message.h) on any bytes, split into gRPC slices anywhere: it must
 // accept exactly what protobuf's parser accepts and then read the same message (small fields
 // and each tensor's data); its tensors must go through the server's assembler without harm; and
 // what it read, encoded again by reference, must decode to the same.
@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "google/protobuf/stubs/logging.h"
 #include "moe/v1/moe.pb.h"
-#include "proto/raw_message.h"
-#include "proto/wire.h"
+#include "wire/raw_message.h"
+#include "wire/wire.h"
 
 namespace {
 

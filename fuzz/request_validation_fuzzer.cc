@@ -16,11 +16,11 @@
 #include "engine/layer.h"
 #include "engine/routing.h"
 #include "engine/state.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "fuzz/fuzz_input.h"
 #include "google/protobuf/stubs/logging.h"
 #include "moe/v1/moe.pb.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "server/request_validation.h"
 
 namespace {

@@ -24,7 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "engine/state.h"
 #include "moe/v1/moe.pb.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "server/safetensors.h"
 
 namespace moe::server {

@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <limits>
 
-#include "engine/tensor.h"
-#include "proto/wire.h"
+#include "common/tensor.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 

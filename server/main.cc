@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage("Mixture-of-Experts layers as a gRPC service");
   absl::ParseCommandLine(argc, argv);
-  // Before Server::Start starts any thread (engine/host_memory.h says why and what it gains).
+  // Before Server::Start starts any thread (common/host_memory.h says why and what it gains).
   if (absl::GetFlag(FLAGS_retain_freed_memory) && !moe::RetainFreedHeapMemory()) {
     std::fprintf(stderr,
                  "moe-server: warning: malloc settings refused; freed memory is returned\n");

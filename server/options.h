@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "engine/engine_options.h"
-#include "proto/tls.h"
+#include "wire/tls.h"
 
 namespace moe::server {
 
@@ -39,7 +39,7 @@ struct ServerOptions {
   // Largest checkpoint file LoadCheckpoint reads or SaveCheckpoint writes.
   int64_t max_checkpoint_bytes = int64_t{64} << 30;
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS
-  // (proto/tls.h). The metrics endpoint stays plain HTTP either way.
+  // (wire/tls.h). The metrics endpoint stays plain HTTP either way.
   wire::ServerTls tls;
   // Authentication (server/auth.h): bearer tokens from this file ("PRINCIPAL TOKEN" lines);
   // with tls.client_ca_file the client certificate's identity is a principal as well. Neither:

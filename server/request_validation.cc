@@ -5,8 +5,8 @@
 #include <cctype>
 
 #include "absl/strings/str_cat.h"
-#include "engine/tensor.h"
-#include "proto/wire.h"
+#include "common/tensor.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 

@@ -6,7 +6,7 @@
 //
 // What needs a layer (shapes, dtypes and routing of x, expert_ids, weights, dout) is the
 // engine's: ValidateForwardRequest and ValidateDout (engine/routing.h), LayerConfigFromProto
-// (proto/wire.h) for a config.
+// (wire/wire.h) for a config.
 #ifndef MOE_SERVER_REQUEST_VALIDATION_H_
 #define MOE_SERVER_REQUEST_VALIDATION_H_
 

@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/layer.h"
-#include "proto/tls.h"
+#include "wire/tls.h"
 #include "server/auth.h"
 #include "server/memory_limits.h"
 #include "server/metrics.h"

@@ -19,9 +19,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "engine/host_memory.h"
-#include "proto/raw_message.h"
-#include "proto/wire.h"
+#include "common/host_memory.h"
+#include "wire/raw_message.h"
+#include "wire/wire.h"
 #include "server/auth.h"
 #include "server/checkpoint.h"
 #include "server/held_bytes.h"
@@ -72,7 +72,7 @@ std::string SessionOf(grpc::CallbackServerContext* ctx) {
   return std::string(it->second.data(), it->second.size());
 }
 
-// A micro-batch's response (proto/raw_message.h): the result tensors, kept until the last message
+// A micro-batch's response (wire/raw_message.h): the result tensors, kept until the last message
 // that refers to them is sent, cut into messages of at most the requested payload bytes. Message m
 // is encoded only when it is about to be written (the first on the executor, the others in
 // OnWriteDone), so the device executor hands the tensors over and takes the next micro-batch at
@@ -141,7 +141,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
 
   void OnReadDone(bool ok) override {
     // The inputs assembled here are the engine's to copy to the device: page-locked where the
-    // engine provides that memory (engine/host_memory.h).
+    // engine provides that memory (common/host_memory.h).
     LargeTensorMemoryScope data_path;
     if (!ok) {
       // The client half-closed (clean end) or the call is cancelled/broken.

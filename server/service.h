@@ -66,7 +66,7 @@ enum class Access {
 };
 
 // The callback service with Forward and Backward taking raw buffers: their tensors' bytes are
-// decoded and encoded by reference (proto/raw_message.h) instead of through protobuf's copies.
+// decoded and encoded by reference (wire/raw_message.h) instead of through protobuf's copies.
 // The wire format is unchanged. Same order of methods as the generated CallbackService.
 using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
     v1::ExpertService::WithCallbackMethod_GetLayer<v1::ExpertService::WithCallbackMethod_ListLayers<

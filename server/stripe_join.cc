@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 

@@ -35,7 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 

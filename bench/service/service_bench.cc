@@ -23,9 +23,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "engine/host_memory.h"
-#include "proto/raw_message.h"
-#include "proto/wire.h"
+#include "common/host_memory.h"
+#include "wire/raw_message.h"
+#include "wire/wire.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -373,7 +373,7 @@ CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
   });
   // The client's copy of a caller's tensor (client.cc ToTensor), into a warm buffer.
   best(&c.client_copy_ms, [&] { ParallelMemcpy(warm.data(), src.bytes.data(), warm.size()); });
-  // The same messages the client and the server write (proto/raw_message.h ChunkedMessages):
+  // The same messages the client and the server write (wire/raw_message.h ChunkedMessages):
   // header repeated, the payload by reference.
   std::vector<Tensor> tensors;
   tensors.push_back(src);

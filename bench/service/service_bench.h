@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "engine/layer.h"
-#include "proto/tls.h"
+#include "wire/tls.h"
 
 namespace moe::bench {
 
@@ -79,7 +79,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
                                                         std::string* server_description);
 
 // What each hop of the service's data path costs on the host for one [rows, cols] fp32 tensor
-// cut into `chunk_bytes` messages, timed on the real code (proto/raw_message.h, proto/wire.h);
+// cut into `chunk_bytes` messages, timed on the real code (wire/raw_message.h, wire/wire.h);
 // milliseconds, best of a few runs. Read the server's receive/send stages and the client's share
 // against these (the transfer itself is not in them).
 struct CopyPathCost {

@@ -27,7 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/client.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "moe-server address");
 ABSL_FLAG(double, timeout_seconds, 10, "Deadline of each call");

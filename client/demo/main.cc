@@ -22,7 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "moe-server address");
 ABSL_FLAG(int, steps, 100, "optimizer steps");
@@ -40,7 +40,7 @@ ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token, for a server started with --tokens_file");
 ABSL_FLAG(bool, retain_freed_memory, true,
           "Reuse freed heap memory in this trainer process (moe::RetainFreedHeapMemory, "
-          "engine/host_memory.h): received tensors then land in pages already faulted in");
+          "common/host_memory.h): received tensors then land in pages already faulted in");
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
 #include "engine/cuda/host_staging.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"

@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/status_macros.h"
 
 namespace moe::cuda {
 
@@ -37,22 +38,6 @@ absl::Status CublasStatus(cublasStatus_t err, const char* what, const char* file
     if (cublasStatus_t moe_err_ = (expr); moe_err_ != CUBLAS_STATUS_SUCCESS) \
       return ::moe::cuda::CublasStatus(moe_err_, #expr, __FILE__, __LINE__); \
   } while (0)
-
-#define MOE_RETURN_IF_ERROR(expr)                                     \
-  do {                                                                \
-    if (absl::Status moe_st_ = (expr); !moe_st_.ok()) return moe_st_; \
-  } while (0)
-
-// lhs = the value of absl::StatusOr `expr`, or return its status (a statement, not an
-// expression; lhs may declare a variable).
-#define MOE_ASSIGN_OR_RETURN(lhs, expr) \
-  MOE_ASSIGN_OR_RETURN_IMPL_(MOE_CONCAT_(moe_statusor_, __LINE__), lhs, expr)
-#define MOE_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                               \
-  if (!statusor.ok()) return statusor.status();         \
-  lhs = std::move(*statusor)
-#define MOE_CONCAT_(a, b) MOE_CONCAT_INNER_(a, b)
-#define MOE_CONCAT_INNER_(a, b) a##b
 
 // A stream (and the device it belongs to) shared by a layer and the contexts it created, so
 // a context dropped after its layer still frees on a live stream.

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "engine/cuda/device.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 namespace moe::cuda {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 namespace moe::cuda {
 

@@ -1,5 +1,5 @@
 // Page-locked host memory for large tensors, installed by the CUDA engine as the process's
-// large-tensor memory (engine/host_memory.h, SetLargeTensorMemory).
+// large-tensor memory (common/host_memory.h, SetLargeTensorMemory).
 //
 // Why: the CUDA layer's inputs and outputs are host tensors (a request's x and dout, a result's
 // out and dx). From pageable memory each large transfer is copied through a pinned staging

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "server/metrics.h"
 #include "tests/client/test_util.h"
 

@@ -20,7 +20,7 @@
 
 #include "client/client.h"
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace {
 

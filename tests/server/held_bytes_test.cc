@@ -7,7 +7,7 @@
 #include <limits>
 #include <string>
 
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 namespace {

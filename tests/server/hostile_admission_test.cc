@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "tests/server/admission_fixture.h"
 
 namespace moe::testing {

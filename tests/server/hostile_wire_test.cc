@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "server/request_validation.h"
 #include "tests/server/hostile_fixture.h"
 

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "engine/layer.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "server/server.h"
 
 namespace moe {
@@ -723,7 +723,7 @@ TEST(ServiceTest, ServesReflectionAndHealth) {
   EXPECT_NE(call.text().find("grpc.health.v1.Health"), std::string::npos) << call.text();
 }
 
-// Forward and Backward are raw methods on the server (proto/raw_message.h): bytes that are not a
+// Forward and Backward are raw methods on the server (wire/raw_message.h): bytes that are not a
 // message get InvalidArgument naming the message type, and the server keeps serving.
 TEST(ServiceTest, MalformedMicroBatchBytesAreInvalidArgument) {
   Loopback lb = Start();

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "client/client.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 #include "tests/client/test_util.h"
 
 namespace moe {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "engine/cpu_engine.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace moe::testing {
 namespace {

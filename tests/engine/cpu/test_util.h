@@ -15,7 +15,7 @@
 
 #include "engine/cpu_engine.h"
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "tests/engine/cpu/reference.h"
 
 namespace moe::testing {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace moe::testing {
 

@@ -15,9 +15,9 @@
 
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/host_staging.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace moe::cuda {
 namespace {

@@ -27,7 +27,7 @@
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
 #include "tests/engine/cuda/gpu_delay.h"
 

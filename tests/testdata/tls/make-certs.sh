@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes the test PKI the TLS tests use (tests/client/tls_test.cc, tests/proto/tls_test.cc):
+# Writes the test PKI the TLS tests use (tests/client/tls_test.cc, tests/wire/tls_test.cc):
 #   ca.pem            a test certificate authority
 #   server.pem/-key   moe-server's certificate for localhost, 127.0.0.1 and moe-server.moe.svc
 #                     (the name deploy/kubernetes/tls's probes check), signed by ca.pem

@@ -1,5 +1,5 @@
 // glibc malloc settings for processes that move large host tensors (see host_memory.h).
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 #include <malloc.h>
 

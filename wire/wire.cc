@@ -1,6 +1,6 @@
 // Proto <-> engine conversions and tensor chunking (see wire.h). Defaults for zero-valued proto
 // fields are filled here, once, so the server and the client agree on what "unset" means.
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 #include <algorithm>
 #include <cstring>

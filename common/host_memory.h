@@ -14,8 +14,8 @@
 // caller's tensors by ParallelMemcpy, the CUDA engine's pinned staging piece by piece by
 // ParallelForInterleaved). One thread cannot saturate host memory bandwidth; 8 copy the same
 // bytes about 3x faster (docs/decisions/0004-host-staging.md).
-#ifndef MOE_ENGINE_HOST_MEMORY_H_
-#define MOE_ENGINE_HOST_MEMORY_H_
+#ifndef MOE_COMMON_HOST_MEMORY_H_
+#define MOE_COMMON_HOST_MEMORY_H_
 
 #include <cstddef>
 #include <functional>
@@ -62,7 +62,7 @@ class LargeTensorMemoryScope {
   LargeTensorMemoryScope(const LargeTensorMemoryScope&) = delete;
   LargeTensorMemoryScope& operator=(const LargeTensorMemoryScope&) = delete;
 };
-// TensorBytes' allocation and release (engine/tensor.h); bad_alloc as operator new.
+// TensorBytes' allocation and release (common/tensor.h); bad_alloc as operator new.
 void* AllocateTensorBytes(size_t bytes);
 void ReleaseTensorBytes(void* p, size_t bytes);
 
@@ -73,4 +73,4 @@ bool RetainFreedHeapMemory();
 
 }  // namespace moe
 
-#endif  // MOE_ENGINE_HOST_MEMORY_H_
+#endif  // MOE_COMMON_HOST_MEMORY_H_

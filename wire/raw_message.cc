@@ -1,7 +1,7 @@
 // Encoding and decoding of tensor-carrying messages by reference (see raw_message.h). The
 // decoder walks protobuf's wire format itself, over gRPC's slices, only far enough to lift the
 // tensors' `data` out; everything else is re-emitted in canonical form and left to protobuf.
-#include "proto/raw_message.h"
+#include "wire/raw_message.h"
 
 #include <algorithm>
 #include <string>

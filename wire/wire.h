@@ -10,10 +10,10 @@
 // complete. Every error names the tensor's field, never just "chunking".
 //
 // Shapes come from the peer: every product of their extents goes through CheckedByteSize
-// (engine/tensor.h) before anything is reserved or compared, so no shape can overflow int64 or
+// (common/tensor.h) before anything is reserved or compared, so no shape can overflow int64 or
 // claim more than kMaxTensorBytes.
-#ifndef MOE_PROTO_WIRE_H_
-#define MOE_PROTO_WIRE_H_
+#ifndef MOE_WIRE_WIRE_H_
+#define MOE_WIRE_WIRE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/layer.h"
-#include "engine/tensor.h"
+#include "common/layer_config.h"
+#include "common/tensor.h"
 #include "moe/v1/moe.pb.h"
 
 namespace moe::wire {
@@ -191,4 +191,4 @@ std::vector<std::vector<Piece>> PlanChunks(const std::vector<size_t>& sizes,
 
 }  // namespace moe::wire
 
-#endif  // MOE_PROTO_WIRE_H_
+#endif  // MOE_WIRE_WIRE_H_

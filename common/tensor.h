@@ -3,8 +3,8 @@
 // The wire format (docs/PROTOCOL.md) is the same: raw little-endian bytes, row-major, no
 // strides. `Tensor` owns its bytes; `TensorView` borrows them, so the server can hand the
 // engine a protobuf's payload without copying.
-#ifndef MOE_ENGINE_TENSOR_H_
-#define MOE_ENGINE_TENSOR_H_
+#ifndef MOE_COMMON_TENSOR_H_
+#define MOE_COMMON_TENSOR_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 namespace moe {
 
@@ -68,7 +68,7 @@ struct TensorView {
 // the bytes unset instead of zeroing them: an output that is overwritten at once
 // (Tensor::Uninitialized) need not pay for zero-filling it first
 // (docs/decisions/0012-uninitialized-outputs.md).
-// Its memory comes from AllocateTensorBytes (engine/host_memory.h): large tensors of the data
+// Its memory comes from AllocateTensorBytes (common/host_memory.h): large tensors of the data
 // path from the memory an engine installed there (page-locked, with the CUDA engine), the rest
 // from the heap.
 template <typename T>
@@ -130,4 +130,4 @@ float LoadFloat(const TensorView& view, int64_t i);
 
 }  // namespace moe
 
-#endif  // MOE_ENGINE_TENSOR_H_
+#endif  // MOE_COMMON_TENSOR_H_

@@ -14,8 +14,8 @@
 // merges the two occurrences into one Tensor. So any client or server that speaks moe.proto
 // (Python's grpcio, grpcurl) reads and writes these messages unchanged, and the decoder here
 // accepts any valid encoding, including protobuf's own.
-#ifndef MOE_PROTO_RAW_MESSAGE_H_
-#define MOE_PROTO_RAW_MESSAGE_H_
+#ifndef MOE_WIRE_RAW_MESSAGE_H_
+#define MOE_WIRE_RAW_MESSAGE_H_
 
 #include <google/protobuf/message_lite.h>
 #include <grpcpp/support/byte_buffer.h>
@@ -31,9 +31,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "moe/v1/moe.pb.h"
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 namespace moe::wire {
 
@@ -158,4 +158,4 @@ class ChunkedMessages {
 
 }  // namespace moe::wire
 
-#endif  // MOE_PROTO_RAW_MESSAGE_H_
+#endif  // MOE_WIRE_RAW_MESSAGE_H_

@@ -4,7 +4,7 @@
 // InvalidArgument naming the field. wire::TensorAssembler and StripedAssembler: a chunk's offset
 // must be the bytes already received (per stream when striped), and shapes that cannot exist are
 // refused on the first chunk. wire::ChunkPlan: messages worked out one at a time.
-#include "proto/wire.h"
+#include "wire/wire.h"
 
 #include <gtest/gtest.h>
 

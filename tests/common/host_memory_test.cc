@@ -1,9 +1,9 @@
-// engine/host_memory.h. moe::RetainFreedHeapMemory: before it, glibc maps a 64 MiB block
+// common/host_memory.h. moe::RetainFreedHeapMemory: before it, glibc maps a 64 MiB block
 // afresh; after it, such blocks come from the heap, and the heap keeps them once freed (its own
 // binary: the settings are the whole process's). ParallelMemcpy: every byte, and none past the
 // end, on sizes around its thread and page splits. SetLargeTensorMemory: which tensors take the
 // installed memory.
-#include "engine/host_memory.h"
+#include "common/host_memory.h"
 
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -16,7 +16,7 @@
 #include <set>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 namespace moe {
 namespace {

@@ -1,5 +1,5 @@
 // PEM files -> gRPC credentials (see tls.h).
-#include "proto/tls.h"
+#include "wire/tls.h"
 
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>

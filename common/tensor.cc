@@ -3,7 +3,7 @@
 // FloatToBFloat16 rounds to nearest, ties to even, and keeps NaN a quiet NaN (a plain
 // truncation after adding the rounding bias could turn a NaN payload into infinity). CUDA's
 // __float2bfloat16_rn does the same, so host- and device-rounded values agree bit for bit.
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 #include <cstring>
 

@@ -1,7 +1,7 @@
-// proto/raw_message: the by-reference encoding is what protobuf parses, the decoder reads what
+// wire/raw_message: the by-reference encoding is what protobuf parses, the decoder reads what
 // protobuf writes (over any split into slices) and fails exactly where protobuf's parser fails,
 // payloads are referenced and not copied, and their owner lives until the last slice is gone.
-#include "proto/raw_message.h"
+#include "wire/raw_message.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>

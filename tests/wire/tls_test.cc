@@ -1,6 +1,6 @@
-// proto/tls.h on its own: which options mean plaintext, TLS and mutual TLS, and every bad option
+// wire/tls.h on its own: which options mean plaintext, TLS and mutual TLS, and every bad option
 // refused with InvalidArgument naming the field (and the path, for a file).
-#include "proto/tls.h"
+#include "wire/tls.h"
 
 #include <gtest/gtest.h>
 

@@ -7,8 +7,8 @@
 // can reach the port. With a server certificate the channel is encrypted and the client checks
 // whom it talks to; with a client CA as well (mutual TLS) the server serves only clients whose
 // certificate that CA signed. docs/OPERATIONS.md, "Transport security", says how to deploy it.
-#ifndef MOE_PROTO_TLS_H_
-#define MOE_PROTO_TLS_H_
+#ifndef MOE_WIRE_TLS_H_
+#define MOE_WIRE_TLS_H_
 
 #include <memory>
 #include <string>
@@ -76,4 +76,4 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
 
 }  // namespace moe::wire
 
-#endif  // MOE_PROTO_TLS_H_
+#endif  // MOE_WIRE_TLS_H_

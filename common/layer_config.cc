@@ -2,7 +2,7 @@
 //
 // Every engine calls it before allocating anything, so the server's error for a bad config is
 // the same whichever device serves it. Each message names the offending field.
-#include "engine/layer.h"
+#include "common/layer_config.h"
 
 #include <cmath>
 #include <cstdint>
