@@ -383,16 +383,8 @@ absl::StatusOr<std::vector<Tensor>> MicroBatchReactor<Req, Resp>::FinishShared(u
 template <typename Req, typename Resp>
 void MicroBatchReactor<Req, Resp>::RunAlone() {
   service_->executor().Submit([this](double queued) {
-    service_->metrics().Stage(method_, "queue", queued);
-    absl::Status alive = CallAlive(ctx_);
-    absl::StatusOr<Computed<Resp>> computed = absl::UnknownError("not run");
-    if (alive.ok()) {
-      const Clock::time_point t0 = Clock::now();
-      computed = Compute(views_, {ctx_});
-      service_->metrics().Stage(method_, "compute", SecondsSince(t0));
-    } else {
-      computed = alive;
-    }
+    absl::StatusOr<Computed<Resp>> computed = TimedWork(
+        service_->metrics(), method_, queued, ctx_, [this] { return Compute(views_, {ctx_}); });
     if (!computed.ok()) {
       Fail(computed.status());
       return;

@@ -28,6 +28,20 @@ inline double SecondsSince(Clock::time_point t) {
 // Cancelled / DeadlineExceeded when the call is already over, OK otherwise.
 absl::Status CallAlive(grpc::CallbackServerContext* ctx);
 
+// The executor's side of a call: records the time it queued, then runs `work` (an absl::Status
+// or absl::StatusOr), timed as the "compute" stage, unless the call is already over (CallAlive's
+// status then).
+template <typename Work>
+auto TimedWork(Metrics& metrics, const std::string& method, double queued,
+               grpc::CallbackServerContext* ctx, Work work) -> decltype(work()) {
+  metrics.Stage(method, "queue", queued);
+  if (absl::Status alive = CallAlive(ctx); !alive.ok()) return alive;
+  const Clock::time_point t0 = Clock::now();
+  auto result = work();
+  metrics.Stage(method, "compute", SecondsSince(t0));
+  return result;
+}
+
 // The session the caller names in its metadata (kSessionMetadataKey), "" when none.
 std::string SessionOf(grpc::CallbackServerContext* ctx);
 
@@ -47,13 +61,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
   if (!authenticated.ok()) return reactor;
   Caller caller = *std::move(authenticated);
   executor_.Submit([this, ctx, reactor, method, resp, work, caller](double queued) {
-    metrics_->Stage(method, "queue", queued);
-    absl::Status st = CallAlive(ctx);
-    if (st.ok()) {
-      const Clock::time_point t0 = Clock::now();
-      st = work(caller);
-      metrics_->Stage(method, "compute", SecondsSince(t0));
-    }
+    const absl::Status st = TimedWork(*metrics_, method, queued, ctx, [&] { return work(caller); });
     if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
     FinishUnary(reactor, method, st);
   });

@@ -36,13 +36,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::WeightChunk> {
       return;
     }
     s->executor().Submit([this](double queued) {
-      service_->metrics().Stage("ExportWeights", "queue", queued);
-      absl::Status st = CallAlive(ctx_);
-      if (st.ok()) {
-        const Clock::time_point t0 = Clock::now();
-        st = Build();
-        service_->metrics().Stage("ExportWeights", "compute", SecondsSince(t0));
-      }
+      const absl::Status st =
+          TimedWork(service_->metrics(), "ExportWeights", queued, ctx_, [this] { return Build(); });
       if (!st.ok()) {
         Done(st);
         return;
@@ -136,14 +131,8 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
       }
       service_->metrics().Stage("ImportWeights", "receive", SecondsSince(receive_start_));
       service_->executor().Submit([this](double queued) {
-        service_->metrics().Stage("ImportWeights", "queue", queued);
-        absl::Status st = CallAlive(ctx_);
-        if (st.ok()) {
-          const Clock::time_point t0 = Clock::now();
-          st = Apply();
-          service_->metrics().Stage("ImportWeights", "compute", SecondsSince(t0));
-        }
-        Done(st);
+        Done(TimedWork(service_->metrics(), "ImportWeights", queued, ctx_,
+                       [this] { return Apply(); }));
       });
       return;
     }
