@@ -50,8 +50,8 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
       const std::vector<grpc::CallbackServerContext*>&) override {
     MOE_ASSIGN_OR_RETURN(std::shared_ptr<LayerEntry> entry, service_->FindLayer(layer_));
     MOE_RETURN_IF_ERROR(service_->AuthorizeLayer(caller(), *entry, Access::kTrain, "layer"));
-    MOE_ASSIGN_OR_RETURN(const int64_t tokens, service_->contexts().NumTokens(
-                                                   layer_, context_id_, caller().principal));
+    MOE_ASSIGN_OR_RETURN(const int64_t tokens,
+                         service_->contexts().NumTokens(layer_, context_id_, caller().principal));
     const TensorView& dout = inputs[0];
     // Checked here, before the context is consumed, so a bad dout does not lose it.
     MOE_RETURN_IF_ERROR(

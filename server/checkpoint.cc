@@ -25,8 +25,8 @@
 #include "common/status_macros.h"
 #include "engine/state.h"
 #include "moe/v1/moe.pb.h"
-#include "wire/wire.h"
 #include "server/safetensors.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 namespace {
@@ -372,8 +372,8 @@ absl::StatusOr<std::string> WriteCheckpointFile(const std::string& root,
 
   std::random_device rd;
   const std::string tmp = absl::StrCat(name, ".tmp.", ::getpid(), ".", rd());
-  Fd fd(::openat(dir.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                 0644));
+  Fd fd(
+      ::openat(dir.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (!fd.ok()) return PathError(errno, "create", relative);
   // Every failure from here on removes the temporary file.
   auto fail = [&](absl::Status s) {
@@ -418,8 +418,8 @@ absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root, const st
   if (!exists) return PathError(ENOENT, "read", relative);
   // O_NONBLOCK: should the entry have become a FIFO since the stat, the open does not wait for
   // a writer; the fstat below then refuses it.
-  Fd fd(::openat(dir.get(), name.c_str(),
-                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+  Fd fd(
+      ::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
   if (!fd.ok()) return PathError(errno, "read", relative);
   if (::fstat(fd.get(), &st) != 0) return PathError(errno, "read", relative);
   MOE_RETURN_IF_ERROR(CheckKind(st, /*want_dir=*/false, relative, ""));

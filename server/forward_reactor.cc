@@ -1,8 +1,8 @@
 // ExpertService.Forward: the micro-batch stream (micro_batch_reactor.h) whose inputs are x and,
 // for client routing, expert_ids and weights. A training Forward keeps the engine's context in
 // the context store under the caller's principal and session, for the Backward that consumes it;
-// it is stored only while every stream that carried the micro-batch is still there to hear of
-// it, so a cancelled call leaves no context behind.
+// it is not stored when a stream that carried the micro-batch was cancelled by then, so a
+// cancelled call leaves no context behind.
 #include <memory>
 #include <string>
 #include <utility>

@@ -1,8 +1,9 @@
 // ExpertService's unary calls on the layer table: CreateLayer, GetLayer, ListLayers,
 // DeleteLayer, and GetStats, which reports the table with the server's memory.
 //
-// Creating and deleting change the table and so run on the device executor (RunUnary); a layer
-// is created only once the memory ledger admits its state, and freed there too. The reads
+// Creating and deleting change the table and so run on the device executor (RunUnary): a layer
+// is created only once the memory ledger admits its state, and a deleted one is freed there and
+// its bytes given back to the ledger. The reads
 // (GetLayer, ListLayers, GetStats) answer at once from the values the executor caches, under the
 // table's mutex, and never wait for the executor.
 #include <memory>

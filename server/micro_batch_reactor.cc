@@ -57,7 +57,8 @@ void MicroBatchReactor<Req, Resp>::OnReadDone(bool ok) {
     if (ctx_->IsCancelled()) {
       Fail(Cancelled());
     } else if (in_batch_) {
-      Fail(absl::InvalidArgumentError("last_chunk: the stream ended in the middle of a micro-batch"));
+      Fail(absl::InvalidArgumentError(
+          "last_chunk: the stream ended in the middle of a micro-batch"));
     } else {
       this->Finish(grpc::Status::OK);
     }
@@ -222,9 +223,9 @@ absl::Status MicroBatchReactor<Req, Resp>::AddInputs() {
     const v1::Tensor* t = InputOf(request_, i);
     if (t == nullptr) continue;
     const auto payload = incoming_.payload(input_fields_[i]);
-    MOE_RETURN_IF_ERROR(shared_inputs_ ? (*shared_inputs_)[i].Add(stripe_.index(),
-                                                                  stripe_.row_begin(), *t, payload)
-                                       : assemblers_[i].Add(*t, payload));
+    MOE_RETURN_IF_ERROR(
+        shared_inputs_ ? (*shared_inputs_)[i].Add(stripe_.index(), stripe_.row_begin(), *t, payload)
+                       : assemblers_[i].Add(*t, payload));
     if (i == 0 && t->shape_size() > 0) rows_ = t->shape(0);
     stream_carries_[i] = true;
   }
@@ -383,8 +384,8 @@ absl::StatusOr<std::vector<Tensor>> MicroBatchReactor<Req, Resp>::FinishShared(u
 template <typename Req, typename Resp>
 void MicroBatchReactor<Req, Resp>::RunAlone() {
   service_->executor().Submit([this](double queued) {
-    absl::StatusOr<Computed<Resp>> computed = TimedWork(
-        service_->metrics(), method_, queued, ctx_, [this] { return Compute(views_, {ctx_}); });
+    absl::StatusOr<Computed<Resp>> computed = TimedWork(service_->metrics(), method_, queued, ctx_,
+                                                        [this] { return Compute(views_, {ctx_}); });
     if (!computed.ok()) {
       Fail(computed.status());
       return;

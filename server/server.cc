@@ -11,12 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "engine/layer.h"
-#include "wire/tls.h"
 #include "server/auth.h"
 #include "server/memory_limits.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
+#include "wire/tls.h"
 
 namespace moe::server {
 
@@ -78,8 +78,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 
   MOE_ASSIGN_OR_RETURN(const DeviceMemoryInfo device_memory, engine->DeviceMemory());
   const HostMemoryLimits host_limits = ReadHostMemoryLimits();
-  MemoryBudget budget = DeriveMemoryBudget(options.memory_budget_bytes, engine->name(),
-                                           device_memory, host_limits);
+  MemoryBudget budget =
+      DeriveMemoryBudget(options.memory_budget_bytes, engine->name(), device_memory, host_limits);
   if (budget.engine_bytes <= 0 || budget.host_bytes <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "memory_budget_bytes: no memory left to admit anything (", budget.engine_memory, ": ",

@@ -1,7 +1,7 @@
 // The ExpertService implementation on gRPC's callback API: the service's shared state (the layer
-// table, the executors, the memory ledger, the context store) and its method table. Each RPC is
-// implemented in a file of its own, after grpc's route_guide callback example: a reactor class
-// per streaming RPC, a group of unary handlers per file (see each method below).
+// table, the executors, the memory ledger, the context store) and its method table. The RPCs live
+// in files of their own, after grpc's route_guide callback example: a reactor class per streaming
+// RPC, a group of unary handlers per file (named at each method below).
 //
 // Threading: reactions (OnReadDone, OnWriteDone, ...) only parse, account and hand work to the
 // device executor; they never wait. Every engine call, and every change to the layer table,

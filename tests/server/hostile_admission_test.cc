@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "wire/wire.h"
 #include "tests/server/server_fixture.h"
+#include "wire/wire.h"
 
 namespace moe::server_test {
 namespace {

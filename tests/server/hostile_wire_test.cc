@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "wire/wire.h"
 #include "server/request_validation.h"
 #include "tests/server/server_fixture.h"
+#include "wire/wire.h"
 
 namespace moe::server_test {
 namespace {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "client/client.h"
-#include "wire/wire.h"
 #include "tests/server/server_fixture.h"
+#include "wire/wire.h"
 
 namespace moe::server_test {
 namespace {
