@@ -53,9 +53,12 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     MOE_ASSIGN_OR_RETURN(const int64_t tokens,
                          service_->contexts().NumTokens(layer_, context_id_, caller().principal));
     const TensorView& dout = inputs[0];
-    // Checked here, before the context is consumed, so a bad dout does not lose it.
+    // Checked here, before the context is consumed, so a bad dout or a call that does not fit
+    // does not lose it.
     MOE_RETURN_IF_ERROR(
         CheckTensor(dout, "dout", entry->config.dtype, {tokens, entry->config.d_model}));
+    MOE_ASSIGN_OR_RETURN(MemoryLedger::RequestCharge working,
+                         service_->AdmitEngineCall(*entry, tokens, EngineCall::kBackward));
     MOE_ASSIGN_OR_RETURN(std::unique_ptr<SavedContext> context,
                          service_->contexts().Take(layer_, context_id_, caller().principal));
     MOE_ASSIGN_OR_RETURN(BackwardResult result, entry->layer->Backward(std::move(context), dout));

@@ -72,7 +72,17 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     request.x = inputs[0];
     request.expert_ids = inputs[1];
     request.weights = inputs[2];
-    MOE_ASSIGN_OR_RETURN(ForwardResult result, entry->layer->Forward(request));
+    // An x the engine will refuse is left to its error; any other is admitted first.
+    MemoryLedger::RequestCharge working;
+    if (CheckTensor(request.x, "x", entry->config.dtype, {-1, entry->config.d_model}).ok()) {
+      MOE_ASSIGN_OR_RETURN(working,
+                           service_->AdmitEngineCall(
+                               *entry, request.x.shape[0],
+                               training_ ? EngineCall::kTrainingForward : EngineCall::kForward));
+    }
+    absl::StatusOr<ForwardResult> forward = entry->layer->Forward(request);
+    working.Reset();  // the call's buffers are freed; its context is admitted on its own below
+    MOE_ASSIGN_OR_RETURN(ForwardResult result, std::move(forward));
     const int64_t tokens = request.x.shape.empty() ? 0 : request.x.shape[0];
     if (training_) {
       if (!result.context) return absl::InternalError("engine returned no training context");

@@ -352,7 +352,8 @@ void MicroBatchReactor<Req, Resp>::ArriveStriped() {
       std::vector<TensorView> views;
       for (const Tensor& t : *shared) views.push_back(t.empty() ? TensorView{} : t.view());
       const Clock::time_point t0 = Clock::now();
-      computed = Compute(views, calls);  // `this` is one of `streams`, all still open
+      // `this` is one of `streams`, all still open.
+      computed = GuardAllocation(method, [&] { return Compute(views, calls); });
       service->metrics().Stage(method, "compute", SecondsSince(t0));
     } else {
       computed = alive;
@@ -384,8 +385,9 @@ absl::StatusOr<std::vector<Tensor>> MicroBatchReactor<Req, Resp>::FinishShared(u
 template <typename Req, typename Resp>
 void MicroBatchReactor<Req, Resp>::RunAlone() {
   service_->executor().Submit([this](double queued) {
-    absl::StatusOr<Computed<Resp>> computed = TimedWork(service_->metrics(), method_, queued, ctx_,
-                                                        [this] { return Compute(views_, {ctx_}); });
+    absl::StatusOr<Computed<Resp>> computed = TimedWork(
+        service_->metrics(), method_, queued, ctx_,
+        [this] { return GuardAllocation(method_, [this] { return Compute(views_, {ctx_}); }); });
     if (!computed.ok()) {
       Fail(computed.status());
       return;

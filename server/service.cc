@@ -168,6 +168,35 @@ std::vector<std::shared_ptr<LayerEntry>> ExpertServiceImpl::VisibleLayers(
   return out;
 }
 
+absl::StatusOr<MemoryLedger::RequestCharge> ExpertServiceImpl::AdmitEngineCall(
+    const LayerEntry& entry, int64_t tokens, EngineCall call) {
+  MOE_ASSIGN_OR_RETURN(int64_t bytes, engine_->HostWorkingBytes(entry.config, tokens, call));
+  MemoryLedger::RequestCharge charge = ledger_.NewWorkingCharge();
+  if (call != EngineCall::kTrainingForward) {
+    MOE_RETURN_IF_ERROR(
+        charge.Set(bytes, absl::StrCat(call == EngineCall::kBackward ? "backward" : "forward",
+                                       " of ", tokens, " tokens")));
+    return charge;
+  }
+  // A training Forward is admitted only if, once its context is kept (at most its own working
+  // memory), its Backward (dout and working memory) still fits: a budget filled with contexts
+  // can always run the Backward that frees one. The charge then falls to what the call holds.
+  MOE_ASSIGN_OR_RETURN(int64_t backward,
+                       engine_->HostWorkingBytes(entry.config, tokens, EngineCall::kBackward));
+  const int64_t dout =
+      tokens * entry.config.d_model * static_cast<int64_t>(DTypeSize(entry.config.dtype));
+  int64_t reserve = 0;
+  if (__builtin_add_overflow(bytes, backward, &reserve) ||
+      __builtin_add_overflow(reserve, dout, &reserve)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("forward of ", tokens, " tokens: needs more than 2^63 bytes"));
+  }
+  MOE_RETURN_IF_ERROR(charge.Set(reserve, absl::StrCat("training forward of ", tokens,
+                                                       " tokens (with room for its backward)")));
+  MOE_RETURN_IF_ERROR(charge.Set(bytes, "training forward"));  // a fall always fits
+  return charge;
+}
+
 void ExpertServiceImpl::RefreshLayer(LayerEntry& entry) {
   entry.step = entry.layer->step();
   entry.resident_bytes = entry.layer->resident_bytes();

@@ -61,7 +61,9 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
   if (!authenticated.ok()) return reactor;
   Caller caller = *std::move(authenticated);
   executor_.Submit([this, ctx, reactor, method, resp, work, caller](double queued) {
-    const absl::Status st = TimedWork(*metrics_, method, queued, ctx, [&] { return work(caller); });
+    const absl::Status st = TimedWork(*metrics_, method, queued, ctx, [&] {
+      return GuardAllocation(method, [&] { return work(caller); });
+    });
     if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
     FinishUnary(reactor, method, st);
   });
