@@ -257,12 +257,18 @@ absl::Status CudaLayer::RouterForward(const void* x, int64_t t, CudaContext* ctx
 
 absl::Status CudaLayer::FetchDeviceRouting(const ForwardRequest& request, int64_t t,
                                            ForwardResult* res) {
-  Tensor ids = Tensor::Uninitialized(DType::kInt32, request.expert_ids.shape);
-  Tensor w = Tensor::Uninitialized(request.weights.dtype, request.weights.shape);
-  MOE_RETURN_IF_ERROR(CopyToHost(device_, ids.bytes.data(), request.expert_ids.data,
-                                 ids.bytes.size(), stream_->get()));
-  MOE_RETURN_IF_ERROR(
-      CopyToHost(device_, w.bytes.data(), request.weights.data, w.bytes.size(), stream_->get()));
+  // Either may be in host memory while the other is not.
+  const auto to_host = [this](const TensorView& v, Tensor* t) {
+    *t = Tensor::Uninitialized(v.dtype, v.shape);
+    if (v.location.is_host()) {
+      std::memcpy(t->bytes.data(), v.data, v.size_bytes);
+      return absl::OkStatus();
+    }
+    return CopyToHost(device_, t->bytes.data(), v.data, v.size_bytes, stream_->get());
+  };
+  Tensor ids, w;
+  MOE_RETURN_IF_ERROR(to_host(request.expert_ids, &ids));
+  MOE_RETURN_IF_ERROR(to_host(request.weights, &w));
   MOE_RETURN_IF_ERROR(
       CheckClientRoutingValues(ids.view(), w.view(), t, cfg_.top_k, cfg_.num_experts));
   res->expert_ids = std::move(ids);
