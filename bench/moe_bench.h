@@ -126,8 +126,7 @@ double FloorBytes(const Preset& p);
 // --layer: a training step through the Layer API on host tensors, on device tensors, and on
 // device tensors with a done_event (moe_bench_layer.cc); JSON lines with impl "layer-api";
 // returns the exit code.
-int LayerApi(const std::vector<const Preset*>& todo, int warmup, int reps,
-             const std::string& json);
+int LayerApi(const std::vector<const Preset*>& todo, int warmup, int reps, const std::string& json);
 
 // --ceiling's table and JSON lines (impl "cublas-ceiling"); returns the exit code.
 int PrintCeiling(const std::vector<const Preset*>& todo, int warmup, int reps, double peak,

@@ -85,9 +85,9 @@ absl::StatusOr<LayerTimes> TimeLayer(const Preset& p, int warmup, int reps) {
   // random logits, brought to the host (the timed steps read it from there).
   CallerBuffer x, dout, out, dx, dp, logits, ids, w, lse;
   const std::pair<CallerBuffer*, int64_t> sizes[] = {
-      {&x, T * d * 2},   {&dout, T * d * 2},       {&out, T * d * 2},
-      {&dx, T * d * 2},  {&dp, T * K * 4},         {&logits, T * p.E * 4},
-      {&ids, T * K * 4}, {&w, T * K * 4},          {&lse, T * 4}};
+      {&x, T * d * 2},   {&dout, T * d * 2}, {&out, T * d * 2},
+      {&dx, T * d * 2},  {&dp, T * K * 4},   {&logits, T * p.E * 4},
+      {&ids, T * K * 4}, {&w, T * K * 4},    {&lse, T * 4}};
   for (const auto& [buf, bytes] : sizes) CHECK_OK(buf->Allocate(bytes));
   MOE_CUDA_RETURN(FillNormalBf16(x.get(), T * d, 1.f, 1, nullptr));
   MOE_CUDA_RETURN(FillNormalBf16(dout.get(), T * d, 1.f, 2, nullptr));

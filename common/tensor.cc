@@ -139,8 +139,8 @@ absl::Status CheckTensor(const MutableTensorView& view, absl::string_view field,
   return CheckTensor(view.view(), field, dtype, shape);
 }
 
-absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field,
-                           const void* b, size_t b_bytes, absl::string_view b_field) {
+absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field, const void* b,
+                           size_t b_bytes, absl::string_view b_field) {
   if (a == nullptr || b == nullptr || a_bytes == 0 || b_bytes == 0) return absl::OkStatus();
   const auto a0 = reinterpret_cast<uintptr_t>(a), b0 = reinterpret_cast<uintptr_t>(b);
   // Sizes are at most kMaxTensorBytes (CheckTensor), so the ends do not wrap.

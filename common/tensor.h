@@ -147,9 +147,7 @@ struct Tensor {
   int64_t num_elements() const { return NumElements(shape); }
   TensorView view() const { return {dtype, shape, bytes.data(), bytes.size(), {}}; }
   // The bytes as a host destination (an engine writing an output into this tensor).
-  MutableTensorView mutable_view() {
-    return {dtype, shape, bytes.data(), bytes.size(), {}};
-  }
+  MutableTensorView mutable_view() { return {dtype, shape, bytes.data(), bytes.size(), {}}; }
   template <typename T>
   T* as() {
     return reinterpret_cast<T*>(bytes.data());
@@ -170,8 +168,8 @@ absl::Status CheckTensor(const MutableTensorView& view, absl::string_view field,
 
 // InvalidArgument naming both fields when [a, a + a_bytes) and [b, b + b_bytes) share a byte
 // (host and device pointers share one address space, so the location need not be compared).
-absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field,
-                           const void* b, size_t b_bytes, absl::string_view b_field);
+absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field, const void* b,
+                           size_t b_bytes, absl::string_view b_field);
 
 // bf16 <-> fp32 with round-to-nearest-even; the one conversion every engine and test uses.
 float BFloat16ToFloat(uint16_t bits);

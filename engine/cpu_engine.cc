@@ -123,19 +123,18 @@ void EmitOutput(ThreadPool* pool, const float* src, DType dtype, std::vector<int
 absl::Status RequireHostOnly(const std::vector<NamedView>& views, const StreamOrder& order) {
   for (const NamedView& v : views) {
     if (v.location.is_host()) continue;
-    return absl::InvalidArgumentError(absl::StrCat(v.field, ": on ", v.location.DebugString(),
-                                                   "; the cpu engine ",
-                                                   v.destination ? "writes" : "reads",
-                                                   " host memory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(v.field, ": on ", v.location.DebugString(), "; the cpu engine ",
+                     v.destination ? "writes" : "reads", " host memory"));
   }
-  for (const auto& [field, event] : {std::pair<const char*, void*>{"order.wait_event",
-                                                                  order.wait_event},
-                                     std::pair<const char*, void*>{"order.done_event",
-                                                                  order.done_event}}) {
+  for (const auto& [field, event] :
+       {std::pair<const char*, void*>{"order.wait_event", order.wait_event},
+        std::pair<const char*, void*>{"order.done_event", order.done_event}}) {
     if (event != nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": the cpu engine runs no CUDA stream to order; stream events need a CUDA "
-                 "engine"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(field,
+                       ": the cpu engine runs no CUDA stream to order; stream events need a CUDA "
+                       "engine"));
     }
   }
   return absl::OkStatus();
@@ -524,7 +523,8 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
   MOE_RETURN_IF_ERROR(ValidateBackwardRequest(cfg_, request, t));
 
   std::vector<float> xf(t * d), dof(t * d);
-  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size(), {}}, xf.data());
+  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size(), {}},
+                  xf.data());
   ToFloatParallel(pool_, dout, dof.data());
 
   const std::vector<int32_t>& counts = ctx->counts;

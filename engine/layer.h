@@ -46,8 +46,8 @@
 //            gradients counts them once.
 //   backward from dout [T,d]: dx [T,d] (with server routing dx also carries the path through
 //            the router: softmax/top-K/renormalise and the aux terms); dp [T,K] fp32 (client
-//            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing) are ACCUMULATED
-//            (summed) across Backward calls until Step() consumes and clears them.
+//            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing)
+//            are ACCUMULATED (summed) across Backward calls until Step() consumes and clears them.
 //
 // Layouts, row-major, local expert index l = e - expert_first:
 //   x, out, dout, dx  [T, d]          dtype = LayerConfig::dtype
@@ -130,9 +130,9 @@ struct BackwardRequest {
 };
 
 struct BackwardResult {
-  Tensor dx;               // [T, d], layer dtype; empty when the request named a destination
-  Tensor dweights;         // [T, K] fp32, client routing only (empty for server routing, or
-                           // when the request named a destination)
+  Tensor dx;        // [T, d], layer dtype; empty when the request named a destination
+  Tensor dweights;  // [T, K] fp32, client routing only (empty for server routing, or
+                    // when the request named a destination)
 };
 
 struct StepResult {
@@ -220,11 +220,9 @@ class Engine {
   virtual absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes);
   // Opens another process's interprocess event (cudaIpcEventHandle_t bytes).
-  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(
-      absl::string_view handle);
+  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle);
   // A new interprocess event on the engine's device and its handle bytes, for a peer to open.
-  virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>>
-  CreateCudaIpcEvent();
+  virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent();
 };
 
 // "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.

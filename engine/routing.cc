@@ -22,8 +22,7 @@ absl::Status ClientRoutingShapes(const TensorView& expert_ids, const TensorView&
   if (expert_ids.empty()) {
     return absl::InvalidArgumentError("expert_ids: required with client routing");
   }
-  MOE_RETURN_IF_ERROR(
-      CheckTensor(expert_ids, "expert_ids", DType::kInt32, {num_tokens, top_k}));
+  MOE_RETURN_IF_ERROR(CheckTensor(expert_ids, "expert_ids", DType::kInt32, {num_tokens, top_k}));
   if (weights.empty()) return absl::InvalidArgumentError("weights: required with client routing");
   const DType wdt = weights.dtype == layer_dtype ? layer_dtype : DType::kFloat32;
   return CheckTensor(weights, "weights", wdt, {num_tokens, top_k});
@@ -51,8 +50,8 @@ absl::Status CheckDestinationsDisjoint(const std::vector<NamedView>& views) {
 // The checks of element values read host memory.
 absl::Status RequireHostValues(const TensorView& view, const char* field) {
   if (view.location.is_host()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": on ", view.location.DebugString(), "; its values are checked in host memory"));
+  return absl::InvalidArgumentError(absl::StrCat(field, ": on ", view.location.DebugString(),
+                                                 "; its values are checked in host memory"));
 }
 
 }  // namespace
@@ -92,8 +91,8 @@ absl::StatusOr<int64_t> ValidateForwardShapes(const LayerConfig& config,
     }
     return t;
   }
-  MOE_RETURN_IF_ERROR(ClientRoutingShapes(request.expert_ids, request.weights, t, config.top_k,
-                                          config.dtype));
+  MOE_RETURN_IF_ERROR(
+      ClientRoutingShapes(request.expert_ids, request.weights, t, config.top_k, config.dtype));
   return t;
 }
 
@@ -103,8 +102,8 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
   if (config.routing == RoutingMode::kServer) return t;
   MOE_RETURN_IF_ERROR(RequireHostValues(request.expert_ids, "expert_ids"));
   MOE_RETURN_IF_ERROR(RequireHostValues(request.weights, "weights"));
-  MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t,
-                                               config.top_k, config.num_experts));
+  MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t, config.top_k,
+                                               config.num_experts));
   return t;
 }
 
@@ -158,8 +157,7 @@ absl::Status ValidateBackwardRequest(const LayerConfig& config, const BackwardRe
                                      int64_t num_tokens) {
   MOE_RETURN_IF_ERROR(ValidateDout(config, request.dout, num_tokens));
   if (!request.dx.empty()) {
-    MOE_RETURN_IF_ERROR(
-        CheckTensor(request.dx, "dx", config.dtype, {num_tokens, config.d_model}));
+    MOE_RETURN_IF_ERROR(CheckTensor(request.dx, "dx", config.dtype, {num_tokens, config.d_model}));
   }
   if (!request.dweights.empty()) {
     if (config.routing == RoutingMode::kServer) {

@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
 #include "engine/cuda/host_staging.h"
 #include "engine/cuda/tensor_io.h"
-#include "common/host_memory.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"
@@ -210,8 +210,8 @@ absl::Status CudaLayer::Init() {
   return absl::OkStatus();
 }
 
-absl::Status CudaLayer::RouterForward(const void* x, int64_t t, CudaContext* ctx,
-                                      DeviceBuffer* ids, DeviceBuffer* p) {
+absl::Status CudaLayer::RouterForward(const void* x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
+                                      DeviceBuffer* p) {
   const int64_t d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   cudaStream_t s = stream_->get();
   absl::StatusOr<DeviceBuffer> logits = Alloc(t * ne * 4, "router logits");
@@ -285,8 +285,8 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
   const bool host_routing =
       request.expert_ids.location.is_host() && request.weights.location.is_host();
   if (!server() && host_routing) {
-    MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t,
-                                                 cfg_.top_k, cfg_.num_experts));
+    MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t, cfg_.top_k,
+                                                 cfg_.num_experts));
   }
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   const int64_t d = cfg_.d_model, k = cfg_.top_k, ne = cfg_.num_experts;
@@ -298,7 +298,8 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
   ctx->t = t;
   // A training Forward keeps x for its Backward: in the layer's own memory, so the caller's may be
   // reused once the call is complete.
-  MOE_ASSIGN_OR_RETURN(const void* x, DeviceInput(request.x, request.training, stream_, &ctx->x, "x"));
+  MOE_ASSIGN_OR_RETURN(const void* x,
+                       DeviceInput(request.x, request.training, stream_, &ctx->x, "x"));
   ForwardResult res;
   res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
   res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
@@ -351,7 +352,8 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
     ctx->h = std::move(*hb);
   }
   DeviceBuffer out_own;
-  MOE_ASSIGN_OR_RETURN(void* out, OutputTarget(request.out, t * d * elem(), stream_, &out_own, "out"));
+  MOE_ASSIGN_OR_RETURN(void* out,
+                       OutputTarget(request.out, t * d * elem(), stream_, &out_own, "out"));
   ExpertWeights w{Weights(0), Weights(n_w13_)};
   MOE_RETURN_IF_ERROR(pipeline_->Forward(ctx->plan, x, ctx->p.as<float>(), w, ctx->h.get(), out));
   bool synchronised = false;

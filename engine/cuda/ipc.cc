@@ -143,8 +143,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_dev
   MOE_ASSIGN_OR_RETURN(const OpenAllocation a, HandleTable::Get().Acquire(handle, engine_device));
   absl::Status refused;
   if (a.device != device) {
-    refused = absl::InvalidArgumentError(absl::StrCat("device: the handle's memory is on cuda:",
-                                                      a.device, ", not cuda:", device));
+    refused = absl::InvalidArgumentError(
+        absl::StrCat("device: the handle's memory is on cuda:", a.device, ", not cuda:", device));
   } else if (offset >= a.size_bytes) {
     refused = absl::InvalidArgumentError(absl::StrCat(
         "offset: ", offset, " is past the end of the allocation (", a.size_bytes, " bytes)"));

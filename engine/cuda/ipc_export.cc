@@ -48,9 +48,8 @@ GetAddressRangeFn AddressRangeFn() {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
-                                         &found);
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
+                                                             cudaEnableDefault, &found);
 #else
     const cudaError_t err =
         cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &found);
@@ -171,9 +170,9 @@ absl::StatusOr<InterprocessEvent> InterprocessEvent::Open(absl::string_view hand
   cudaEvent_t ev = nullptr;
   if (const cudaError_t err = cudaIpcOpenEventHandle(&ev, h); err != cudaSuccess) {
     cudaGetLastError();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "handle: CUDA cannot open it as an event of another process on this host (",
-        ErrorText(err), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle: CUDA cannot open it as an event of another process on this host (",
+                     ErrorText(err), ")"));
   }
   InterprocessEvent e;
   e.event_ = ev;

@@ -65,7 +65,7 @@ class InterprocessEvent {
   InterprocessEvent(const InterprocessEvent&) = delete;
   InterprocessEvent& operator=(const InterprocessEvent&) = delete;
 
-  void* native() const { return event_; }          // the cudaEvent_t
+  void* native() const { return event_; }                // the cudaEvent_t
   const std::string& handle() const { return handle_; }  // cudaIpcEventHandle_t bytes
   // Records the event on `stream` (a cudaStream_t; null: the legacy default stream).
   absl::Status Record(void* stream) const;

@@ -36,16 +36,16 @@ absl::Status CheckViewLocations(const std::vector<NamedView>& views) {
         continue;
       }
       if (attr.type == cudaMemoryTypeDevice) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            v.field, ": said to be host memory, but is memory of cuda:", attr.device));
+        return absl::InvalidArgumentError(
+            absl::StrCat(v.field, ": said to be host memory, but is memory of cuda:", attr.device));
       }
       continue;
     }
     MOE_ASSIGN_OR_RETURN(const DeviceAllocation a, FindDeviceAllocation(v.data, v.field));
     if (a.device != v.location.device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          v.field, ": said to be on ", v.location.DebugString(), ", but is memory of cuda:",
-          a.device));
+      return absl::InvalidArgumentError(absl::StrCat(v.field, ": said to be on ",
+                                                     v.location.DebugString(),
+                                                     ", but is memory of cuda:", a.device));
     }
     const int64_t offset = static_cast<const char*>(v.data) - a.base;
     if (static_cast<int64_t>(v.size_bytes) > a.size_bytes - offset) {
@@ -59,8 +59,7 @@ absl::Status CheckViewLocations(const std::vector<NamedView>& views) {
 
 absl::Status WaitForCaller(const StreamOrder& order, cudaStream_t stream) {
   if (order.wait_event == nullptr) return absl::OkStatus();
-  MOE_CUDA_RETURN(
-      cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(order.wait_event), 0));
+  MOE_CUDA_RETURN(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(order.wait_event), 0));
   return absl::OkStatus();
 }
 
@@ -74,8 +73,7 @@ absl::StatusOr<const void*> DeviceInput(const TensorView& view, bool keep,
         CopyToDevice(stream->device(), own->get(), view.data, view.size_bytes, stream->get()));
   } else {
     MOE_RETURN_IF_ERROR(CopyBetweenDevices(own->get(), stream->device(), view.data,
-                                           view.location.device, view.size_bytes,
-                                           stream->get()));
+                                           view.location.device, view.size_bytes, stream->get()));
   }
   return static_cast<const void*>(own->get());
 }

@@ -27,8 +27,8 @@ Inputs MakeInputs(const LayerConfig& c, uint32_t seed) {
   in.x = MakeTensor(RandomVec(kTokens * c.d_model, seed), c.dtype, {kTokens, c.d_model});
   in.dout = MakeTensor(RandomVec(kTokens * c.d_model, seed + 1), c.dtype, {kTokens, c.d_model});
   in.ids = IdTensor(RandomIds(kTokens, c.top_k, c.num_experts, seed + 2), kTokens, c.top_k);
-  in.w = MakeTensor(RandomVec(kTokens * c.top_k, seed + 3, 0.5), DType::kFloat32,
-                    {kTokens, c.top_k});
+  in.w =
+      MakeTensor(RandomVec(kTokens * c.top_k, seed + 3, 0.5), DType::kFloat32, {kTokens, c.top_k});
   return in;
 }
 
@@ -234,8 +234,8 @@ TEST_F(RefusalTest, StreamEventsAreRefused) {
     ForwardRequest r = RequestFor(c_, in_);
     BackwardRequest b;
     b.dout = in_.dout.view();
-    void** event = std::string(field) == "order.wait_event" ? &r.order.wait_event
-                                                           : &r.order.done_event;
+    void** event =
+        std::string(field) == "order.wait_event" ? &r.order.wait_event : &r.order.done_event;
     *event = &token;
     ExpectRefused(layer_->Forward(r).status(), absl::StatusCode::kFailedPrecondition,
                   std::string(field) + ": the cpu engine runs no CUDA stream");

@@ -124,8 +124,8 @@ struct Variant {
 void CompareWithHostPath(RoutingMode routing, DType dtype, const Variant& v) {
   const uint64_t seed = std::random_device{}();
   const std::string what = std::string(routing == RoutingMode::kClient ? "client" : "server") +
-                           " " + DTypeName(dtype) + ", " + v.Name() +
-                           ", seed " + std::to_string(seed);
+                           " " + DTypeName(dtype) + ", " + v.Name() + ", seed " +
+                           std::to_string(seed);
   std::mt19937_64 rng(seed);
   const LayerConfig c = Config(routing, dtype, rng());
   const bool client = routing == RoutingMode::kClient;
@@ -151,9 +151,9 @@ void CompareWithHostPath(RoutingMode routing, DType dtype, const Variant& v) {
     }
     Tensor out_host = Tensor::Zeros(dtype, {kTokens, kModel});
     std::memset(out_host.bytes.data(), 0xff, out_host.bytes.size());
-    q.out = r == 2 ? out_host.mutable_view()
-                   : DeviceDestination(dtype, {kTokens, kModel},
-                                       mem.Take(out_host.bytes.size()), vd);
+    q.out = r == 2
+                ? out_host.mutable_view()
+                : DeviceDestination(dtype, {kTokens, kModel}, mem.Take(out_host.bytes.size()), vd);
     auto fa = host->Forward(HostRequest(c, in));
     auto fb = dev->Forward(q);
     ASSERT_TRUE(fa.ok()) << fa.status() << " " << at;
@@ -212,8 +212,7 @@ void CompareWithHostPath(RoutingMode routing, DType dtype, const Variant& v) {
   EXPECT_TRUE(SameBytes(Download(q.out), fa->out)) << what << ": inference out";
 }
 
-class DeviceTensorTest
-    : public ::testing::TestWithParam<std::tuple<RoutingMode, DType>> {
+class DeviceTensorTest : public ::testing::TestWithParam<std::tuple<RoutingMode, DType>> {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
@@ -390,7 +389,9 @@ TEST(DeviceTensorRefusalTest, BadViewsAreRefusedBeforeAnyWork) {
                 "run past the end of its allocation");
   ExpectRefused(forward_with([&](ForwardRequest* q) { q->out.data = block.at(4 * xb - 8); }),
                 "out: " + std::to_string(xb) + " bytes from offset " + std::to_string(4 * xb - 8));
-  ExpectRefused(forward_with([&](ForwardRequest* q) { q->out.shape = {kTokens, kModel + 1}; }),
+  ExpectRefused(forward_with([&](ForwardRequest* q) {
+                  q->out.shape = {kTokens, kModel + 1};
+                }),
                 "out: shape");
   ExpectRefused(forward_with([&](ForwardRequest* q) { q->out.data = block.at(8); }),
                 "out: overlaps x");

@@ -7,6 +7,8 @@
 // The child waits for "done" on its own stream and sends out and dx back: they must be the bits a
 // layer on host tensors gives. Bad handles, offsets, sizes and devices are refused naming the
 // field, and never crash. GPU only (ctest label "gpu"); scripts/gpu-check runs this binary.
+#include "engine/cuda/ipc.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -26,7 +28,6 @@
 #include <vector>
 
 #include "engine/cuda/cuda_engine.h"
-#include "engine/cuda/ipc.h"
 #include "engine/cuda/ipc_export.h"
 #include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
@@ -121,8 +122,8 @@ int RunExportChild(int in, int out) {
   if (testing::EnqueueGpuDelay(s, l.delay_us) != cudaSuccess ||
       cudaMemcpyAsync(base + l.x_off, pinned, l.x_bytes, cudaMemcpyHostToDevice, s) !=
           cudaSuccess ||
-      cudaMemcpyAsync(base + l.dout_off, pinned + l.x_bytes, l.dout_bytes,
-                      cudaMemcpyHostToDevice, s) != cudaSuccess) {
+      cudaMemcpyAsync(base + l.dout_off, pinned + l.x_bytes, l.dout_bytes, cudaMemcpyHostToDevice,
+                      s) != cudaSuccess) {
     return 5;
   }
   absl::StatusOr<cuda::InterprocessEvent> ready = cuda::InterprocessEvent::Create(0);
@@ -231,8 +232,9 @@ TEST(CudaIpcTest, AnotherProcesssMemoryAndEventsDriveALayer) {
   ASSERT_TRUE(ref.ok() && ipc.ok());
 
   const int64_t xb = static_cast<int64_t>(in.x.bytes.size());
-  const Layout l{int64_t{4} << 20, 4096, xb, 4096 + 1 * (xb + 256), xb, 4096 + 2 * (xb + 256),
-                 xb, 4096 + 3 * (xb + 256), xb, 300000};
+  const Layout l{
+      int64_t{4} << 20,      4096, xb,    4096 + 1 * (xb + 256), xb, 4096 + 2 * (xb + 256), xb,
+      4096 + 3 * (xb + 256), xb,   300000};
   ExportChild child;
   ASSERT_TRUE(child.Start());
   const auto bytes_of = [](const Tensor& t) {
@@ -360,8 +362,7 @@ TEST(CudaIpcExportTest, ExportsNameTheAllocationAndTheOffsetInIt) {
                 "run past the end of the allocation");
   ExpectRefused(cuda::ExportDeviceMemory(block.at(0), 0).status(), "size_bytes: 0");
   std::vector<char> host(64);
-  ExpectRefused(cuda::ExportDeviceMemory(host.data(), 64).status(),
-                "ptr: not CUDA device memory");
+  ExpectRefused(cuda::ExportDeviceMemory(host.data(), 64).status(), "ptr: not CUDA device memory");
   // A process cannot open its own export: an error, not a crash.
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(0);
   ASSERT_TRUE(engine.ok()) << engine.status();
