@@ -18,30 +18,6 @@ namespace {
 
 constexpr int64_t kTokens = 13;
 
-struct Inputs {
-  Tensor x, ids, w, dout;
-};
-
-Inputs MakeInputs(const LayerConfig& c, uint32_t seed) {
-  Inputs in;
-  in.x = MakeTensor(RandomVec(kTokens * c.d_model, seed), c.dtype, {kTokens, c.d_model});
-  in.dout = MakeTensor(RandomVec(kTokens * c.d_model, seed + 1), c.dtype, {kTokens, c.d_model});
-  in.ids = IdTensor(RandomIds(kTokens, c.top_k, c.num_experts, seed + 2), kTokens, c.top_k);
-  in.w =
-      MakeTensor(RandomVec(kTokens * c.top_k, seed + 3, 0.5), DType::kFloat32, {kTokens, c.top_k});
-  return in;
-}
-
-ForwardRequest RequestFor(const LayerConfig& c, const Inputs& in) {
-  ForwardRequest r;
-  r.x = in.x.view();
-  if (c.routing == RoutingMode::kClient) {
-    r.expert_ids = in.ids.view();
-    r.weights = in.w.view();
-  }
-  return r;
-}
-
 // An uninitialised-looking destination: every byte 0xFF (NaN in fp32 and bf16), so an element
 // the engine does not write shows.
 Tensor Poisoned(DType dtype, std::vector<int64_t> shape) {
@@ -88,12 +64,12 @@ TEST_P(DestinationTest, OutputsInDestinationsEqualTheTensorResults) {
   ASSERT_TRUE(tensors && dests);
   for (uint32_t round = 0; round < 2; ++round) {
     const std::string what = Name() + " round " + std::to_string(round);
-    const Inputs in = MakeInputs(c, 100 + 10 * round);
-    auto ft = tensors->Forward(RequestFor(c, in));
+    const Inputs in = MakeInputs(c, kTokens, 100 + 10 * round);
+    auto ft = tensors->Forward(RequestOf(c, in));
     ASSERT_TRUE(ft.ok()) << ft.status() << " " << what;
 
     Tensor out = Poisoned(c.dtype, {kTokens, c.d_model});
-    ForwardRequest req = RequestFor(c, in);
+    ForwardRequest req = RequestOf(c, in);
     req.out = out.mutable_view();
     auto fd = dests->Forward(req);
     ASSERT_TRUE(fd.ok()) << fd.status() << " " << what;
@@ -126,9 +102,9 @@ TEST(DestinationMixTest, OneDestinationWithTheOtherOutputAsATensor) {
   const LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kClient);
   std::unique_ptr<Layer> tensors = MakeLayer(c), dests = MakeLayer(c);
   ASSERT_TRUE(tensors && dests);
-  const Inputs in = MakeInputs(c, 300);
-  auto ft = tensors->Forward(RequestFor(c, in));
-  auto fd = dests->Forward(RequestFor(c, in));
+  const Inputs in = MakeInputs(c, kTokens, 300);
+  auto ft = tensors->Forward(RequestOf(c, in));
+  auto fd = dests->Forward(RequestOf(c, in));
   ASSERT_TRUE(ft.ok() && fd.ok());
   auto bt = tensors->Backward(std::move(ft->context), in.dout.view());
   ASSERT_TRUE(bt.ok()) << bt.status();
@@ -165,12 +141,12 @@ class RefusalTest : public ::testing::Test {
     c_ = SmallConfig(Activation::kSwiGLU, RoutingMode::kClient);
     layer_ = MakeLayer(c_);
     ASSERT_NE(layer_, nullptr);
-    in_ = MakeInputs(c_, 500);
+    in_ = MakeInputs(c_, kTokens, 500);
   }
   void ExpectUnchanged() {
     std::unique_ptr<Layer> fresh = MakeLayer(c_);
     for (Layer* l : {layer_.get(), fresh.get()}) {
-      auto f = l->Forward(RequestFor(c_, in_));
+      auto f = l->Forward(RequestOf(c_, in_));
       ASSERT_TRUE(f.ok()) << f.status();
       ASSERT_TRUE(l->Backward(std::move(f->context), in_.dout.view()).ok());
       auto s = l->Step();
@@ -180,7 +156,7 @@ class RefusalTest : public ::testing::Test {
   }
   // A Backward of a fresh training Forward with `request`'s views; the status.
   absl::Status BackwardWith(const BackwardRequest& request) {
-    auto f = layer_->Forward(RequestFor(c_, in_));
+    auto f = layer_->Forward(RequestOf(c_, in_));
     if (!f.ok()) return f.status();
     return layer_->Backward(std::move(f->context), request).status();
   }
@@ -194,7 +170,7 @@ TEST_F(RefusalTest, DeviceViewsAreRefusedNamingTheField) {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   Tensor out = Poisoned(c_.dtype, {kTokens, c_.d_model});
   for (const char* field : {"x", "expert_ids", "weights", "out"}) {
-    ForwardRequest r = RequestFor(c_, in_);
+    ForwardRequest r = RequestOf(c_, in_);
     r.out = out.mutable_view();
     if (std::string(field) == "x") r.x.location = MemoryLocation::Cuda(0);
     if (std::string(field) == "expert_ids") r.expert_ids.location = MemoryLocation::Cuda(1);
@@ -231,7 +207,7 @@ TEST_F(RefusalTest, DeviceViewsAreRefusedNamingTheField) {
 TEST_F(RefusalTest, StreamEventsAreRefused) {
   int token = 0;  // any non-null value: the engine must refuse it without touching it
   for (const char* field : {"order.wait_event", "order.done_event"}) {
-    ForwardRequest r = RequestFor(c_, in_);
+    ForwardRequest r = RequestOf(c_, in_);
     BackwardRequest b;
     b.dout = in_.dout.view();
     void** event =
@@ -267,14 +243,14 @@ TEST_F(RefusalTest, BadDestinationsAreRefusedBeforeAnyWork) {
       {no_shape, "out: shape [104], expected [13, 8]"},
   };
   for (const Case& cs : outs) {
-    ForwardRequest r = RequestFor(c_, in_);
+    ForwardRequest r = RequestOf(c_, in_);
     r.out = cs.view;
     ExpectRefused(layer_->Forward(r).status(), kInvalid, cs.message);
   }
   {
     // out over x's bytes (an in-place forward is not part of the contract).
     Tensor x = in_.x;
-    ForwardRequest r = RequestFor(c_, in_);
+    ForwardRequest r = RequestOf(c_, in_);
     r.x = x.view();
     r.out = x.mutable_view();
     ExpectRefused(layer_->Forward(r).status(), kInvalid, "out: overlaps x");
@@ -321,8 +297,8 @@ TEST(DestinationRefusalTest, ServerRoutingHasNoDweightsDestination) {
   LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
   std::unique_ptr<Layer> layer = MakeLayer(c);
   ASSERT_NE(layer, nullptr);
-  const Inputs in = MakeInputs(c, 700);
-  auto f = layer->Forward(RequestFor(c, in));
+  const Inputs in = MakeInputs(c, kTokens, 700);
+  auto f = layer->Forward(RequestOf(c, in));
   ASSERT_TRUE(f.ok()) << f.status();
   Tensor dp = Poisoned(DType::kFloat32, {kTokens, c.top_k});
   BackwardRequest b;

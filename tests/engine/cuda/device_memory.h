@@ -1,6 +1,6 @@
 // Caller-side device memory for the device-tensor tests (device_tensor_test.cc, ipc_test.cc): a
 // cudaMalloc'd block as a trainer would hold one, views of pieces of it in the engine's terms,
-// and copies between it and host tensors.
+// copies between it and host tensors, and the check of a refused call's status.
 #ifndef MOE_TESTS_ENGINE_CUDA_DEVICE_MEMORY_H_
 #define MOE_TESTS_ENGINE_CUDA_DEVICE_MEMORY_H_
 
@@ -8,9 +8,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/tensor.h"
 
 namespace moe::testing {
@@ -66,6 +68,13 @@ inline Tensor Download(const MutableTensorView& v) {
 
 inline bool SameBytes(const Tensor& a, const Tensor& b) {
   return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
+}
+
+// InvalidArgument whose message contains `message` (the field it names, and why).
+inline void ExpectRefused(const absl::Status& st, const std::string& message) {
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find(message), std::string::npos)
+      << "got \"" << st.message() << "\", expected it to contain \"" << message << "\"";
 }
 
 }  // namespace moe::testing

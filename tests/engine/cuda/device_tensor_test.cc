@@ -34,6 +34,7 @@ using testing::DeviceView;
 using testing::Download;
 using testing::RandomRounds;
 using testing::Round;
+using testing::ExpectRefused;
 using testing::SameBytes;
 
 constexpr int64_t kTokens = 96, kExperts = 6, kTopK = 2, kModel = 128, kHidden = 96;
@@ -354,12 +355,6 @@ TEST(DeviceTensorOrderTest, CallsFollowTheCallersEvents) {
       EXPECT_TRUE(SameBytes(ReadUnordered(b.dweights), ba->dweights)) << at;
     }
   }
-}
-
-void ExpectRefused(const absl::Status& st, const std::string& message) {
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find(message), std::string::npos)
-      << "got \"" << st.message() << "\", expected it to contain \"" << message << "\"";
 }
 
 TEST(DeviceTensorRefusalTest, BadViewsAreRefusedBeforeAnyWork) {

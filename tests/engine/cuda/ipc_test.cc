@@ -38,6 +38,7 @@
 namespace moe {
 namespace {
 
+using testing::ExpectRefused;
 using testing::SameBytes;
 
 // Messages on a pipe: an 8-byte length, then the bytes.
@@ -203,12 +204,6 @@ class ExportChild {
   pid_t pid_ = -1;
   int to_ = -1, from_ = -1;
 };
-
-void ExpectRefused(const absl::Status& st, const std::string& message) {
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find(message), std::string::npos)
-      << "got \"" << st.message() << "\", expected it to contain \"" << message << "\"";
-}
 
 TEST(CudaIpcTest, AnotherProcesssMemoryAndEventsDriveALayer) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
