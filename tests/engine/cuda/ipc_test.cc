@@ -205,7 +205,7 @@ class ExportChild {
   int to_ = -1, from_ = -1;
 };
 
-TEST(CudaIpcTest, AnotherProcesssMemoryAndEventsDriveALayer) {
+TEST(CudaIpcTest, AnotherProcessesMemoryAndEventsDriveALayer) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
