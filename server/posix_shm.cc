@@ -128,7 +128,9 @@ absl::Status OpenError(int err, const std::string& name) {
     case ELOOP:
       return absl::FailedPreconditionError(absl::StrCat(quoted, " is a symbolic link"));
     case EISDIR:
-      return absl::FailedPreconditionError(absl::StrCat(quoted, " is a directory"));
+    case EINVAL:  // glibc's shm_open for a directory
+      return absl::FailedPreconditionError(
+          absl::StrCat(quoted, " is a directory, not a shared memory object"));
     case ENXIO:
       return absl::FailedPreconditionError(
           absl::StrCat(quoted, " is a socket or a device, not a shared memory object"));
