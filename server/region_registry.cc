@@ -80,6 +80,19 @@ absl::Status ValidateCudaIpcRegion(const v1::CudaIpcRegion& spec) {
   return absl::OkStatus();
 }
 
+// The entry `id` of `map` if it is `owner`'s (same principal and session), else null: another
+// tenant's entry is as absent as one never made.
+template <typename T>
+std::shared_ptr<T> FindOwned(const std::map<uint64_t, std::shared_ptr<T>>& map, uint64_t id,
+                             const RegionOwner& owner) {
+  auto it = map.find(id);
+  if (it == map.end() || it->second->principal != owner.principal ||
+      it->second->session != owner.session) {
+    return nullptr;
+  }
+  return it->second;
+}
+
 // Whether views `a` and `b` share a byte of memory.
 bool Overlap(const RegionRegistry::View& a, const RegionRegistry::View& b,
              const std::string& a_backing, int64_t a_base, const std::string& b_backing,
@@ -297,15 +310,13 @@ absl::Status RegionRegistry::Unregister(const RegionOwner& owner, uint64_t regio
   std::shared_ptr<Region> gone;  // unmapped after the lock is let go
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.find(region_id);
-    if (it == regions_.end() || it->second->principal != owner.principal ||
-        it->second->session != owner.session) {
+    gone = FindOwned(regions_, region_id, owner);
+    if (gone == nullptr) {
       return absl::NotFoundError(
           absl::StrCat("region_id: no region ", region_id, " in this session"));
     }
-    ReleaseLocked(owner.principal, it->second->size_bytes, 1, 0);
-    gone = std::move(it->second);
-    regions_.erase(it);
+    ReleaseLocked(owner.principal, gone->size_bytes, 1, 0);
+    regions_.erase(region_id);
   }
   Changed();
   return absl::OkStatus();
@@ -369,15 +380,13 @@ absl::Status RegionRegistry::UnregisterEvents(const RegionOwner& owner, uint64_t
   std::shared_ptr<EventPair> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = event_pairs_.find(event_id);
-    if (it == event_pairs_.end() || it->second->principal != owner.principal ||
-        it->second->session != owner.session) {
+    gone = FindOwned(event_pairs_, event_id, owner);
+    if (gone == nullptr) {
       return absl::NotFoundError(
           absl::StrCat("event_id: no event pair ", event_id, " in this session"));
     }
     ReleaseLocked(owner.principal, 0, 0, 1);
-    gone = std::move(it->second);
-    event_pairs_.erase(it);
+    event_pairs_.erase(event_id);
   }
   Changed();
   return absl::OkStatus();
@@ -388,11 +397,7 @@ absl::StatusOr<RegionRegistry::View> RegionRegistry::Resolve(
   std::shared_ptr<const Region> region;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.find(ref.region_id);
-    if (it != regions_.end() && it->second->principal == owner.principal &&
-        it->second->session == owner.session) {
-      region = it->second;
-    }
+    region = FindOwned(regions_, ref.region_id, owner);
   }
   if (region == nullptr) {
     return absl::NotFoundError(
@@ -432,11 +437,7 @@ absl::StatusOr<RegionRegistry::EventLease> RegionRegistry::AcquireEvents(
   std::shared_ptr<EventPair> pair;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = event_pairs_.find(event_id);
-    if (it != event_pairs_.end() && it->second->principal == owner.principal &&
-        it->second->session == owner.session) {
-      pair = it->second;
-    }
+    pair = FindOwned(event_pairs_, event_id, owner);
   }
   if (pair == nullptr) {
     return absl::NotFoundError(

@@ -14,30 +14,10 @@
 
 #include "absl/strings/escaping.h"
 #include "moe/v1/moe.pb.h"
+#include "tests/wire/buffers.h"
 
 namespace moe::wire {
 namespace {
-
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices)
-    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
-
-// `bytes` cut into slices at the given offsets (ascending), as gRPC's receive side may.
-grpc::ByteBuffer Split(const std::string& bytes, const std::vector<size_t>& cuts) {
-  std::vector<grpc::Slice> slices;
-  size_t from = 0;
-  for (size_t cut : cuts) {
-    slices.emplace_back(bytes.data() + from, cut - from);
-    from = cut;
-  }
-  slices.emplace_back(bytes.data() + from, bytes.size() - from);
-  return grpc::ByteBuffer(slices.data(), slices.size());
-}
 
 std::string Joined(absl::Span<const absl::string_view> pieces) {
   std::string out;

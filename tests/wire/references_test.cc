@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "moe/v1/moe.pb.h"
+#include "tests/wire/buffers.h"
 #include "wire/raw_message.h"
 
 namespace moe::wire {
@@ -21,25 +22,6 @@ const std::vector<int> kForwardTensors = {v1::ForwardRequest::kXFieldNumber,
                                           v1::ForwardRequest::kExpertIdsFieldNumber,
                                           v1::ForwardRequest::kWeightsFieldNumber};
 const std::vector<int> kBackwardTensors = {v1::BackwardRequest::kDoutFieldNumber};
-
-grpc::ByteBuffer Split(const std::string& bytes, const std::vector<size_t>& cuts) {
-  std::vector<grpc::Slice> slices;
-  size_t from = 0;
-  for (size_t cut : cuts) {
-    slices.emplace_back(bytes.data() + from, cut - from);
-    from = cut;
-  }
-  slices.emplace_back(bytes.data() + from, bytes.size() - from);
-  return grpc::ByteBuffer(slices.data(), slices.size());
-}
-
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
 
 // x [3, 8] bf16 by reference, expert_ids [3, 2] int32 inline, out written to a region.
 v1::ForwardRequest ReferencingForward() {
