@@ -43,8 +43,7 @@ absl::StatusOr<std::string> RandomBytes(size_t n) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
-    int64_t size_bytes) {
+absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(int64_t size_bytes) {
   if (size_bytes < 1 || size_bytes > kMaxRegionBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("size_bytes: ", size_bytes, " is not in [1, 2^40]"));
@@ -73,8 +72,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
       st = Errno("mmap", errno);
     } else {
       region->data_ = data;
-      std::memcpy(static_cast<char*>(data) + size_bytes, region->proof_.data(),
-                  kAccessProofBytes);
+      std::memcpy(static_cast<char*>(data) + size_bytes, region->proof_.data(), kAccessProofBytes);
     }
   }
   close(fd);

@@ -78,8 +78,8 @@ absl::Status InstallGuard() {
     if (sigaction(SIGBUS, &action, &g_previous_sigbus) != 0) g_install_errno = errno;
   });
   if (g_install_errno != 0) {
-    return absl::InternalError(absl::StrCat(
-        "shared_memory: cannot install the SIGBUS handler: ", std::strerror(g_install_errno)));
+    return absl::InternalError(absl::StrCat("shared_memory: cannot install the SIGBUS handler: ",
+                                            std::strerror(g_install_errno)));
   }
   return absl::OkStatus();
 }
@@ -164,9 +164,9 @@ bool ConstantTimeEqual(const std::string& a, const std::string& b) {
 absl::Status ValidateSharedMemoryRegion(const v1::SharedMemoryRegion& spec) {
   const std::string& name = spec.name();
   if (name.size() < 2 || name.size() > kMaxShmNameLength || name[0] != '/') {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared_memory.name: a POSIX shared memory name is '/' and 1 to ",
-        kMaxShmNameLength - 1, " more characters, got ", name.size(), " characters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_memory.name: a POSIX shared memory name is '/' and 1 to ",
+                     kMaxShmNameLength - 1, " more characters, got ", name.size(), " characters"));
   }
   for (size_t i = 1; i < name.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(name[i]);
@@ -180,14 +180,14 @@ absl::Status ValidateSharedMemoryRegion(const v1::SharedMemoryRegion& spec) {
     return absl::InvalidArgumentError("shared_memory.name: \".\" and \"..\" name no object");
   }
   if (spec.size_bytes() < 1 || spec.size_bytes() > kMaxTensorBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("shared_memory.size_bytes: ",
-                                                   spec.size_bytes(), " is not in [1, 2^40]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_memory.size_bytes: ", spec.size_bytes(), " is not in [1, 2^40]"));
   }
   const std::string& proof = spec.access_proof();
   if (proof.size() < kMinAccessProofBytes || proof.size() > kMaxAccessProofBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared_memory.access_proof: ", proof.size(), " bytes, not ",
-                     kMinAccessProofBytes, " to ", kMaxAccessProofBytes));
+    return absl::InvalidArgumentError(absl::StrCat("shared_memory.access_proof: ", proof.size(),
+                                                   " bytes, not ", kMinAccessProofBytes, " to ",
+                                                   kMaxAccessProofBytes));
   }
   if (std::all_of(proof.begin(), proof.end(), [&](char c) { return c == proof[0]; })) {
     return absl::InvalidArgumentError(
@@ -209,15 +209,15 @@ absl::StatusOr<std::unique_ptr<PosixShmMapping>> PosixShmMapping::Open(
   struct stat st;
   if (fstat(fd, &st) != 0) return OpenError(errno, name);
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shared_memory.name: \"", name, "\" is ", FileKind(st.st_mode),
-        ", not a shared memory object"));
+    return absl::FailedPreconditionError(absl::StrCat("shared_memory.name: \"", name, "\" is ",
+                                                      FileKind(st.st_mode),
+                                                      ", not a shared memory object"));
   }
   const int64_t size = spec.size_bytes();
   const std::string& proof = spec.access_proof();
-  const absl::Status no_proof = absl::PermissionDeniedError(absl::StrCat(
-      "shared_memory.access_proof: \"", name, "\" is not size_bytes + ", proof.size(),
-      " bytes ending with the access proof"));
+  const absl::Status no_proof = absl::PermissionDeniedError(
+      absl::StrCat("shared_memory.access_proof: \"", name, "\" is not size_bytes + ", proof.size(),
+                   " bytes ending with the access proof"));
   if (st.st_size != size + static_cast<int64_t>(proof.size())) return no_proof;
   std::string tail(proof.size(), '\0');
   if (pread(fd, tail.data(), tail.size(), size) != static_cast<ssize_t>(tail.size()) ||
@@ -242,9 +242,9 @@ absl::StatusOr<std::unique_ptr<PosixShmMapping>> PosixShmMapping::Open(
   const auto begin = reinterpret_cast<uintptr_t>(data);
   mapping->slot_ = TakeSlot(begin, begin + static_cast<uintptr_t>(size));
   if (mapping->slot_ < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared_memory: the server has ", kMaxGuardedMappings,
-        " shared memory regions mapped, its most"));
+    return absl::ResourceExhaustedError(absl::StrCat("shared_memory: the server has ",
+                                                     kMaxGuardedMappings,
+                                                     " shared memory regions mapped, its most"));
   }
   return mapping;
 }

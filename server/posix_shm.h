@@ -53,8 +53,7 @@ class PosixShmMapping {
   // proof at [size_bytes, size_bytes + len(access_proof)) (its size is not revealed);
   // FailedPrecondition: a symbolic link, directory, FIFO, socket or device; ResourceExhausted:
   // out of file descriptors, address space or guard slots. Errors name "shared_memory.<field>".
-  static absl::StatusOr<std::unique_ptr<PosixShmMapping>> Open(
-      const v1::SharedMemoryRegion& spec);
+  static absl::StatusOr<std::unique_ptr<PosixShmMapping>> Open(const v1::SharedMemoryRegion& spec);
   ~PosixShmMapping();  // unmaps
   PosixShmMapping(const PosixShmMapping&) = delete;
   PosixShmMapping& operator=(const PosixShmMapping&) = delete;

@@ -48,6 +48,14 @@ absl::Status WithField(const absl::Status& st, absl::string_view field) {
   return absl::Status(st.code(), absl::StrCat(field, ": ", st.message()));
 }
 
+// Another tenant's id gets exactly this too.
+absl::Status NoRegion(absl::string_view field, uint64_t id) {
+  return absl::NotFoundError(absl::StrCat(field, ": no region ", id, " in this session"));
+}
+absl::Status NoEventPair(uint64_t id) {
+  return absl::NotFoundError(absl::StrCat("event_id: no event pair ", id, " in this session"));
+}
+
 absl::Status LostError(const std::string& field, uint64_t id) {
   return absl::FailedPreconditionError(absl::StrCat(
       field, ".region_id: region ", id,
@@ -57,9 +65,9 @@ absl::Status LostError(const std::string& field, uint64_t id) {
 
 absl::Status ValidateCudaIpcRegion(const v1::CudaIpcRegion& spec) {
   if (spec.mem_handle().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc.mem_handle: ",
-                                                   spec.mem_handle().size(), " bytes, not ",
-                                                   kCudaIpcHandleBytes, " (a cudaIpcMemHandle_t)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc.mem_handle: ", spec.mem_handle().size(), " bytes, not ",
+                     kCudaIpcHandleBytes, " (a cudaIpcMemHandle_t)"));
   }
   if (spec.device() < 0) {
     return absl::InvalidArgumentError(
@@ -126,8 +134,7 @@ void* RegionRegistry::EventLease::done_event() const {
 }
 
 // --- RegionRegistry -------------------------------------------------------------------------
-RegionRegistry::RegionRegistry(RegionRegistryOptions options,
-                               std::shared_ptr<RegionMapper> mapper)
+RegionRegistry::RegionRegistry(RegionRegistryOptions options, std::shared_ptr<RegionMapper> mapper)
     : options_(std::move(options)), mapper_(std::move(mapper)) {
   std::random_device rd;
   ids_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd());
@@ -242,7 +249,8 @@ absl::StatusOr<std::shared_ptr<RegionRegistry::Region>> RegionRegistry::MapRegio
   region->data = region->cuda->data();
   region->size_bytes = spec.size_bytes();
   region->location = region->cuda->location();
-  region->backing = absl::StrCat("cuda:", spec.device(), ":", absl::BytesToHexString(spec.mem_handle()));
+  region->backing =
+      absl::StrCat("cuda:", spec.device(), ":", absl::BytesToHexString(spec.mem_handle()));
   region->backing_offset = spec.offset();
   return region;
 }
@@ -270,9 +278,9 @@ absl::StatusOr<v1::RegisterRegionResponse> RegionRegistry::Register(
     MOE_RETURN_IF_ERROR(CheckSessionLocked(owner, "RegisterRegion"));
     const Held held = HeldLocked(owner.principal);
     if (held.regions >= kMaxRegionsPerPrincipal) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("region_id: principal \"", owner.principal, "\" holds ",
-                       kMaxRegionsPerPrincipal, " regions, the most; unregister some"));
+      return absl::ResourceExhaustedError(absl::StrCat("region_id: principal \"", owner.principal,
+                                                       "\" holds ", kMaxRegionsPerPrincipal,
+                                                       " regions, the most; unregister some"));
     }
     const int64_t quota = options_.principal_region_bytes_quota;
     if (quota > 0 && size > quota - held.bytes) {
@@ -311,10 +319,7 @@ absl::Status RegionRegistry::Unregister(const RegionOwner& owner, uint64_t regio
   {
     std::lock_guard<std::mutex> lock(mu_);
     gone = FindOwned(regions_, region_id, owner);
-    if (gone == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("region_id: no region ", region_id, " in this session"));
-    }
+    if (gone == nullptr) return NoRegion("region_id", region_id);
     ReleaseLocked(owner.principal, gone->size_bytes, 1, 0);
     regions_.erase(region_id);
   }
@@ -325,9 +330,9 @@ absl::Status RegionRegistry::Unregister(const RegionOwner& owner, uint64_t regio
 absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
     const RegionOwner& owner, const v1::RegisterEventsRequest& request) {
   if (request.wait_event_handle().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "wait_event_handle: ", request.wait_event_handle().size(), " bytes, not ",
-        kCudaIpcHandleBytes, " (a cudaIpcEventHandle_t)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("wait_event_handle: ", request.wait_event_handle().size(), " bytes, not ",
+                     kCudaIpcHandleBytes, " (a cudaIpcEventHandle_t)"));
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -338,9 +343,9 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
           "let each response mean the call's results are complete");
     }
     if (HeldLocked(owner.principal).event_pairs >= kMaxEventPairsPerPrincipal) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "event_id: principal \"", owner.principal, "\" holds ", kMaxEventPairsPerPrincipal,
-          " event pairs, the most; unregister some"));
+      return absl::ResourceExhaustedError(absl::StrCat("event_id: principal \"", owner.principal,
+                                                       "\" holds ", kMaxEventPairsPerPrincipal,
+                                                       " event pairs, the most; unregister some"));
     }
     ++held_[owner.principal].event_pairs;
   }
@@ -381,10 +386,7 @@ absl::Status RegionRegistry::UnregisterEvents(const RegionOwner& owner, uint64_t
   {
     std::lock_guard<std::mutex> lock(mu_);
     gone = FindOwned(event_pairs_, event_id, owner);
-    if (gone == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("event_id: no event pair ", event_id, " in this session"));
-    }
+    if (gone == nullptr) return NoEventPair(event_id);
     ReleaseLocked(owner.principal, 0, 0, 1);
     event_pairs_.erase(event_id);
   }
@@ -399,10 +401,7 @@ absl::StatusOr<RegionRegistry::View> RegionRegistry::Resolve(
     std::lock_guard<std::mutex> lock(mu_);
     region = FindOwned(regions_, ref.region_id, owner);
   }
-  if (region == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat(ref.field, ".region_id: no region ", ref.region_id, " in this session"));
-  }
+  if (region == nullptr) return NoRegion(absl::StrCat(ref.field, ".region_id"), ref.region_id);
   if (region->lost()) return LostError(ref.field, ref.region_id);
   MOE_ASSIGN_OR_RETURN(const int64_t bytes, CheckedByteSize(ref.shape, ref.dtype, ref.field));
   const bool cuda = region->location.kind == RegionLocation::Kind::kCuda;
@@ -411,9 +410,9 @@ absl::StatusOr<RegionRegistry::View> RegionRegistry::Resolve(
   if (ref.offset < 0 || ref.offset % alignment != 0) {
     const std::string why =
         cuda ? "CUDA memory's alignment" : absl::StrCat("the size of ", DTypeName(ref.dtype));
-    return absl::InvalidArgumentError(absl::StrCat(
-        ref.field, ".offset: ", ref.offset, " is not a nonnegative multiple of ", alignment,
-        " (", why, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(ref.field, ".offset: ", ref.offset,
+                                                   " is not a nonnegative multiple of ", alignment,
+                                                   " (", why, ")"));
   }
   if (ref.offset > region->size_bytes || bytes > region->size_bytes - ref.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -432,17 +431,14 @@ absl::StatusOr<RegionRegistry::View> RegionRegistry::Resolve(
   return view;
 }
 
-absl::StatusOr<RegionRegistry::EventLease> RegionRegistry::AcquireEvents(
-    const RegionOwner& owner, uint64_t event_id) const {
+absl::StatusOr<RegionRegistry::EventLease> RegionRegistry::AcquireEvents(const RegionOwner& owner,
+                                                                         uint64_t event_id) const {
   std::shared_ptr<EventPair> pair;
   {
     std::lock_guard<std::mutex> lock(mu_);
     pair = FindOwned(event_pairs_, event_id, owner);
   }
-  if (pair == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("event_id: no event pair ", event_id, " in this session"));
-  }
+  if (pair == nullptr) return NoEventPair(event_id);
   bool idle = false;
   if (!pair->in_use.compare_exchange_strong(idle, true, std::memory_order_acq_rel)) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -121,7 +121,7 @@ class RegionRegistry {
   // written in place. Holds its region, so the memory stays mapped while the view lives.
   struct View {
     std::shared_ptr<const Region> region;
-    std::string field;  // the reference's ("x.ref", "out_ref")
+    std::string field;   // the reference's ("x.ref", "out_ref")
     int64_t offset = 0;  // in the region
     void* data = nullptr;
     int64_t size_bytes = 0;
@@ -199,8 +199,8 @@ class RegionRegistry {
   // caller's, FailedPrecondition while another call holds it.
   absl::StatusOr<EventLease> AcquireEvents(const RegionOwner& owner, uint64_t event_id) const;
   // A whole call: each input and output resolved, no output sharing a byte of memory with an
-  // input or another output (two regions over one object or allocation count as one memory) (InvalidArgument naming the output's reference), and
-  // the event pair when event_id is nonzero.
+  // input or another output (two regions over one object or allocation count as one memory)
+  // (InvalidArgument naming the output's reference), and the event pair when event_id is nonzero.
   absl::StatusOr<Call> ResolveCall(const RegionOwner& owner,
                                    absl::Span<const wire::ResolvedTensor> inputs,
                                    absl::Span<const wire::ResolvedTensor> outputs,

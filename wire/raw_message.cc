@@ -274,10 +274,11 @@ struct Destination {
   const v1::TensorRef* ref;
 };
 
-absl::StatusOr<MessageReferences> ReadMessageReferences(
-    absl::Span<const RequestTensor> tensors, absl::Span<const Destination> destinations,
-    uint64_t event_id, bool last_chunk, bool striped, const IncomingMessage& in,
-    bool first_message) {
+absl::StatusOr<MessageReferences> ReadMessageReferences(absl::Span<const RequestTensor> tensors,
+                                                        absl::Span<const Destination> destinations,
+                                                        uint64_t event_id, bool last_chunk,
+                                                        bool striped, const IncomingMessage& in,
+                                                        bool first_message) {
   MessageReferences refs;
   refs.event_id = event_id;
   std::string first_ref;  // the field of the first reference, for the errors below
@@ -309,18 +310,19 @@ absl::StatusOr<MessageReferences> ReadMessageReferences(
     return refs;
   }
   if (!first_message) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        first_ref, ": a micro-batch with references is one message, and this one began in an "
-                   "earlier message"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(first_ref,
+                     ": a micro-batch with references is one message, and this one began in an "
+                     "earlier message"));
   }
   if (!last_chunk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "last_chunk: a micro-batch with references is one message and must set it (", first_ref,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("last_chunk: a micro-batch with references is one message and must set it (",
+                     first_ref, ")"));
   }
   if (striped) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stripe: a micro-batch with references is not striped (", first_ref, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe: a micro-batch with references is not striped (", first_ref, ")"));
   }
   return refs;
 }
@@ -355,8 +357,8 @@ absl::StatusOr<ResolvedTensor> ReferencedTensor(const v1::Tensor& tensor,
   MOE_ASSIGN_OR_RETURN(const int64_t size, CheckedByteSize(shape, dtype, field));
   const std::string ref_field = absl::StrCat(field, ".ref");
   MOE_RETURN_IF_ERROR(CheckRef(tensor.ref(), ref_field));
-  return ResolvedTensor{ref_field,         tensor.ref().region_id(), tensor.ref().offset(), dtype,
-                        std::move(shape), size};
+  return ResolvedTensor{ref_field, tensor.ref().region_id(), tensor.ref().offset(),
+                        dtype,     std::move(shape),         size};
 }
 
 absl::StatusOr<ResolvedTensor> DestinationTensor(const v1::TensorRef& ref, DType dtype,
@@ -364,8 +366,8 @@ absl::StatusOr<ResolvedTensor> DestinationTensor(const v1::TensorRef& ref, DType
                                                  absl::string_view field) {
   MOE_RETURN_IF_ERROR(CheckRef(ref, field));
   MOE_ASSIGN_OR_RETURN(const int64_t size, CheckedByteSize(shape, dtype, field));
-  return ResolvedTensor{std::string(field), ref.region_id(), ref.offset(), dtype,
-                        std::move(shape),   size};
+  return ResolvedTensor{
+      std::string(field), ref.region_id(), ref.offset(), dtype, std::move(shape), size};
 }
 
 absl::StatusOr<MessageReferences> ReadReferences(const v1::ForwardRequest& msg,
@@ -384,9 +386,9 @@ absl::StatusOr<MessageReferences> ReadReferences(const v1::BackwardRequest& msg,
                                                  const IncomingMessage& in, bool first_message) {
   const RequestTensor tensors[] = {
       {"dout", v1::BackwardRequest::kDoutFieldNumber, msg.has_dout(), &msg.dout()}};
-  const Destination destinations[] = {{"dx_ref", msg.has_dx_ref(), &msg.dx_ref()},
-                                      {"dweights_ref", msg.has_dweights_ref(),
-                                       &msg.dweights_ref()}};
+  const Destination destinations[] = {
+      {"dx_ref", msg.has_dx_ref(), &msg.dx_ref()},
+      {"dweights_ref", msg.has_dweights_ref(), &msg.dweights_ref()}};
   return ReadMessageReferences(tensors, destinations, msg.event_id(), msg.last_chunk(),
                                msg.stripe().count() != 0, in, first_message);
 }

@@ -180,8 +180,8 @@ struct ResolvedTensor {
 };
 
 // A request tensor `field` ("x") that carries `ref`. InvalidArgument naming the field when it
-// carries bytes as well (`data` in the message, or `payload`: its data left in the receive buffer), a nonzero
-// `offset`, an unknown dtype, a shape CheckedByteSize refuses, region_id 0 or a negative
+// carries bytes as well (`data` in the message, or `payload`: its data left in the receive buffer),
+// a nonzero `offset`, an unknown dtype, a shape CheckedByteSize refuses, region_id 0 or a negative
 // ref.offset.
 absl::StatusOr<ResolvedTensor> ReferencedTensor(const v1::Tensor& tensor,
                                                 absl::Span<const absl::string_view> payload,

@@ -6,11 +6,10 @@
 #include "server/region_registry.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <cstring>
 #include <limits>
@@ -35,10 +34,10 @@ const RegionOwner kAliceA{kAlice, "session-a"};
 const RegionOwner kAliceB{kAlice, "session-b"};
 const RegionOwner kBobC{kBob, "session-c"};
 
-#define EXPECT_CODE(expr, code_, field)                                        \
-  do {                                                                         \
-    const absl::Status st_ = (expr);                                           \
-    EXPECT_EQ(st_.code(), absl::StatusCode::code_) << st_;                     \
+#define EXPECT_CODE(expr, code_, field)                                           \
+  do {                                                                            \
+    const absl::Status st_ = (expr);                                              \
+    EXPECT_EQ(st_.code(), absl::StatusCode::code_) << st_;                        \
     EXPECT_TRUE(absl::StartsWith(st_.message(), field)) << st_ << " / " << field; \
   } while (0)
 
@@ -238,8 +237,8 @@ TEST_F(RegionRegistryTest, RegistrationNeedsAnOpenSessionOfTheCaller) {
               kFailedPrecondition, "moe-session-id");
   EXPECT_CODE(registry_.Register({kBob, kAliceA.session}, region->RegisterRequest()).status(),
               kPermissionDenied, "moe-session-id");
-  EXPECT_CODE(registry_.RegisterEvents({kAlice, ""}, EventsRequest()).status(),
-              kFailedPrecondition, "moe-session-id");
+  EXPECT_CODE(registry_.RegisterEvents({kAlice, ""}, EventsRequest()).status(), kFailedPrecondition,
+              "moe-session-id");
   EXPECT_EQ(registry_.stats().regions, 0);
 }
 
@@ -251,7 +250,8 @@ TEST_F(RegionRegistryTest, OtherSessionsAndPrincipalsFindNothingAndLearnNothing)
     for (uint64_t probe : {id, unused}) {
       absl::Status st = registry_.Resolve(other, Ref(probe, 0, {1})).status();
       EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
-      EXPECT_EQ(st.message(), absl::StrCat("x.ref.region_id: no region ", probe, " in this session"));
+      EXPECT_EQ(st.message(),
+                absl::StrCat("x.ref.region_id: no region ", probe, " in this session"));
       st = registry_.Unregister(other, probe);
       EXPECT_EQ(st.message(), absl::StrCat("region_id: no region ", probe, " in this session"));
     }
@@ -300,17 +300,16 @@ TEST_F(RegionRegistryTest, EveryBadReferenceNamesItsField) {
               "x.ref.offset");  // one element past the end
   EXPECT_CODE(registry_.Resolve(kAliceA, Ref(id, 4096 + 4, {0})).status(), kInvalidArgument,
               "x.ref.offset");  // even empty, not past the end
-  EXPECT_CODE(registry_.Resolve(kAliceA, Ref(id, std::numeric_limits<int64_t>::max() - 7, {4}))
-                  .status(),
-              kInvalidArgument, "x.ref.offset");  // offset + bytes overflows
+  EXPECT_CODE(
+      registry_.Resolve(kAliceA, Ref(id, std::numeric_limits<int64_t>::max() - 7, {4})).status(),
+      kInvalidArgument, "x.ref.offset");  // offset + bytes overflows
   EXPECT_CODE(registry_.Resolve(kAliceA, Ref(id, 0, {int64_t{1} << 62, 4})).status(),
               kInvalidArgument, "x.ref");  // the shape itself cannot exist
   EXPECT_CODE(registry_.Resolve(kAliceA, Ref(id, 0, {-1})).status(), kInvalidArgument, "x.ref");
   // Exactly the region, an empty tensor at its end, and bf16 at a 2-byte offset all fit.
   EXPECT_TRUE(registry_.Resolve(kAliceA, Ref(id, 0, {1024})).ok());
   EXPECT_TRUE(registry_.Resolve(kAliceA, Ref(id, 4096, {0, 8})).ok());
-  EXPECT_TRUE(
-      registry_.Resolve(kAliceA, Ref(id, 2, {3}, "x.ref", DType::kBFloat16)).ok());
+  EXPECT_TRUE(registry_.Resolve(kAliceA, Ref(id, 2, {3}, "x.ref", DType::kBFloat16)).ok());
   EXPECT_CODE(registry_.Resolve(kAliceA, Ref(id, 4, {1}, "w.ref", DType::kInt64)).status(),
               kInvalidArgument, "w.ref.offset");
 }
@@ -331,16 +330,15 @@ TEST_F(RegionRegistryTest, OutputsMayShareNoByteWithInputsOrEachOther) {
   EXPECT_TRUE(ok->CheckIntact().ok());
   EXPECT_CODE(registry_.ResolveCall(kAliceA, inputs, {Ref(id, 252, {64}, "dx_ref")}, 0).status(),
               kInvalidArgument, "dx_ref");
+  EXPECT_CODE(registry_.ResolveCall(kAliceA, inputs, {Ref(alias, 128, {64}, "dx_ref")}, 0).status(),
+              kInvalidArgument, "dx_ref");
   EXPECT_CODE(
-      registry_.ResolveCall(kAliceA, inputs, {Ref(alias, 128, {64}, "dx_ref")}, 0).status(),
-      kInvalidArgument, "dx_ref");
-  EXPECT_CODE(registry_
-                  .ResolveCall(kAliceA, inputs,
-                               {Ref(id, 1024, {64}, "dx_ref"),
-                                Ref(alias, 1024 + 252, {16}, "dweights_ref")},
-                               0)
-                  .status(),
-              kInvalidArgument, "dweights_ref");
+      registry_
+          .ResolveCall(
+              kAliceA, inputs,
+              {Ref(id, 1024, {64}, "dx_ref"), Ref(alias, 1024 + 252, {16}, "dweights_ref")}, 0)
+          .status(),
+      kInvalidArgument, "dweights_ref");
   // Adjacent is not overlapping; an empty output overlaps nothing.
   EXPECT_TRUE(registry_
                   .ResolveCall(kAliceA, inputs,
@@ -547,8 +545,8 @@ TEST_F(RegionRegistryTest, EventPairsServeOneCallAtATime) {
   EXPECT_EQ(changes.back().regions, 1);
   EXPECT_EQ(changes.back().region_bytes, 1024);
   {
-    auto call = registry.ResolveCall(kAliceA, {Ref(region->region_id(), 0, {4})}, {},
-                                     pair->event_id());
+    auto call =
+        registry.ResolveCall(kAliceA, {Ref(region->region_id(), 0, {4})}, {}, pair->event_id());
     ASSERT_TRUE(call.ok()) << call.status();
     ASSERT_TRUE(call->events);
     EXPECT_NE(call->events.wait_event(), nullptr);

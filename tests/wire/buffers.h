@@ -7,6 +7,7 @@
 #include <grpcpp/support/slice.h>
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,20 @@ inline grpc::ByteBuffer Split(const std::string& bytes, const std::vector<size_t
   }
   slices.emplace_back(bytes.data() + from, bytes.size() - from);
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// Where trial `trial` cuts a message of `size` bytes: every single cut first (trials below
+// size), then random multi-way cuts, one-byte slices included.
+inline std::vector<size_t> TrialCuts(size_t trial, size_t size, std::mt19937& rng) {
+  std::vector<size_t> cuts;
+  if (trial < size) {
+    cuts.push_back(trial);
+    return cuts;
+  }
+  for (size_t i = 1; i < size; ++i) {
+    if (rng() % 5 == 0) cuts.push_back(i);
+  }
+  return cuts;
 }
 
 inline std::string Flatten(const grpc::ByteBuffer& buffer) {

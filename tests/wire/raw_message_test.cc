@@ -115,16 +115,8 @@ TEST(RawMessageTest, DecodesProtobufsOwnEncodingOverAnySplit) {
   const std::string bytes = want.SerializeAsString();
   std::mt19937 rng(6);
   for (int trial = 0; trial < 300; ++trial) {
-    // Every single cut, then random multi-way cuts (one-byte slices included).
-    std::vector<size_t> cuts;
-    if (trial < static_cast<int>(bytes.size())) {
-      cuts.push_back(static_cast<size_t>(trial));
-    } else {
-      for (size_t i = 1; i < bytes.size(); ++i) {
-        if (rng() % 5 == 0) cuts.push_back(i);
-      }
-    }
-    grpc::ByteBuffer buffer = Split(bytes, cuts);
+    grpc::ByteBuffer buffer =
+        Split(bytes, TrialCuts(static_cast<size_t>(trial), bytes.size(), rng));
     IncomingMessage in;
     v1::ForwardRequest got;
     ASSERT_TRUE(in.Decode(&buffer, kForwardTensors, &got, "ForwardRequest").ok())

@@ -52,10 +52,10 @@ absl::StatusOr<MessageReferences> Read(const Msg& msg, const std::vector<int>& f
   return ReadReferences(got, in, first);
 }
 
-#define EXPECT_REFUSED(expr, field)                                              \
-  do {                                                                           \
-    const absl::Status st_ = (expr).status();                                    \
-    EXPECT_EQ(st_.code(), absl::StatusCode::kInvalidArgument) << st_;            \
+#define EXPECT_REFUSED(expr, field)                                               \
+  do {                                                                            \
+    const absl::Status st_ = (expr).status();                                     \
+    EXPECT_EQ(st_.code(), absl::StatusCode::kInvalidArgument) << st_;             \
     EXPECT_TRUE(absl::StartsWith(st_.message(), field)) << st_ << " / " << field; \
   } while (0)
 
@@ -64,15 +64,7 @@ TEST(ReferencesTest, DecodeOverAnySplitReadsWhatProtobufReads) {
   const std::string bytes = want.SerializeAsString();
   std::mt19937 rng(3);
   for (size_t trial = 0; trial < bytes.size() + 100; ++trial) {
-    std::vector<size_t> cuts;
-    if (trial < bytes.size()) {
-      cuts.push_back(trial);
-    } else {
-      for (size_t i = 1; i < bytes.size(); ++i) {
-        if (rng() % 4 == 0) cuts.push_back(i);
-      }
-    }
-    grpc::ByteBuffer buffer = Split(bytes, cuts);
+    grpc::ByteBuffer buffer = Split(bytes, TrialCuts(trial, bytes.size(), rng));
     IncomingMessage in;
     v1::ForwardRequest got;
     ASSERT_TRUE(in.Decode(&buffer, kForwardTensors, &got, "ForwardRequest").ok()) << trial;
