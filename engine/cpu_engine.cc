@@ -746,6 +746,29 @@ class CpuEngine : public Engine {
                                    (config.dtype == DType::kBFloat16 ? 1 : 0));
     return LayerStateBytesFor(config, per_param);
   }
+  // Every buffer ForwardImpl / BackwardImpl allocates, counting every expert's rows as the
+  // largest (n = T * K routed rows at most), in fp32 (4 bytes) unless noted.
+  absl::StatusOr<int64_t> HostWorkingBytes(const LayerConfig& config, int64_t tokens,
+                                           EngineCall call) const override {
+    const double t = static_cast<double>(tokens), k = static_cast<double>(config.top_k),
+                 d = static_cast<double>(config.d_model), h = static_cast<double>(config.d_hidden),
+                 e = static_cast<double>(config.num_experts), n = t * k,
+                 w = config.gated() ? 2 * h : h;
+    const bool server = config.routing == RoutingMode::kServer;
+    double floats = 0;
+    if (call == EngineCall::kBackward) {
+      // x and dout in fp32, dp, the routed rows' dx, their x, dout, A, G, dH and H, p, the
+      // result dx and dweights; with server routing the recomputed router and its gradient.
+      floats = 3 * t * d + 4 * t * k + n * (3 * d + 2 * h + 2 * w + 1) +
+               (server ? 3 * t * e + t + d * e : 0);
+    } else {
+      // x in fp32, routing and dispatch arrays, the routed rows' x, A, H scratch and Y, out in
+      // fp32 and in the layer dtype; a training Forward's context adds x, routing and H.
+      floats = 4 * t * d + 6 * t * k + n * (2 * d + h + w) + (server ? 2 * t * e + t : 0);
+      if (call == EngineCall::kTrainingForward) floats += t * d + 2 * t * k + n * w;
+    }
+    return EstimatedBytes(4 * floats, "the call's working memory");
+  }
   absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const override {
     const long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES),
                page = sysconf(_SC_PAGE_SIZE);

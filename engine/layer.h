@@ -128,6 +128,9 @@ struct DeviceMemoryInfo {
   bool host = false;        // it is this process's host memory (the CPU engine)
 };
 
+// The engine calls whose working memory a server budgets (Engine::HostWorkingBytes).
+enum class EngineCall { kForward, kTrainingForward, kBackward };
+
 // A device. Creates layers on it; reports its memory.
 class Engine {
  public:
@@ -140,6 +143,15 @@ class Engine {
   // allocated. InvalidArgument for a config CreateLayer would refuse; ResourceExhausted when the
   // count does not fit in int64.
   virtual absl::StatusOr<int64_t> LayerStateBytes(const LayerConfig& config) const = 0;
+  // The host memory one `call` of `tokens` tokens on a layer of `config` allocates besides its
+  // inputs and the layer's state: working buffers, results and (a training Forward) the saved
+  // context. An upper bound from the config alone, so a server can refuse a micro-batch its
+  // host memory cannot hold before the engine allocates (an engine working in host memory would
+  // otherwise be killed by the kernel's OOM killer, not refused). The CPU engine's whole working
+  // set is host memory; the CUDA engine's host share is its results (its device memory running
+  // out is already ResourceExhausted). ResourceExhausted past 2^62 bytes.
+  virtual absl::StatusOr<int64_t> HostWorkingBytes(const LayerConfig& config, int64_t tokens,
+                                                   EngineCall call) const = 0;
   // The device's memory now (cudaMemGetInfo for a GPU; the host's for the CPU engine).
   // Unavailable when it cannot be read.
   virtual absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const = 0;

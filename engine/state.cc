@@ -109,6 +109,15 @@ absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t by
   return bytes;
 }
 
+absl::StatusOr<int64_t> EstimatedBytes(double bytes, absl::string_view what) {
+  constexpr double kMax = static_cast<double>(int64_t{1} << 62);
+  if (!(bytes >= 0) || bytes > kMax) {  // also NaN
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": would need more than 2^62 bytes of memory"));
+  }
+  return static_cast<int64_t>(std::ceil(bytes));
+}
+
 std::map<std::string, StateTensorSpec> FullStateSpec(const LayerConfig& config,
                                                      bool include_optimizer) {
   const int64_t count = config.local_experts();

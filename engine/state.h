@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/layer.h"
 #include "common/tensor.h"
 
@@ -48,6 +49,11 @@ absl::Status ValidateStateTensor(
 // that. Validates the config first (ValidateLayerConfig); ResourceExhausted, naming the layer
 // config, when the product does not fit in int64.
 absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t bytes_per_param);
+
+// A byte count an engine estimated in floating point (an upper bound built from a config's
+// sizes, whose exact product could overflow) as an int64, rounded up; ResourceExhausted naming
+// `what` past 2^62 bytes.
+absl::StatusOr<int64_t> EstimatedBytes(double bytes, absl::string_view what);
 
 // The dtype and shape of one state tensor.
 struct StateTensorSpec {

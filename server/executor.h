@@ -13,7 +13,12 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <thread>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace moe::server {
 
@@ -41,6 +46,20 @@ class SerialExecutor {
   bool stopping_ = false;
   std::thread thread_;
 };
+
+// Runs `call`, an engine call returning absl::Status or absl::StatusOr, and turns an allocation
+// failure inside it (std::bad_alloc) into ResourceExhausted naming `what`: a server whose host
+// memory runs out answers the call that ran out, and keeps every layer, optimizer state and
+// context it holds.
+template <typename F>
+auto GuardAllocation(absl::string_view what, F&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": the server ran out of host memory; retry with a smaller request"));
+  }
+}
 
 using DeviceExecutor = SerialExecutor;
 using FileExecutor = SerialExecutor;

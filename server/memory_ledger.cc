@@ -30,7 +30,7 @@ int64_t MemoryLedger::Usage::engine_bytes() const {
 }
 
 MemoryLedger::RequestCharge::RequestCharge(RequestCharge&& other) noexcept
-    : ledger_(other.ledger_), bytes_(other.bytes_) {
+    : ledger_(other.ledger_), working_(other.working_), bytes_(other.bytes_) {
   other.bytes_ = 0;
 }
 
@@ -39,6 +39,7 @@ MemoryLedger::RequestCharge& MemoryLedger::RequestCharge::operator=(
   if (this != &other) {
     Reset();
     ledger_ = other.ledger_;
+    working_ = other.working_;
     bytes_ = other.bytes_;
     other.bytes_ = 0;
   }
@@ -50,14 +51,14 @@ absl::Status MemoryLedger::RequestCharge::Set(int64_t bytes, absl::string_view w
   if (ledger_ == nullptr) {
     return absl::InternalError("a request charge without a ledger cannot be raised");
   }
-  absl::Status st = ledger_->ChangeRequestBytes(bytes_, bytes, what);
+  absl::Status st = ledger_->ChangeRequestBytes(bytes_, bytes, what, working_);
   if (st.ok()) bytes_ = bytes;
   return st;
 }
 
 void MemoryLedger::RequestCharge::Reset() {
   if (ledger_ != nullptr && bytes_ != 0) {
-    ledger_->ChangeRequestBytes(bytes_, 0, "").IgnoreError();  // a fall always fits
+    ledger_->ChangeRequestBytes(bytes_, 0, "", working_).IgnoreError();  // a fall always fits
   }
   bytes_ = 0;
 }
@@ -170,7 +171,8 @@ void MemoryLedger::ReleaseContext(const std::string& principal, int64_t bytes) {
   PublishLocked();
 }
 
-absl::Status MemoryLedger::ChangeRequestBytes(int64_t from, int64_t to, absl::string_view what) {
+absl::Status MemoryLedger::ChangeRequestBytes(int64_t from, int64_t to, absl::string_view what,
+                                              bool working) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t rise = to - from;
   if (rise > 0) {
@@ -180,7 +182,9 @@ absl::Status MemoryLedger::ChangeRequestBytes(int64_t from, int64_t to, absl::st
       const int64_t budget =
           limits_.budget.shared ? limits_.budget.engine_bytes : limits_.budget.host_bytes;
       return absl::ResourceExhaustedError(absl::StrCat(
-          "memory budget: ", what, ": this request's tensors would hold ", to, " bytes; ",
+          "memory budget: ", what,
+          working ? ": this call's working memory would need " : ": this request's tensors would hold ",
+          to, " bytes; ",
           std::max<int64_t>(free, 0) + from, " of the ", budget,
           "-byte budget of host memory are free to it (--memory_budget_bytes); send smaller "
           "micro-batches"));

@@ -3,11 +3,12 @@
 // What the server keeps for its clients is charged here BEFORE it is allocated, against the
 // budget of the memory it lives in (memory_limits.h): a layer's state (Engine::LayerStateBytes,
 // reconciled with the layer's resident_bytes() once built), every saved context, and the
-// tensors of each request being assembled. A charge that does not fit is refused with
-// RESOURCE_EXHAUSTED naming the bytes needed and free, and nothing changes; a refused request
-// allocates nothing. What is not charged (a call's working memory and results, weight exports,
-// checkpoint bytes being read or written, the process itself) is what the margin of a derived
-// budget is for.
+// tensors of each request being assembled, and the host memory an engine call allocates while
+// it runs (Engine::HostWorkingBytes: working buffers, results). A charge that does not fit is
+// refused with RESOURCE_EXHAUSTED naming the bytes needed and free, and nothing changes; a
+// refused request allocates nothing. What is not charged (results being written back, weight
+// exports, checkpoint bytes being read or written, the process itself) is what the margin of a
+// derived budget is for.
 //
 // Two budgets: the engine's memory holds layer state and saved contexts; request tensors are
 // in host memory. With the CPU engine both are host memory and one budget covers all three.
@@ -39,8 +40,9 @@ class MemoryLedger {
     int64_t principal_context_bytes_quota = 0;  // 0: unlimited
   };
 
-  // A request's tensors in flight: a charge against the host budget, raised as bytes arrive
-  // and dropped when the handle is reset or destroyed. Movable; the ledger must outlive it.
+  // A request's tensors in flight, or an engine call's host working memory while it runs: a
+  // charge against the host budget, raised as bytes arrive and dropped when the handle is reset
+  // or destroyed. Movable; the ledger must outlive it.
   class RequestCharge {
    public:
     RequestCharge() = default;  // charges nothing and cannot be raised
@@ -49,15 +51,16 @@ class MemoryLedger {
     ~RequestCharge() { Reset(); }
 
     // Sets this charge to `bytes`. A rise that does not fit is ResourceExhausted naming `what`
-    // (the tensor), and the charge stays as it was.
+    // (the tensor, or the call), and the charge stays as it was.
     absl::Status Set(int64_t bytes, absl::string_view what);
     void Reset();
     int64_t bytes() const { return bytes_; }
 
    private:
     friend class MemoryLedger;
-    explicit RequestCharge(MemoryLedger* ledger) : ledger_(ledger) {}
+    RequestCharge(MemoryLedger* ledger, bool working) : ledger_(ledger), working_(working) {}
     MemoryLedger* ledger_ = nullptr;
+    bool working_ = false;  // an engine call's working memory, not a request's tensors
     int64_t bytes_ = 0;
   };
 
@@ -88,7 +91,9 @@ class MemoryLedger {
   absl::Status AdmitContext(const std::string& principal, int64_t bytes);
   void ReleaseContext(const std::string& principal, int64_t bytes);
 
-  RequestCharge NewRequestCharge() { return RequestCharge(this); }
+  RequestCharge NewRequestCharge() { return RequestCharge(this, /*working=*/false); }
+  // Held around an engine call: Set(Engine::HostWorkingBytes(...)) before it, dropped after.
+  RequestCharge NewWorkingCharge() { return RequestCharge(this, /*working=*/true); }
 
   Usage usage() const;
   int64_t principal_layer_bytes(const std::string& principal) const;
@@ -97,7 +102,7 @@ class MemoryLedger {
  private:
   int64_t EngineFreeLocked() const;
   int64_t HostFreeLocked() const;
-  absl::Status ChangeRequestBytes(int64_t from, int64_t to, absl::string_view what);
+  absl::Status ChangeRequestBytes(int64_t from, int64_t to, absl::string_view what, bool working);
   void PublishLocked();
 
   const Limits limits_;

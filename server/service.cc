@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/host_memory.h"
+#include "common/status_macros.h"
 #include "wire/raw_message.h"
 #include "wire/wire.h"
 #include "server/auth.h"
@@ -440,7 +441,7 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       absl::StatusOr<Computed<Resp>> computed = absl::UnknownError("not run");
       if (alive.ok()) {
         const Clock::time_point t0 = Clock::now();
-        computed = Compute(views_, {ctx_});
+        computed = GuardAllocation(method_, [&] { return Compute(views_, {ctx_}); });
         service_->metrics().Stage(method_, "compute", SecondsSince(t0));
       } else {
         computed = alive;
@@ -493,7 +494,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
         std::vector<TensorView> views;
         for (const Tensor& t : *shared) views.push_back(t.empty() ? TensorView{} : t.view());
         const Clock::time_point t0 = Clock::now();
-        computed = Compute(views, calls);  // `this` is one of `streams`, all still open
+        // `this` is one of `streams`, all still open.
+        computed = GuardAllocation(method, [&] { return Compute(views, calls); });
         service->metrics().Stage(method, "compute", SecondsSince(t0));
       } else {
         computed = alive;
@@ -617,7 +619,16 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     request.expert_ids = inputs[1];
     request.weights = inputs[2];
     LayerEntry& e = **entry;
+    // An x the engine will refuse is left to its error; any other is admitted first.
+    MemoryLedger::RequestCharge working;
+    if (CheckTensor(request.x, "x", e.config.dtype, {-1, e.config.d_model}).ok()) {
+      MOE_ASSIGN_OR_RETURN(working, service_->AdmitEngineCall(
+                                        e, request.x.shape[0],
+                                        training_ ? EngineCall::kTrainingForward
+                                                  : EngineCall::kForward));
+    }
     auto result = e.layer->Forward(request);
+    working.Reset();  // the call's buffers are freed; its context is admitted on its own below
     if (!result.ok()) return result.status();
     const int64_t tokens = request.x.shape.empty() ? 0 : request.x.shape[0];
     if (training_) {
@@ -697,9 +708,12 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     auto tokens = service_->contexts().NumTokens(layer_, context_id_, caller().principal);
     if (!tokens.ok()) return tokens.status();
     const TensorView& dout = inputs[0];
-    // Checked here, before the context is consumed, so a bad dout does not lose it.
+    // Checked here, before the context is consumed, so a bad dout or a call that does not fit
+    // does not lose it.
     absl::Status shape = CheckTensor(dout, "dout", e.config.dtype, {*tokens, e.config.d_model});
     if (!shape.ok()) return shape;
+    MOE_ASSIGN_OR_RETURN(MemoryLedger::RequestCharge working,
+                         service_->AdmitEngineCall(e, *tokens, EngineCall::kBackward));
     auto context = service_->contexts().Take(layer_, context_id_, caller().principal);
     if (!context.ok()) return context.status();
     auto result = e.layer->Backward(std::move(*context), dout);
@@ -1084,6 +1098,35 @@ std::vector<std::shared_ptr<LayerEntry>> ExpertServiceImpl::VisibleLayers(
   return out;
 }
 
+absl::StatusOr<MemoryLedger::RequestCharge> ExpertServiceImpl::AdmitEngineCall(
+    const LayerEntry& entry, int64_t tokens, EngineCall call) {
+  MOE_ASSIGN_OR_RETURN(int64_t bytes, engine_->HostWorkingBytes(entry.config, tokens, call));
+  MemoryLedger::RequestCharge charge = ledger_.NewWorkingCharge();
+  if (call != EngineCall::kTrainingForward) {
+    MOE_RETURN_IF_ERROR(charge.Set(
+        bytes, absl::StrCat(call == EngineCall::kBackward ? "backward" : "forward", " of ",
+                            tokens, " tokens")));
+    return charge;
+  }
+  // A training Forward is admitted only if, once its context is kept (at most its own working
+  // memory), its Backward (dout and working memory) still fits: a budget filled with contexts
+  // can always run the Backward that frees one. The charge then falls to what the call holds.
+  MOE_ASSIGN_OR_RETURN(int64_t backward,
+                       engine_->HostWorkingBytes(entry.config, tokens, EngineCall::kBackward));
+  const int64_t dout = tokens * entry.config.d_model *
+                       static_cast<int64_t>(DTypeSize(entry.config.dtype));
+  int64_t reserve = 0;
+  if (__builtin_add_overflow(bytes, backward, &reserve) ||
+      __builtin_add_overflow(reserve, dout, &reserve)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("forward of ", tokens, " tokens: needs more than 2^63 bytes"));
+  }
+  MOE_RETURN_IF_ERROR(charge.Set(
+      reserve, absl::StrCat("training forward of ", tokens, " tokens (with room for its backward)")));
+  MOE_RETURN_IF_ERROR(charge.Set(bytes, "training forward"));  // a fall always fits
+  return charge;
+}
+
 void ExpertServiceImpl::RefreshLayer(LayerEntry& entry) {
   entry.step = entry.layer->step();
   entry.resident_bytes = entry.layer->resident_bytes();
@@ -1126,7 +1169,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunUnary(grpc::CallbackServerContex
     absl::Status st = CallAlive(ctx);
     if (st.ok()) {
       const Clock::time_point t0 = Clock::now();
-      st = work(caller);
+      st = GuardAllocation(method, [&] { return work(caller); });
       metrics_->Stage(method, "compute", SecondsSince(t0));
     }
     if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));

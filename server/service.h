@@ -149,6 +149,11 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // without authentication, else the caller's own directory below it (made if missing), so
   // one principal's checkpoints are out of every other's reach.
   absl::StatusOr<std::string> CheckpointRoot(const Caller& caller) const;
+  // Charges the host memory one engine `call` of `tokens` tokens on `entry`'s layer allocates
+  // (Engine::HostWorkingBytes) against the budget for as long as the returned charge lives;
+  // ResourceExhausted, before the engine allocates anything, when it does not fit.
+  absl::StatusOr<MemoryLedger::RequestCharge> AdmitEngineCall(const LayerEntry& entry,
+                                                              int64_t tokens, EngineCall call);
   void RefreshLayer(LayerEntry& entry);  // executor only: caches step and resident bytes
   void FillInfo(const LayerEntry& entry, v1::LayerInfo* info) const;
   // Records the request and finishes a unary call.

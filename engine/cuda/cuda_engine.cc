@@ -36,6 +36,16 @@ class CudaEngine : public Engine {
                               (config.dtype == DType::kBFloat16 ? 2 : 0);
     return LayerStateBytesFor(config, per_param);
   }
+  // The host share of a call is its results (out or dx in the layer dtype, the routing used or
+  // dweights); its working buffers are device memory, refused by the allocator when short.
+  absl::StatusOr<int64_t> HostWorkingBytes(const LayerConfig& config, int64_t tokens,
+                                           EngineCall call) const override {
+    const double t = static_cast<double>(tokens), k = static_cast<double>(config.top_k),
+                 d = static_cast<double>(config.d_model),
+                 elem = static_cast<double>(DTypeSize(config.dtype));
+    const double routing = call == EngineCall::kBackward ? 4 * t * k : 8 * t * k;
+    return EstimatedBytes(t * d * elem + routing, "the call's results");
+  }
   absl::StatusOr<DeviceMemoryInfo> DeviceMemory() const override {
     size_t free_b = 0, total_b = 0;
     cudaError_t err = cudaSetDevice(device_);

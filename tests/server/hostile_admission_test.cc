@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "engine/cpu_engine.h"
 #include "wire/wire.h"
 #include "tests/server/admission_fixture.h"
 
@@ -184,16 +185,24 @@ TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
   const char* ref = AdmissionServer::kReference;
   ASSERT_TRUE(probe.conn().Forward(ref, 1, true, x.view(), {}, {}).get().ok());
   const int64_t context = probe.conn().GetStats()->saved_context_bytes();
-  const int64_t dout_bytes = tokens * d * 4;
+  const int64_t x_bytes = tokens * d * 4, dout_bytes = tokens * d * 4;
+  // A training Forward is admitted with room for its Backward once its context is kept.
+  std::unique_ptr<Engine> cpu = CreateCpuEngine();
+  const int64_t forward =
+      *cpu->HostWorkingBytes(ReferenceConfig(), tokens, EngineCall::kTrainingForward);
+  const int64_t backward = *cpu->HostWorkingBytes(ReferenceConfig(), tokens, EngineCall::kBackward);
+  const int64_t reserve = forward + backward + dout_bytes;
 
   server::ServerOptions options = AdmissionOptions();
-  options.memory_budget_bytes = CpuStateBytes(ReferenceConfig()) + 2 * context + dout_bytes - 1;
+  options.memory_budget_bytes = CpuStateBytes(ReferenceConfig()) + context + x_bytes + reserve - 1;
   AdmissionServer s;
   ASSERT_NO_FATAL_FAILURE(s.Start(options));
   client::Connection& c = s.conn();
   ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
   ExpectExhausted(c.Forward(ref, 2, true, x.view(), {}, {}).get().status(),
-                  absl::StrCat("memory budget: this saved context needs ", context, " bytes"));
+                  absl::StrCat("memory budget: training forward of 16 tokens (with room for its "
+                               "backward): this call's working memory would need ",
+                               reserve, " bytes"));
   EXPECT_TRUE(c.Backward(ref, 1, dout.view()).get().ok());
   ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
   EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
@@ -304,6 +313,71 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
   std::mt19937 rng(2);
   Tensor x = RandomTensor(rng, {1024, d});
   EXPECT_TRUE(s.conn().Forward(AdmissionServer::kReference, 0, false, x.view(), {}, {}).get().ok());
+}
+
+// d = 64, h = 4096, K = 8 of 8 experts: each token's 8 routed rows need [8, 2h] fp32 hidden
+// activations, about 850 times x's own bytes, so a modest x asks the engine for far more host
+// memory than the server has.
+LayerConfig WideConfig() {
+  LayerConfig c;
+  c.num_experts = 8;
+  c.top_k = 8;
+  c.d_model = 64;
+  c.d_hidden = 4096;
+  c.routing = RoutingMode::kServer;
+  c.seed = 9;
+  return c;
+}
+
+// An engine call's working memory is admitted before the engine allocates it: a Forward whose
+// activations do not fit is refused (and charges nothing afterwards); a Backward that does not
+// fit is refused before its context is consumed, so it runs once memory is free again.
+TEST(HostileAdmissionTest, ACallWhoseWorkingMemoryIsPastTheBudgetIsRefused) {
+  server::ServerOptions options = AdmissionOptions();
+  options.memory_budget_bytes = 256 * kMiB;
+  AdmissionServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ASSERT_TRUE(s.conn().CreateLayer("wide", WideConfig()).ok());
+  const int64_t settled = Admitted(s.conn());
+  const int64_t d = WideConfig().d_model;
+  std::unique_ptr<Engine> cpu = CreateCpuEngine();
+
+  // 1024 tokens (256 KiB of x): over 400 MB of working memory, refused.
+  std::mt19937 rng(23);
+  Tensor big = RandomTensor(rng, {1024, d});
+  auto fwd = s.conn().Forward("wide", 0, false, big.view(), {}, {}).get();
+  ExpectExhausted(fwd.status(),
+                  "memory budget: forward of 1024 tokens: this call's working memory would need");
+  EXPECT_EQ(AdmittedSettled(s.conn(), settled), settled);
+  s.ExpectServingAndReferenceUnchanged();
+
+  // A training Forward of 64 tokens fits; its Backward is made not to fit by a layer that takes
+  // all but half of the Backward's working memory.
+  Tensor x = RandomTensor(rng, {64, d}), dout = RandomTensor(rng, {64, d});
+  const uint64_t id = s.conn().NextContextId();
+  fwd = s.conn().Forward("wide", id, true, x.view(), {}, {}).get();
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto stats = s.conn().GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  auto backward_bytes = cpu->HostWorkingBytes(WideConfig(), 64, EngineCall::kBackward);
+  ASSERT_TRUE(backward_bytes.ok()) << backward_bytes.status();
+  const int64_t free = stats->memory_budget_bytes() - stats->memory_admitted_bytes();
+  LayerConfig filler;
+  filler.num_experts = 1;
+  filler.top_k = 1;
+  filler.d_model = 64;
+  filler.d_hidden = 1;
+  const int64_t per_hidden_unit = CpuStateBytes(filler);
+  filler.d_hidden = (free - *backward_bytes / 2) / per_hidden_unit;
+  ASSERT_GT(filler.d_hidden, 0);
+  ASSERT_TRUE(s.conn().CreateLayer("filler", filler).ok());
+  auto bwd = s.conn().Backward("wide", id, dout.view()).get();
+  ExpectExhausted(bwd.status(), "memory budget: backward of 64 tokens: this call's working memory");
+  // The context is still there: with the memory free again, the same Backward runs.
+  ASSERT_TRUE(s.conn().DeleteLayer("filler").ok());
+  bwd = s.conn().Backward("wide", id, dout.view()).get();
+  EXPECT_TRUE(bwd.ok()) << bwd.status();
+  s.ExpectServingAndReferenceUnchanged();
 }
 
 }  // namespace

@@ -118,6 +118,24 @@ TEST(MemoryLedgerTest, RequestChargesRiseFallAndGoWithTheirHandle) {
   EXPECT_FALSE(none.Set(1, "x").ok());
 }
 
+TEST(MemoryLedgerTest, WorkingChargesShareTheHostBudgetAndSayWhatTheyAreFor) {
+  MemoryLedger ledger(Shared(1000), nullptr);
+  MemoryLedger::RequestCharge tensors = ledger.NewRequestCharge();
+  ASSERT_TRUE(tensors.Set(700, "x").ok());
+  MemoryLedger::RequestCharge working = ledger.NewWorkingCharge();
+  absl::Status st = working.Set(301, "forward of 9 tokens");
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_TRUE(Contains(st, "forward of 9 tokens: this call's working memory would need 301 bytes"))
+      << st;
+  ASSERT_TRUE(working.Set(300, "forward of 9 tokens").ok());
+  MemoryLedger::RequestCharge moved = std::move(working);
+  st = moved.Set(400, "forward of 12 tokens");  // a moved charge keeps its kind
+  EXPECT_TRUE(Contains(st, "this call's working memory")) << st;
+  EXPECT_EQ(ledger.usage().request_bytes, 1000);
+  moved.Reset();
+  EXPECT_EQ(ledger.usage().request_bytes, 700);
+}
+
 // A GPU engine: layer state and contexts in the device's budget, requests in the host's.
 TEST(MemoryLedgerTest, OnAGpuRequestsHaveTheHostBudget) {
   MemoryLedger::Limits limits;
