@@ -3,10 +3,16 @@
 // gives bitwise what the same micro-batch sent as bytes gives (both routings, fp32 and bf16), and
 // after Steps the two layers hold the same weights and optimizer state; requests that mix
 // references with inline tensors work, outputs without a destination come back as bytes; the
-// transport metrics count both paths; and a region goes with its session.
+// transport metrics count both paths; a region goes with its session; and a region its owner
+// truncates fails the calls that use it, not the server.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -280,6 +286,40 @@ TEST(RegionReferencesTest, RegionsGoWithTheirSession) {
   EXPECT_EQ(MetricValue(MetricsText(*lb.server), "moe_region_bytes"), 0);
   ExpectStatus(ForwardAs(*lb.conn, session, {req}).status, grpc::StatusCode::NOT_FOUND,
                "x.ref.region_id");
+}
+
+// The client shrinks its shared memory object under the server's mapping: the call that touches
+// the lost pages fails (its results are not returned, its context not kept), so does every later
+// reference to the region, and the server carries on.
+TEST(RegionReferencesTest, ATruncatedRegionFailsItsCallsNotTheServer) {
+  Loopback lb = StartLoopback();
+  ASSERT_TRUE(lb.conn);
+  client::Connection& c = *lb.conn;
+  const LayerConfig config = SmallConfig(RoutingMode::kServer);
+  ASSERT_TRUE(c.CreateLayer("m", config).ok());
+  RegionArena arena;
+  ASSERT_NO_FATAL_FAILURE(arena.Create(c, 64 << 10));
+  std::mt19937 rng(6);
+  const Tensor x = RandomFloat(rng, {16, config.d_model});
+  v1::ForwardRequest req = ForwardOf("m", 1);
+  *req.mutable_x() = ByRef(x, arena.id(), arena.Put(x));
+  *req.mutable_out_ref() = RefTo(arena.id(), arena.Room(static_cast<int64_t>(x.bytes.size())));
+
+  const int fd = ::shm_open(arena.shm().name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(fd, 0), 0) << std::strerror(errno);
+  ::close(fd);
+  ExpectStatus(SendForward(c, {req}).status, grpc::StatusCode::FAILED_PRECONDITION,
+               "x.ref.region_id");
+  ExpectStatus(SendForward(c, {req}).status, grpc::StatusCode::FAILED_PRECONDITION,
+               "x.ref.region_id");
+  auto info = c.GetLayer("m");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->saved_contexts(), 0);
+  v1::ForwardRequest inline_req = ForwardOf("m", 2);
+  *inline_req.mutable_x() = Inline(x);
+  EXPECT_TRUE(SendForward(c, {inline_req}).status.ok());
+  EXPECT_TRUE(UnregisterRegion(c, arena.id()).ok());
 }
 
 }  // namespace
