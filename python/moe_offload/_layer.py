@@ -283,8 +283,9 @@ class RemoteMoE(torch.nn.Module):
         unexpected = [prefix + n for n in mine if n not in expected]
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
-        if strict and (missing or unexpected):
-            return  # load_state_dict raises; nothing is imported
+        # As torch's own modules: the names present are loaded, and load_state_dict(strict=True)
+        # raises afterwards for the missing and unexpected ones (it passes strict=True here
+        # whatever the caller asked).
         self._import({n: mine[n] for n in expected if n in mine})
 
     def optimizer_state_dict(self) -> Dict[str, torch.Tensor]:
