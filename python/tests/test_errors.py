@@ -100,7 +100,9 @@ def test_a_second_backward_is_refused(server, layer_name):
     x = torch.randn(4, D, requires_grad=True)
     out = layer(x, ids, w)
     out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="already backpropagated"):
+    # The Function path says so itself; the custom op path (torch >= 2.4) gets NOT_FOUND for
+    # the consumed context from the server.
+    with pytest.raises(RuntimeError, match="already (backpropagated|consumed)"):
         out.sum().backward()
 
 
