@@ -50,6 +50,18 @@ class ClientBatch:
     def leaves(self):
         return self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
 
+    def check(self, layer, ref, what):
+        """Forward and backward through both layers; out, x.grad and weights.grad must agree."""
+        x, w = self.leaves()
+        out = layer(x, self.ids, w)
+        (out * self.g).sum().backward()
+        rx, rw = self.leaves()
+        rout = ref(rx, self.ids, rw)
+        (rout * self.g).sum().backward()
+        assert_close(out, rout, f"{what} out")
+        assert_close(x.grad, rx.grad, f"{what} x.grad")
+        assert_close(w.grad, rw.grad, f"{what} weights.grad")
+
 
 def test_client_routing_matches_the_reference(server, layer_name):
     layer = make(server.target, layer_name, weight_decay=0.1)
@@ -57,16 +69,7 @@ def test_client_routing_matches_the_reference(server, layer_name):
     opt = adamw(ref, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 4):
-        b = ClientBatch(gen, tokens=24)
-        x, w = b.leaves()
-        out = layer(x, b.ids, w)
-        (out * b.g).sum().backward()
-        rx, rw = b.leaves()
-        rout = ref(rx, b.ids, rw)
-        (rout * b.g).sum().backward()
-        assert_close(out, rout, f"step {step} out")
-        assert_close(x.grad, rx.grad, f"step {step} x.grad")
-        assert_close(w.grad, rw.grad, f"step {step} weights.grad")
+        ClientBatch(gen, tokens=24).check(layer, ref, f"step {step}")
         info = layer.step()
         assert info["step"] == step
         assert info["grad_norm"] == pytest.approx(grad_norm(ref), rel=1e-5)
@@ -136,10 +139,7 @@ def test_zero_grad_drops_the_accumulated_gradients(server, layer_name):
     x, w = dropped.leaves()
     (layer(x, dropped.ids, w) * dropped.g).sum().backward()
     layer.zero_grad()
-    x, w = kept.leaves()
-    (layer(x, kept.ids, w) * kept.g).sum().backward()
-    rx, rw = kept.leaves()
-    (ref(rx, kept.ids, rw) * kept.g).sum().backward()
+    kept.check(layer, ref, "kept batch")
     info = layer.step()
     assert sum(info["tokens_per_expert"]) == 12 * K  # the dropped batch is not counted
     opt.step()
@@ -222,16 +222,7 @@ def test_sharded_layer_matches_the_reference(shard_servers, layer_name):
     opt = adamw(ref)
     gen = torch.Generator().manual_seed(7)
     for step in range(1, 3):
-        b = ClientBatch(gen, 20, num_experts=5)
-        x, w = b.leaves()
-        out = layer(x, b.ids, w)
-        (out * b.g).sum().backward()
-        rx, rw = b.leaves()
-        rout = ref(rx, b.ids, rw)
-        (rout * b.g).sum().backward()
-        assert_close(out, rout, "out")
-        assert_close(x.grad, rx.grad, "x.grad")
-        assert_close(w.grad, rw.grad, "weights.grad")
+        ClientBatch(gen, 20, num_experts=5).check(layer, ref, f"step {step}")
         info = layer.step()
         assert len(info["tokens_per_expert"]) == 5
         assert info["grad_norm"] == pytest.approx(grad_norm(ref), rel=1e-5)
