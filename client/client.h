@@ -18,6 +18,12 @@
 // in anew. A trainer should call moe::RetainFreedHeapMemory() (common/host_memory.h) first thing
 // in main, or set the GLIBC_TUNABLES given there (docs/decisions/0005-retained-heap-memory.md).
 // The library does not do it itself: it is the whole process's allocator.
+//
+// This is the library's one public header. Its implementation: connection.cc (channels,
+// credentials, deadlines, unary calls), striping.cc (Forward and Backward: whole or striped over
+// the connections), stream_call.cc (one Forward or Backward stream), requests.cc (the one place
+// that fills Forward and Backward requests), remote_layer.cc (RemoteLayer and the session that
+// holds its contexts), sharded_layer.cc (ShardedLayer); the headers beside those are internal.
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 
@@ -27,7 +33,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -43,8 +48,6 @@
 #include "wire/tls.h"
 
 namespace moe::client {
-
-struct ResponseTensors;  // client.cc: where one call's response tensors are assembled
 
 struct ClientOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of every call
@@ -161,36 +164,27 @@ class Connection {
   void Prepare(grpc::ClientContext* ctx) const;
 
  private:
-  class SessionCall;
+  class SessionCall;  // remote_layer.cc: the OpenSession stream
   Connection() = default;
+  // Opens the session (Connect, with ClientOptions::open_session) and ends it (the destructor):
+  // remote_layer.cc.
+  absl::Status OpenSession();
+  void CloseSession();
+  // The token metadata alone (Prepare's; the session's stream has no deadline).
+  void AddToken(grpc::ClientContext* ctx) const;
+  // The raw-buffer stub (wire/raw_message.h) of the connection next in turn, for a Forward or
+  // Backward stream (client/stream_call.h).
+  grpc::GenericStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
+
   std::string target_;
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
-  // Forward and Backward as raw buffers (wire/raw_message.h), one stub per connection (the
-  // first on channel_), taken in turn.
-  using RawStub = grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>;
-  std::vector<std::unique_ptr<RawStub>> raw_stubs_;
+  // Forward and Backward as raw buffers, one stub per connection (the first on channel_), taken
+  // in turn.
+  std::vector<std::unique_ptr<grpc::GenericStub>> raw_stubs_;
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
   std::atomic<uint64_t> next_raw_stub_{0};
-  RawStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
-  // One stream of a Forward or Backward: sends rows [row_begin, row_end) of every request
-  // tensor in `tensors` (row_end -1 and `stripe` null: the whole micro-batch) by reference to
-  // them, puts the response's tensors into `outputs` and reports the result to `done`; `track`
-  // sees the call's context before it starts (a striped call cancels the other streams when one
-  // fails).
-  void StartForward(const std::string& layer, uint64_t context_id, bool training,
-                    std::shared_ptr<const std::vector<Tensor>> tensors, int64_t row_begin,
-                    int64_t row_end, const v1::Stripe* stripe,
-                    std::shared_ptr<ResponseTensors> outputs,
-                    std::function<void(absl::StatusOr<ForwardOutput>)> done,
-                    std::function<void(grpc::ClientContext*)> track = nullptr);
-  void StartBackward(const std::string& layer, uint64_t context_id,
-                     std::shared_ptr<const std::vector<Tensor>> tensors, int64_t row_begin,
-                     int64_t row_end, const v1::Stripe* stripe,
-                     std::shared_ptr<ResponseTensors> outputs,
-                     std::function<void(absl::StatusOr<BackwardOutput>)> done,
-                     std::function<void(grpc::ClientContext*)> track = nullptr);
   std::string session_id_;
   SessionCall* session_ = nullptr;
   uint64_t context_prefix_ = 0;

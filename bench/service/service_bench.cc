@@ -371,7 +371,7 @@ CopyPathCost MeasureCopyPath(int64_t rows, int64_t cols, int64_t chunk_bytes) {
     std::memcpy(fresh.data(), src.bytes.data(), fresh.size());  // Tensor::Zeros does
     if (fresh[1] != src.bytes[1]) std::abort();
   });
-  // The client's copy of a caller's tensor (client.cc ToTensor), into a warm buffer.
+  // The client's copy of a caller's tensor (client/connection.cc ToTensor), into a warm buffer.
   best(&c.client_copy_ms, [&] { ParallelMemcpy(warm.data(), src.bytes.data(), warm.size()); });
   // The same messages the client and the server write (wire/raw_message.h ChunkedMessages):
   // header repeated, the payload by reference.

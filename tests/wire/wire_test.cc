@@ -3,7 +3,9 @@
 // eighth of it has arrived (server sizing); and every way the streams can disagree is an
 // InvalidArgument naming the field. wire::TensorAssembler and StripedAssembler: a chunk's offset
 // must be the bytes already received (per stream when striped), and shapes that cannot exist are
-// refused on the first chunk. wire::ChunkPlan: messages worked out one at a time.
+// refused on the first chunk; a byte count short of the shape names the field at Finish; the
+// reserving sizings assemble and check as the default does. wire::ChunkPlan and PlanChunks:
+// messages worked out one at a time, every byte once within the limit.
 #include "wire/wire.h"
 
 #include <gtest/gtest.h>
@@ -274,6 +276,84 @@ TEST(ChunkPlanTest, MessagesAreWorkedOutOneAtATime) {
   EXPECT_EQ(huge.Offset(0, 12345), 12345u);
   EXPECT_EQ(ChunkPlan({0, 0}, 16).size(), 1u);  // an empty micro-batch is one message
   EXPECT_EQ(ChunkPlan().size(), 0u);
+}
+
+TEST(WireTest, PlanChunksCoversEveryByteOnceWithinTheLimit) {
+  for (size_t limit : {1u, 7u, 8u, 64u}) {
+    const std::vector<size_t> sizes = {10, 0, 25, 3};
+    auto plan = PlanChunks(sizes, limit);
+    std::vector<size_t> next(sizes.size(), 0);
+    for (const auto& message : plan) {
+      size_t total = 0;
+      for (const auto& p : message) {
+        EXPECT_EQ(p.offset, next[p.tensor]) << "limit " << limit;
+        next[p.tensor] += p.size;
+        total += p.size;
+      }
+      EXPECT_LE(total, limit);
+    }
+    EXPECT_EQ(next, sizes) << "limit " << limit;
+  }
+  EXPECT_EQ(PlanChunks({0, 0}, 16).size(), 1u);  // an empty micro-batch is one message
+}
+
+TEST(WireTest, AssemblerNamesTheFieldOnAByteMismatch) {
+  TensorAssembler a("dout");
+  v1::Tensor chunk;
+  SetTensorHeader(DType::kFloat32, {2, 3}, &chunk);
+  chunk.set_data(std::string(20, 'x'));
+  ASSERT_TRUE(a.Add(chunk).ok());
+  absl::Status st = a.Finish().status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("dout"), std::string::npos) << st;
+  chunk.set_data(std::string(4, 'x'));
+  chunk.set_offset(20);
+  ASSERT_TRUE(a.Add(chunk).ok());
+  EXPECT_TRUE(a.Finish().ok());
+  v1::Tensor other;
+  SetTensorHeader(DType::kFloat32, {3, 3}, &other);
+  EXPECT_EQ(a.Add(other).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// kClaimedAtOnce (the client's receivers) and kClaimedOnceAnEighthArrived (the server's) reserve
+// the claimed size; the result and every check stay those of the default assembler. A claim past
+// the 4 GiB cap is not reserved (the tensor is then short at Finish); an overflowing or negative
+// one is refused on its first chunk. Neither throws nor allocates.
+TEST(WireTest, ReservingAssemblersAssembleAndCheckLikeTheDefault) {
+  using Sizing = TensorAssembler::Sizing;
+  for (Sizing sizing :
+       {Sizing::kGrow, Sizing::kClaimedAtOnce, Sizing::kClaimedOnceAnEighthArrived}) {
+    SCOPED_TRACE(static_cast<int>(sizing));
+    // 2048 bytes in chunks of 100 (the last one 48): the eighth arrives mid-stream.
+    TensorAssembler a("out", sizing);
+    v1::Tensor chunk;
+    SetTensorHeader(DType::kFloat32, {16, 32}, &chunk);
+    std::string all;
+    for (int i = 0; all.size() < 2048; ++i) {
+      chunk.set_data(std::string(std::min<size_t>(100, 2048 - all.size()), static_cast<char>(i)));
+      chunk.set_offset(static_cast<int64_t>(all.size()));
+      all += chunk.data();
+      ASSERT_TRUE(a.Add(chunk).ok());
+    }
+    absl::StatusOr<Tensor> t = a.Finish();
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->bytes.size(), all.size());
+    EXPECT_EQ(std::memcmp(t->bytes.data(), all.data(), all.size()), 0);
+
+    for (const std::vector<int64_t>& claim :
+         std::vector<std::vector<int64_t>>{{int64_t{1} << 40, int64_t{1} << 30},  // overflows
+                                           {int64_t{1} << 30, 8},                 // 32 GiB
+                                           {-4, 2}}) {
+      TensorAssembler b("dx", sizing);
+      v1::Tensor c;
+      SetTensorHeader(DType::kFloat32, claim, &c);
+      c.set_data(std::string(4, 'x'));
+      absl::Status st = b.Add(c);
+      if (st.ok()) st = b.Finish().status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find("dx"), std::string::npos) << st;
+    }
+  }
 }
 
 }  // namespace

@@ -1,0 +1,86 @@
+// One Forward or Backward stream of the client (internal to the library; client.h does not
+// include it): the request messages of requests.h written on a raw bidirectional stream, the
+// response tensors assembled as they arrive, the result handed to a callback.
+//
+// Each stream is a heap-allocated gRPC callback reactor (ClientBidiReactor) that deletes itself
+// when the call ends, so the caller's thread never waits unless it asks the future it was given.
+// A whole micro-batch is one stream; a striped one is several, which share their outputs
+// (striping.cc).
+#ifndef MOE_CLIENT_STREAM_CALL_H_
+#define MOE_CLIENT_STREAM_CALL_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "client/client.h"
+#include "client/requests.h"
+#include "common/tensor.h"
+#include "moe/v1/moe.pb.h"
+#include "wire/raw_message.h"
+#include "wire/wire.h"
+
+namespace moe::client {
+
+// Where one stream's response tensors go: the call's own assemblers (a whole micro-batch), or
+// its rows of a striped micro-batch's outputs, which its streams share and assemble in place
+// (wire::StripedAssembler), so no stream's rows are copied again to join them.
+struct ResponseTensors {
+  std::vector<wire::TensorAssembler> whole;
+  std::shared_ptr<std::deque<wire::StripedAssembler>> striped;
+  uint32_t stream = 0;
+  int64_t row_begin = 0;
+
+  // For a whole micro-batch: the server answers for shapes this call set, so each tensor is
+  // reserved on its first chunk.
+  static std::shared_ptr<ResponseTensors> Whole(absl::Span<const char* const> names);
+  // For stream `stream` of a striped micro-batch, whose rows start at `row_begin`.
+  static std::shared_ptr<ResponseTensors> Stripe(
+      std::shared_ptr<std::deque<wire::StripedAssembler>> outputs, uint32_t stream,
+      int64_t row_begin);
+  // The outputs a striped micro-batch's streams share.
+  static std::shared_ptr<std::deque<wire::StripedAssembler>> Shared(
+      absl::Span<const char* const> names, int64_t total_rows);
+
+  // Response tensor `i`, top-level field `field`, if the message carries it.
+  absl::Status AddIfPresent(size_t i, bool present, const v1::Tensor& proto, int field,
+                            const wire::IncomingMessage& in);
+  // Moves whole tensor `i` into `*out` (a striped stream's rows are finished by the merge). A
+  // tensor no response carried is an error when `required`, and leaves `*out` empty otherwise.
+  absl::Status FinishInto(size_t i, bool required, Tensor* out);
+};
+
+// The response tensors of a Forward and of a Backward, in the order ResponseTensors indexes
+// them.
+inline constexpr const char* kForwardResponseTensors[] = {"out", "expert_ids", "weights"};
+inline constexpr const char* kBackwardResponseTensors[] = {"dx", "dweights"};
+
+// Sees a stream's context before the stream starts (a striped call cancels the other streams
+// when one fails).
+using TrackContext = std::function<void(grpc::ClientContext*)>;
+
+// Starts one stream of a Forward or Backward on `stub` with `conn`'s deadline and metadata: it
+// sends `rows` of `tensors` by reference to them, puts the response's tensors into `outputs`
+// and reports the result to `done`.
+void StartForwardStream(const Connection& conn, grpc::GenericStub& stub, const ForwardCall& call,
+                        std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
+                        std::shared_ptr<ResponseTensors> outputs,
+                        std::function<void(absl::StatusOr<ForwardOutput>)> done,
+                        TrackContext track = nullptr);
+void StartBackwardStream(const Connection& conn, grpc::GenericStub& stub, const BackwardCall& call,
+                         std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
+                         std::shared_ptr<ResponseTensors> outputs,
+                         std::function<void(absl::StatusOr<BackwardOutput>)> done,
+                         TrackContext track = nullptr);
+
+}  // namespace moe::client
+
+#endif  // MOE_CLIENT_STREAM_CALL_H_
