@@ -46,6 +46,10 @@
 // per preset it times the six expert GEMMs of a step as cuBLAS strided-batched GEMMs over
 // balanced experts, plus both combines at the copy bandwidth (CublasCeiling).
 //
+// --layer runs no pipeline directly: per preset it times a training step through the Layer API
+// of the CUDA engine on host tensors, on device tensors and with a done_event
+// (moe_bench_layer.cc).
+//
 //   moe_bench --preset olmoe sonic-7b      moe_bench --all [--reps 10] [--json out.jsonl]
 //   moe_bench --all --ceiling              moe_bench --preset sonic-7b --routing balanced
 //   moe_bench --preset scale-2m --recompute          moe_bench --max-t [--recompute]
@@ -405,7 +409,7 @@ int Main(int argc, char** argv) {
   std::vector<const Preset*> todo;
   int reps = 10, warmup = 3;
   std::string json, mode_name = "auto";
-  bool recompute = false, max_t = false, ceiling = false, balanced = false;
+  bool recompute = false, max_t = false, ceiling = false, balanced = false, layer = false;
   double max_t_seconds = 110;
   GpuWatch watch;
   cuda::GemmMode mode = cuda::GemmMode::kAuto;
@@ -426,6 +430,8 @@ int Main(int argc, char** argv) {
       recompute = true;
     } else if (a == "--ceiling") {
       ceiling = true;
+    } else if (a == "--layer") {
+      layer = true;
     } else if (a == "--routing" && i + 1 < argc) {
       const std::string routing = argv[++i];
       if (routing != "topk" && routing != "balanced") {
@@ -476,6 +482,7 @@ int Main(int argc, char** argv) {
           "[--json FILE] [--gemm auto|grouped|looped|streams] [--recompute]\n"
           "                 [--routing topk|balanced] [--cool-to C] [--cool-timeout S]\n"
           "       moe_bench (--all | --preset NAME...) --ceiling [--reps N] [--json FILE]\n"
+          "       moe_bench (--all | --preset NAME...) --layer [--reps N] [--json FILE]\n"
           "       moe_bench --max-t [--recompute] [--max-t-seconds S]\n");
       return 2;
     }
@@ -496,6 +503,7 @@ int Main(int argc, char** argv) {
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   }
   if (max_t) return MaxTokens(recompute, max_t_seconds) == 0 ? 0 : 1;
+  if (layer) return LayerApi(todo, warmup, reps, json);
   // The GPU's temperature and clocks, read through NVML; required by --cool-to.
   std::unique_ptr<GpuSensor> sensor;
   {

@@ -1,6 +1,7 @@
 // The parts of the kernel benchmark moe_bench (moe_bench.cc) that its three modes share: the
 // presets, the timing of one series with the GPU's state around it, the JSON lines, and the
-// entry points of --max-t (moe_bench_max_t.cc) and --ceiling (moe_bench_ceiling.cc).
+// entry points of --max-t (moe_bench_max_t.cc), --ceiling (moe_bench_ceiling.cc) and --layer
+// (moe_bench_layer.cc).
 #ifndef MOE_BENCH_MOE_BENCH_H_
 #define MOE_BENCH_MOE_BENCH_H_
 
@@ -121,6 +122,11 @@ absl::StatusOr<double> CopyBandwidthGBs();
 
 // The fewest bytes a training step of the layer moves through device memory (moe_bench_ceiling.cc).
 double FloorBytes(const Preset& p);
+
+// --layer: a training step through the Layer API on host tensors, on device tensors, and on
+// device tensors with a done_event (moe_bench_layer.cc); JSON lines with impl "layer-api";
+// returns the exit code.
+int LayerApi(const std::vector<const Preset*>& todo, int warmup, int reps, const std::string& json);
 
 // --ceiling's table and JSON lines (impl "cublas-ceiling"); returns the exit code.
 int PrintCeiling(const std::vector<const Preset*>& todo, int warmup, int reps, double peak,

@@ -98,6 +98,10 @@ Tensor Tensor::Uninitialized(DType dtype, std::vector<int64_t> shape) {
   return t;
 }
 
+std::string MemoryLocation::DebugString() const {
+  return is_host() ? std::string("host") : absl::StrCat("cuda:", device);
+}
+
 absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType dtype,
                          const std::vector<int64_t>& shape) {
   auto shape_str = [](const std::vector<int64_t>& s) {
@@ -125,6 +129,25 @@ absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType 
   }
   if (want > 0 && view.data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTensor(const MutableTensorView& view, absl::string_view field, DType dtype,
+                         const std::vector<int64_t>& shape) {
+  if (view.data == nullptr) return absl::InvalidArgumentError(absl::StrCat(field, ": no data"));
+  return CheckTensor(view.view(), field, dtype, shape);
+}
+
+absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field, const void* b,
+                           size_t b_bytes, absl::string_view b_field) {
+  if (a == nullptr || b == nullptr || a_bytes == 0 || b_bytes == 0) return absl::OkStatus();
+  const auto a0 = reinterpret_cast<uintptr_t>(a), b0 = reinterpret_cast<uintptr_t>(b);
+  // Sizes are at most kMaxTensorBytes (CheckTensor), so the ends do not wrap.
+  if (a0 < b0 + b_bytes && b0 < a0 + a_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(a_field, ": overlaps ", b_field,
+                     " (a destination shares no byte with an input or another destination)"));
   }
   return absl::OkStatus();
 }

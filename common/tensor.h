@@ -1,8 +1,12 @@
-// Host tensors as they cross the engine interface: a dtype, a row-major shape and bytes.
+// Tensors as they cross the engine interface: a dtype, a row-major shape and bytes.
 //
 // The wire format (docs/PROTOCOL.md) is the same: raw little-endian bytes, row-major, no
-// strides. `Tensor` owns its bytes; `TensorView` borrows them, so the server can hand the
-// engine a protobuf's payload without copying.
+// strides. `Tensor` owns its bytes, always in host memory; `TensorView` borrows them, so the
+// server can hand the engine a protobuf's payload without copying; `MutableTensorView` is a
+// caller's destination an engine writes an output into. A view says where its bytes live
+// (`MemoryLocation`): host memory, or a CUDA device's memory (a trainer's tensor mapped into
+// the server, engine/ipc.h). Only engines dereference device memory; this header names a device
+// by its ordinal and includes no CUDA header.
 #ifndef MOE_COMMON_TENSOR_H_
 #define MOE_COMMON_TENSOR_H_
 
@@ -50,11 +54,28 @@ absl::StatusOr<int64_t> CheckedByteSize(absl::Span<const int64_t> shape, DType d
 // product.
 int64_t NumElements(const std::vector<int64_t>& shape);
 
+// Where a view's bytes live: this process's host memory, or the memory of CUDA device `device`
+// (this process's ordinal; the pointer is a device pointer in the unified address space).
+struct MemoryLocation {
+  enum class Kind { kHost, kCuda };
+  Kind kind = Kind::kHost;
+  int device = -1;  // kCuda only
+
+  static MemoryLocation Host() { return {}; }
+  static MemoryLocation Cuda(int device) { return {Kind::kCuda, device}; }
+  bool is_host() const { return kind == Kind::kHost; }
+  bool is_cuda() const { return kind == Kind::kCuda; }
+  std::string DebugString() const;  // "host", "cuda:N"
+  bool operator==(const MemoryLocation& o) const { return kind == o.kind && device == o.device; }
+  bool operator!=(const MemoryLocation& o) const { return !(*this == o); }
+};
+
 struct TensorView {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   const void* data = nullptr;
   size_t size_bytes = 0;
+  MemoryLocation location;  // host unless a caller says otherwise
 
   bool empty() const { return data == nullptr && shape.empty(); }
   int64_t num_elements() const { return NumElements(shape); }
@@ -62,6 +83,25 @@ struct TensorView {
   const T* as() const {
     return static_cast<const T*>(data);
   }
+};
+
+// A caller-owned destination of `size_bytes` bytes an engine writes one output into, in host or
+// device memory; empty() (no data) means "no destination: return the output as a Tensor".
+struct MutableTensorView {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  size_t size_bytes = 0;
+  MemoryLocation location;
+
+  bool empty() const { return data == nullptr; }
+  int64_t num_elements() const { return NumElements(shape); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data);
+  }
+  // The same bytes, read-only (for the checks TensorView has).
+  TensorView view() const { return {dtype, shape, data, size_bytes, location}; }
 };
 
 // std::allocator, except that a value-less construct (resize, the count constructor) leaves
@@ -105,7 +145,9 @@ struct Tensor {
   static Tensor Uninitialized(DType dtype, std::vector<int64_t> shape);
   bool empty() const { return shape.empty() && bytes.empty(); }
   int64_t num_elements() const { return NumElements(shape); }
-  TensorView view() const { return {dtype, shape, bytes.data(), bytes.size()}; }
+  TensorView view() const { return {dtype, shape, bytes.data(), bytes.size(), {}}; }
+  // The bytes as a host destination (an engine writing an output into this tensor).
+  MutableTensorView mutable_view() { return {dtype, shape, bytes.data(), bytes.size(), {}}; }
   template <typename T>
   T* as() {
     return reinterpret_cast<T*>(bytes.data());
@@ -120,6 +162,14 @@ struct Tensor {
 // CheckedByteSize's bounds and the matching byte count; otherwise InvalidArgument naming `field`.
 absl::Status CheckTensor(const TensorView& view, absl::string_view field, DType dtype,
                          const std::vector<int64_t>& shape);
+// The same for a destination; also refuses an empty one ("out: no data").
+absl::Status CheckTensor(const MutableTensorView& view, absl::string_view field, DType dtype,
+                         const std::vector<int64_t>& shape);
+
+// InvalidArgument naming both fields when [a, a + a_bytes) and [b, b + b_bytes) share a byte
+// (host and device pointers share one address space, so the location need not be compared).
+absl::Status CheckDisjoint(const void* a, size_t a_bytes, absl::string_view a_field, const void* b,
+                           size_t b_bytes, absl::string_view b_field);
 
 // bf16 <-> fp32 with round-to-nearest-even; the one conversion every engine and test uses.
 float BFloat16ToFloat(uint16_t bits);

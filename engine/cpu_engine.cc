@@ -14,6 +14,9 @@
 // passes are threaded over row chunks. Every reduction has a fixed order, so results do not
 // depend on the thread count. With bf16 storage, values are rounded to bf16 at the points a GPU
 // engine writes bf16 (H, A, Y, out, dH, dx; see docs/CONTRACT.md); everything else is fp32.
+// Inputs are read where they lie and outputs written straight into a caller's host destination
+// when the request names one (a shared-memory region's bytes: no copy on either side), else into
+// new tensors. Device memory and stream events are refused: this engine has no device.
 #include "engine/cpu_engine.h"
 
 #include <unistd.h>
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"
@@ -84,19 +88,56 @@ void ToFloatParallel(ThreadPool* pool, const TensorView& v, float* out) {
   });
 }
 
-// fp32 values -> a tensor of `dtype` (bf16: RNE rounding).
-Tensor FromFloat(ThreadPool* pool, const float* src, DType dtype, std::vector<int64_t> shape) {
-  Tensor t = Tensor::Zeros(dtype, std::move(shape));
-  const int64_t n = t.num_elements();
+// n fp32 values -> `dst` as `dtype` (bf16: RNE rounding).
+void WriteFromFloat(ThreadPool* pool, const float* src, DType dtype, int64_t n, void* dst) {
   if (dtype == DType::kBFloat16) {
-    uint16_t* dst = t.as<uint16_t>();
+    uint16_t* d16 = static_cast<uint16_t*>(dst);
     ParallelChunks(pool, n, 1 << 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dst[i] = FloatToBFloat16(src[i]);
+      for (int64_t i = b; i < e; ++i) d16[i] = FloatToBFloat16(src[i]);
     });
   } else if (n > 0) {
-    std::memcpy(t.as<float>(), src, n * sizeof(float));
+    std::memcpy(dst, src, n * sizeof(float));
   }
+}
+
+// fp32 values -> a tensor of `dtype`.
+Tensor FromFloat(ThreadPool* pool, const float* src, DType dtype, std::vector<int64_t> shape) {
+  Tensor t = Tensor::Zeros(dtype, std::move(shape));
+  WriteFromFloat(pool, src, dtype, t.num_elements(), t.bytes.data());
   return t;
+}
+
+// An output: into the caller's destination `dst` when it names one (its shape and dtype already
+// checked), else into a new tensor `*out`.
+void EmitOutput(ThreadPool* pool, const float* src, DType dtype, std::vector<int64_t> shape,
+                const MutableTensorView& dst, Tensor* out) {
+  if (dst.empty()) {
+    *out = FromFloat(pool, src, dtype, std::move(shape));
+  } else {
+    WriteFromFloat(pool, src, dtype, NumElements(shape), dst.data);
+  }
+}
+
+// This engine computes in host memory and runs no CUDA stream: a view of device memory or a
+// stream event is refused (InvalidArgument / FailedPrecondition naming it) before any work.
+absl::Status RequireHostOnly(const std::vector<NamedView>& views, const StreamOrder& order) {
+  for (const NamedView& v : views) {
+    if (v.location.is_host()) continue;
+    return absl::InvalidArgumentError(
+        absl::StrCat(v.field, ": on ", v.location.DebugString(), "; the cpu engine ",
+                     v.destination ? "writes" : "reads", " host memory"));
+  }
+  for (const auto& [field, event] :
+       {std::pair<const char*, void*>{"order.wait_event", order.wait_event},
+        std::pair<const char*, void*>{"order.done_event", order.done_event}}) {
+    if (event != nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field,
+                       ": the cpu engine runs no CUDA stream to order; stream events need a CUDA "
+                       "engine"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // One trainable tensor: the values the GEMMs use, the fp32 master (bf16 storage only), the
@@ -159,10 +200,11 @@ class CpuLayer : public Layer {
       return absl::ResourceExhaustedError("forward: out of host memory");
     }
   }
+  using Layer::Backward;
   absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
-                                          const TensorView& dout) override {
+                                          const BackwardRequest& request) override {
     try {
-      return BackwardImpl(std::move(context), dout);
+      return BackwardImpl(std::move(context), request);
     } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError("backward: out of host memory");
     }
@@ -181,7 +223,7 @@ class CpuLayer : public Layer {
  private:
   absl::StatusOr<ForwardResult> ForwardImpl(const ForwardRequest& request);
   absl::StatusOr<BackwardResult> BackwardImpl(std::unique_ptr<SavedContext> context,
-                                              const TensorView& dout);
+                                              const BackwardRequest& request);
   void RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, double* aux, double* z);
   void RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf);
   // H [n, hw] = [X W1_l^T | X W3_l^T] for local expert l on the gathered rows xl [n, d],
@@ -306,8 +348,10 @@ void CpuLayer::RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, d
 }
 
 absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& request) {
+  MOE_RETURN_IF_ERROR(RequireHostOnly(RequestViews(request), request.order));
   absl::StatusOr<int64_t> t_or = ValidateForwardRequest(cfg_, request);
   if (!t_or.ok()) return t_or.status();
+  MOE_RETURN_IF_ERROR(ValidateForwardDestination(cfg_, request, *t_or));
   const int64_t t = *t_or, d = cfg_.d_model, h = cfg_.d_hidden, k = cfg_.top_k;
   const int64_t count = cfg_.local_experts(), w = hw();
 
@@ -394,7 +438,7 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
       }
     }
   });
-  res.out = FromFloat(pool_, out.data(), cfg_.dtype, {t, d});
+  EmitOutput(pool_, out.data(), cfg_.dtype, {t, d}, request.out, &res.out);
 
   if (ctx) {
     const auto* xb = static_cast<const std::byte*>(request.x.data);
@@ -466,7 +510,8 @@ void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const floa
 }
 
 absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedContext> context,
-                                                      const TensorView& dout) {
+                                                      const BackwardRequest& request) {
+  const TensorView& dout = request.dout;
   auto* ctx = dynamic_cast<CpuContext*>(context.get());
   if (ctx == nullptr || ctx->owner != this) {
     return absl::InvalidArgumentError(
@@ -474,10 +519,12 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
   }
   const int64_t t = ctx->t, d = cfg_.d_model, h = cfg_.d_hidden, k = cfg_.top_k;
   const int64_t count = cfg_.local_experts(), w = hw();
-  if (absl::Status s = ValidateDout(cfg_, dout, t); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(RequireHostOnly(RequestViews(request), request.order));
+  MOE_RETURN_IF_ERROR(ValidateBackwardRequest(cfg_, request, t));
 
   std::vector<float> xf(t * d), dof(t * d);
-  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size()}, xf.data());
+  ToFloatParallel(pool_, TensorView{ctx->x_dtype, {t, d}, ctx->x.data(), ctx->x.size(), {}},
+                  xf.data());
   ToFloatParallel(pool_, dout, dof.data());
 
   const std::vector<int32_t>& counts = ctx->counts;
@@ -583,10 +630,9 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
 
   for (int64_t l = 0; l < count; ++l) tokens_seen_[l] += counts[l];
   BackwardResult res;
-  res.dx = FromFloat(pool_, dxf.data(), cfg_.dtype, {t, d});
+  EmitOutput(pool_, dxf.data(), cfg_.dtype, {t, d}, request.dx, &res.dx);
   if (cfg_.routing == RoutingMode::kClient) {
-    res.dweights = Tensor::Zeros(DType::kFloat32, {t, k});
-    std::memcpy(res.dweights.as<float>(), dp.data(), t * k * sizeof(float));
+    EmitOutput(pool_, dp.data(), DType::kFloat32, {t, k}, request.dweights, &res.dweights);
   }
   return res;
 }

@@ -2,8 +2,31 @@
 //
 // This header is the single definition of what a layer computes; docs/CONTRACT.md says the
 // same in prose. The server talks only to `Engine` and `Layer`, so the CPU engine and the CUDA
-// engine are interchangeable behind it. All tensors crossing this interface live in host memory
-// (the server receives them as bytes); an engine copies to and from its device itself.
+// engine are interchangeable behind it.
+//
+// Where the bytes live (see "Device tensors" in docs/CONTRACT.md). Every input is a view and
+// says where its bytes are (common/tensor.h MemoryLocation): host memory (what the server
+// received as bytes) or a CUDA device's memory (a trainer's tensor mapped into the server,
+// engine/ipc.h). Every output goes either into a Tensor the engine allocates in host memory
+// (the request names no destination) or straight into a caller's destination
+// (MutableTensorView, host or device memory). The CPU engine takes host memory only and refuses a
+// device view or destination with InvalidArgument naming it; the CUDA engine takes both and
+// reads inputs on its own device in place. Destinations must not overlap any input or each other
+// (InvalidArgument). Every view is checked (dtype, shape, byte size, location) before any work.
+//
+// When things are complete (StreamOrder below):
+//   - Without a done_event the call returns with all its work finished: every output is
+//     written and every input may be reused or freed.
+//   - With a done_event (CUDA engine only) the call returns once the work is enqueued on the
+//     engine's stream and records done_event after its last write of every output and its last
+//     read of every input: device outputs are complete, and device inputs may be reused, once
+//     done_event has fired. Outputs in host memory and results returned by value are complete
+//     when the call returns, and host inputs may be reused then too.
+//   - Inputs a layer keeps for its Backward (x, the routing) are copied into the engine's own
+//     memory: a caller never keeps an input alive for a saved context.
+//   - wait_event: the engine's stream waits on it before reading any device input or writing any
+//     device destination, so a trainer enqueues "x is ready" on its stream and hands over.
+//   - A call that fails has finished all its work when it returns and records no done_event.
 //
 // Math (per token t, shapes below):
 //   routing  client: idx [T,K] int32 global expert ids, p [T,K] weights (given).
@@ -23,8 +46,8 @@
 //            gradients counts them once.
 //   backward from dout [T,d]: dx [T,d] (with server routing dx also carries the path through
 //            the router: softmax/top-K/renormalise and the aux terms); dp [T,K] fp32 (client
-//            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing) are ACCUMULATED
-//            (summed) across Backward calls until Step() consumes and clears them.
+//            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing)
+//            are ACCUMULATED (summed) across Backward calls until Step() consumes and clears them.
 //
 // Layouts, row-major, local expert index l = e - expert_first:
 //   x, out, dout, dx  [T, d]          dtype = LayerConfig::dtype
@@ -39,13 +62,16 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/layer_config.h"
 #include "common/tensor.h"
 #include "engine/engine_options.h"
+#include "engine/ipc.h"
 
 namespace moe {
 
@@ -59,15 +85,33 @@ class SavedContext {
   virtual int64_t bytes() const = 0;
 };
 
+// Stream ordering against a caller's CUDA work, for calls on device memory. Both are opaque
+// cudaEvent_t values (this header needs no CUDA), owned by the caller; null: none.
+struct StreamOrder {
+  // The engine's stream waits on it before reading any device input or writing any device
+  // destination. Any device's event (an interprocess one, engine/ipc.h, included).
+  void* wait_event = nullptr;
+  // Recorded on the engine's stream after the last write of every output and the last read of
+  // every input; the call then returns without waiting for its device work. An event of the
+  // engine's device (Engine::CreateCudaIpcEvent makes one a trainer can wait on).
+  void* done_event = nullptr;
+
+  bool empty() const { return wait_event == nullptr && done_event == nullptr; }
+};
+
 struct ForwardRequest {
   TensorView x;            // [T, d], layer dtype
   TensorView expert_ids;   // [T, K] int32; client routing only (empty otherwise)
   TensorView weights;      // [T, K] fp32 or layer dtype; client routing only
   bool training = true;    // false: keep nothing, return no context
+  // [T, d] layer dtype. Empty: ForwardResult::out is a host Tensor the engine allocates. Set:
+  // the engine writes out there (host or device memory) and ForwardResult::out stays empty.
+  MutableTensorView out;
+  StreamOrder order;
 };
 
 struct ForwardResult {
-  Tensor out;              // [T, d], layer dtype
+  Tensor out;              // [T, d], layer dtype; empty when the request named a destination
   Tensor expert_ids;       // [T, K] int32: the routing used (computed for server routing)
   Tensor weights;          // [T, K] fp32: the routing weights used
   double aux_loss = 0.0;   // server routing: load-balancing term (already times its coef)
@@ -76,9 +120,19 @@ struct ForwardResult {
   std::unique_ptr<SavedContext> context;         // null unless training
 };
 
+// A Backward's inputs and where its outputs go; each destination works as ForwardRequest::out
+// (empty: the result carries a host Tensor; set: written there, the result's tensor empty).
+struct BackwardRequest {
+  TensorView dout;             // [T, d], layer dtype
+  MutableTensorView dx;        // [T, d], layer dtype
+  MutableTensorView dweights;  // [T, K] fp32; client routing only (must be empty otherwise)
+  StreamOrder order;
+};
+
 struct BackwardResult {
-  Tensor dx;               // [T, d], layer dtype
-  Tensor dweights;         // [T, K] fp32, client routing only (empty for server routing)
+  Tensor dx;        // [T, d], layer dtype; empty when the request named a destination
+  Tensor dweights;  // [T, K] fp32, client routing only (empty for server routing, or
+                    // when the request named a destination)
 };
 
 struct StepResult {
@@ -96,9 +150,16 @@ class Layer {
 
   // Validates shapes, dtypes and ids (InvalidArgument naming the field) before any work.
   virtual absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request) = 0;
-  // Consumes `context` (from a training Forward of this layer). dout: [T, d], layer dtype.
+  // Consumes `context` (from a training Forward of this layer), also when it fails.
   virtual absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
-                                                  const TensorView& dout) = 0;
+                                                  const BackwardRequest& request) = 0;
+  // dout [T, d] (layer dtype), outputs returned as host tensors.
+  absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
+                                          const TensorView& dout) {
+    BackwardRequest request;
+    request.dout = dout;
+    return Backward(std::move(context), request);
+  }
   // Applies the optimizer to the accumulated gradients, then clears them.
   virtual absl::StatusOr<StepResult> Step() = 0;
   // Drops accumulated gradients and token counts without stepping.
@@ -160,6 +221,20 @@ class Engine {
   // Page-locked host memory the engine holds for the process's large tensors (the CUDA engine's
   // engine/cuda/pinned_pool.h), in use and kept for reuse; 0 for an engine that pins none.
   virtual int64_t pinned_host_bytes() const { return 0; }
+
+  // CUDA IPC (engine/ipc.h): what a server needs to use memory and events another process on
+  // this host shares. An engine without CUDA refuses all three with FailedPrecondition.
+  //
+  // Maps [offset, offset + size_bytes) of the allocation `mem_handle` (cudaIpcMemHandle_t bytes)
+  // names, which is on CUDA device `device` (this process's ordinal). InvalidArgument naming
+  // the field for a handle of the wrong length, a device out of range or not the memory's, or a
+  // range past the allocation's end; an error, never a crash, for a handle CUDA cannot open.
+  virtual absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
+      absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes);
+  // Opens another process's interprocess event (cudaIpcEventHandle_t bytes).
+  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle);
+  // A new interprocess event on the engine's device and its handle bytes, for a peer to open.
+  virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent();
 };
 
 // "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.

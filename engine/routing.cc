@@ -7,13 +7,57 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace moe {
+namespace {
 
-absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
-                                               const ForwardRequest& request) {
+// Client routing's shapes and dtypes: expert_ids [T, K] int32, weights [T, K] float32 or the
+// layer dtype, both present.
+absl::Status ClientRoutingShapes(const TensorView& expert_ids, const TensorView& weights,
+                                 int64_t num_tokens, int64_t top_k, DType layer_dtype) {
+  if (expert_ids.empty()) {
+    return absl::InvalidArgumentError("expert_ids: required with client routing");
+  }
+  MOE_RETURN_IF_ERROR(CheckTensor(expert_ids, "expert_ids", DType::kInt32, {num_tokens, top_k}));
+  if (weights.empty()) return absl::InvalidArgumentError("weights: required with client routing");
+  const DType wdt = weights.dtype == layer_dtype ? layer_dtype : DType::kFloat32;
+  return CheckTensor(weights, "weights", wdt, {num_tokens, top_k});
+}
+
+void AddView(std::vector<NamedView>* views, const char* field, const TensorView& v) {
+  if (v.data != nullptr) views->push_back({field, v.data, v.size_bytes, v.location, false});
+}
+void AddView(std::vector<NamedView>* views, const char* field, const MutableTensorView& v) {
+  if (v.data != nullptr) views->push_back({field, v.data, v.size_bytes, v.location, true});
+}
+
+// Every destination against every view before it (inputs come first in RequestViews).
+absl::Status CheckDestinationsDisjoint(const std::vector<NamedView>& views) {
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (!views[i].destination) continue;
+    for (size_t j = 0; j < i; ++j) {
+      MOE_RETURN_IF_ERROR(CheckDisjoint(views[i].data, views[i].size_bytes, views[i].field,
+                                        views[j].data, views[j].size_bytes, views[j].field));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The checks of element values read host memory.
+absl::Status RequireHostValues(const TensorView& view, const char* field) {
+  if (view.location.is_host()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": on ", view.location.DebugString(),
+                                                 "; its values are checked in host memory"));
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ValidateForwardShapes(const LayerConfig& config,
+                                              const ForwardRequest& request) {
   if (absl::Status s = CheckTensor(request.x, "x", config.dtype, {-1, config.d_model}); !s.ok()) {
     return s;
   }
@@ -47,29 +91,31 @@ absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
     }
     return t;
   }
-  if (absl::Status s = ValidateClientRouting(request.expert_ids, request.weights, t, config.top_k,
-                                             config.num_experts, config.dtype);
-      !s.ok()) {
-    return s;
-  }
+  MOE_RETURN_IF_ERROR(
+      ClientRoutingShapes(request.expert_ids, request.weights, t, config.top_k, config.dtype));
+  return t;
+}
+
+absl::StatusOr<int64_t> ValidateForwardRequest(const LayerConfig& config,
+                                               const ForwardRequest& request) {
+  MOE_ASSIGN_OR_RETURN(const int64_t t, ValidateForwardShapes(config, request));
+  if (config.routing == RoutingMode::kServer) return t;
+  MOE_RETURN_IF_ERROR(RequireHostValues(request.expert_ids, "expert_ids"));
+  MOE_RETURN_IF_ERROR(RequireHostValues(request.weights, "weights"));
+  MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t, config.top_k,
+                                               config.num_experts));
   return t;
 }
 
 absl::Status ValidateClientRouting(const TensorView& expert_ids, const TensorView& weights,
                                    int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                    DType layer_dtype) {
-  if (expert_ids.empty()) {
-    return absl::InvalidArgumentError("expert_ids: required with client routing");
-  }
-  if (absl::Status s = CheckTensor(expert_ids, "expert_ids", DType::kInt32, {num_tokens, top_k});
-      !s.ok()) {
-    return s;
-  }
-  if (weights.empty()) return absl::InvalidArgumentError("weights: required with client routing");
-  const DType wdt = weights.dtype == layer_dtype ? layer_dtype : DType::kFloat32;
-  if (absl::Status s = CheckTensor(weights, "weights", wdt, {num_tokens, top_k}); !s.ok()) {
-    return s;
-  }
+  MOE_RETURN_IF_ERROR(ClientRoutingShapes(expert_ids, weights, num_tokens, top_k, layer_dtype));
+  return CheckClientRoutingValues(expert_ids, weights, num_tokens, top_k, num_experts);
+}
+
+absl::Status CheckClientRoutingValues(const TensorView& expert_ids, const TensorView& weights,
+                                      int64_t num_tokens, int64_t top_k, int64_t num_experts) {
   const int32_t* ids = expert_ids.as<int32_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t k = 0; k < top_k; ++k) {
@@ -98,6 +144,47 @@ absl::Status ValidateClientRouting(const TensorView& expert_ids, const TensorVie
 
 absl::Status ValidateDout(const LayerConfig& config, const TensorView& dout, int64_t num_tokens) {
   return CheckTensor(dout, "dout", config.dtype, {num_tokens, config.d_model});
+}
+
+absl::Status ValidateForwardDestination(const LayerConfig& config, const ForwardRequest& request,
+                                        int64_t num_tokens) {
+  if (request.out.empty()) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(CheckTensor(request.out, "out", config.dtype, {num_tokens, config.d_model}));
+  return CheckDestinationsDisjoint(RequestViews(request));
+}
+
+absl::Status ValidateBackwardRequest(const LayerConfig& config, const BackwardRequest& request,
+                                     int64_t num_tokens) {
+  MOE_RETURN_IF_ERROR(ValidateDout(config, request.dout, num_tokens));
+  if (!request.dx.empty()) {
+    MOE_RETURN_IF_ERROR(CheckTensor(request.dx, "dx", config.dtype, {num_tokens, config.d_model}));
+  }
+  if (!request.dweights.empty()) {
+    if (config.routing == RoutingMode::kServer) {
+      return absl::InvalidArgumentError(
+          "dweights: must be empty with server routing (it has no routing-weight gradient)");
+    }
+    MOE_RETURN_IF_ERROR(
+        CheckTensor(request.dweights, "dweights", DType::kFloat32, {num_tokens, config.top_k}));
+  }
+  return CheckDestinationsDisjoint(RequestViews(request));
+}
+
+std::vector<NamedView> RequestViews(const ForwardRequest& request) {
+  std::vector<NamedView> views;
+  AddView(&views, "x", request.x);
+  AddView(&views, "expert_ids", request.expert_ids);
+  AddView(&views, "weights", request.weights);
+  AddView(&views, "out", request.out);
+  return views;
+}
+
+std::vector<NamedView> RequestViews(const BackwardRequest& request) {
+  std::vector<NamedView> views;
+  AddView(&views, "dout", request.dout);
+  AddView(&views, "dx", request.dx);
+  AddView(&views, "dweights", request.dweights);
+  return views;
 }
 
 void ToFloat(const TensorView& view, float* out) {

@@ -1,7 +1,9 @@
 // The wire decoder (wire/raw_message.h) on any bytes, split into gRPC slices anywhere: it must
 // accept exactly what protobuf's parser accepts and then read the same message (small fields
-// and each tensor's data); its tensors must go through the server's assembler without harm; and
-// what it read, encoded again by reference, must decode to the same.
+// and each tensor's data); its tensors must go through the server's assembler without harm; a
+// request's references into registered regions (ReadReferences) are refused with
+// INVALID_ARGUMENT or are exactly the message's own, in a one-message micro-batch; and what it
+// read, encoded again by reference, must decode to the same.
 //
 // Input: byte 0 picks the message type, byte 1 the number of slice cuts (mod 8), the next that
 // many bytes where each cut falls (as a fraction of the message), the rest is the message.
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/tensor.h"
@@ -54,6 +57,56 @@ void ClearData(Message* m, const std::vector<int>& fields) {
   }
 }
 
+std::vector<const moe::v1::TensorRef*> DestinationsOf(const moe::v1::ForwardRequest& r) {
+  return {r.has_out_ref() ? &r.out_ref() : nullptr};
+}
+std::vector<const moe::v1::TensorRef*> DestinationsOf(const moe::v1::BackwardRequest& r) {
+  return {r.has_dx_ref() ? &r.dx_ref() : nullptr,
+          r.has_dweights_ref() ? &r.dweights_ref() : nullptr};
+}
+
+// ReadReferences on a decoded request, as the message's first and as a later message of its
+// micro-batch.
+template <typename Msg>
+void CheckReferences(const Msg& got, const moe::wire::IncomingMessage& in,
+                     const std::vector<int>& tensor_fields) {
+  for (bool first : {true, false}) {
+    absl::StatusOr<moe::wire::MessageReferences> refs = moe::wire::ReadReferences(got, in, first);
+    if (!refs.ok()) {
+      Check(refs.status().code() == absl::StatusCode::kInvalidArgument);
+      continue;
+    }
+    Check(refs->tensors.size() == tensor_fields.size());
+    for (size_t i = 0; i < tensor_fields.size(); ++i) {
+      const moe::v1::Tensor* t = TensorOf(got, tensor_fields[i]);
+      const bool by_ref = t != nullptr && t->has_ref();
+      Check(refs->tensors[i].has_value() == by_ref);
+      if (!by_ref) continue;
+      const moe::wire::ResolvedTensor& r = *refs->tensors[i];
+      Check(r.region_id == t->ref().region_id() && r.region_id != 0);
+      Check(r.offset == t->ref().offset() && r.offset >= 0);
+      Check(t->data().empty() && in.payload(tensor_fields[i]).empty() && t->offset() == 0);
+      Check(r.shape == std::vector<int64_t>(t->shape().begin(), t->shape().end()));
+      absl::StatusOr<int64_t> size = moe::CheckedByteSize(r.shape, r.dtype, "t");
+      Check(size.ok() && *size == r.byte_size);
+    }
+    const std::vector<const moe::v1::TensorRef*> destinations = DestinationsOf(got);
+    Check(refs->destinations.size() == destinations.size());
+    for (size_t i = 0; i < destinations.size(); ++i) {
+      Check(refs->destinations[i].has_value() == (destinations[i] != nullptr));
+      if (destinations[i] == nullptr) continue;
+      Check(refs->destinations[i]->region_id() == destinations[i]->region_id() &&
+            destinations[i]->region_id() != 0 && destinations[i]->offset() >= 0);
+    }
+    Check(refs->event_id == got.event_id());
+    if (refs->any()) {
+      Check(first && got.last_chunk() && got.stripe().count() == 0);
+    } else {
+      Check(got.event_id() == 0);
+    }
+  }
+}
+
 grpc::ByteBuffer Split(const std::string& bytes, std::vector<size_t> cuts) {
   std::vector<grpc::Slice> slices;
   size_t from = 0;
@@ -88,6 +141,10 @@ void Run(const std::string& bytes, const std::vector<size_t>& cuts,
   Msg small = want;
   ClearData(&small, tensor_fields);
   Check(got.SerializeAsString() == small.SerializeAsString());
+  if constexpr (std::is_same_v<Msg, moe::v1::ForwardRequest> ||
+                std::is_same_v<Msg, moe::v1::BackwardRequest>) {
+    CheckReferences(got, in, tensor_fields);
+  }
 
   // The server's assembly of what was decoded: a refusal names the field, a tensor it accepts
   // holds exactly what its shape claims.

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 
 namespace moe::server {
 namespace {
@@ -119,7 +120,7 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected \"PRINCIPAL TOKEN\", found ", fields.size(), " fields"));
     }
-    if (absl::Status st = ValidatePrincipal(fields[0], where); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ValidatePrincipal(fields[0], where));
     const absl::string_view token = fields[1];
     if (token.size() < kMinTokenLength || token.size() > kMaxTokenLength) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": the token of \"", fields[0],
@@ -155,7 +156,7 @@ absl::StatusOr<std::shared_ptr<Authenticator>> Authenticator::Create(const AuthO
   auth->client_certificates_ = options.client_certificates;
   auth->enabled_ = !options.tokens_file.empty() || options.client_certificates;
   for (const std::string& p : options.admin_principals) {
-    if (absl::Status st = ValidatePrincipal(p, "admin_principals"); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ValidatePrincipal(p, "admin_principals"));
     auth->admins_.insert(p);
   }
   if (!auth->admins_.empty() && !auth->enabled_) {
@@ -165,7 +166,7 @@ absl::StatusOr<std::shared_ptr<Authenticator>> Authenticator::Create(const AuthO
   }
   auth->tokens_ = std::make_shared<const std::vector<Entry>>();
   if (!auth->tokens_file_.empty()) {
-    if (absl::Status st = auth->Reload(); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(auth->Reload());
   }
   return auth;
 }
@@ -187,8 +188,7 @@ absl::StatusOr<bool> Authenticator::ReloadIfChanged() {
     std::lock_guard<std::mutex> lock(reload_mu_);
     if (Stamp() == loaded_) return false;
   }
-  absl::Status st = Reload();
-  if (!st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Reload());
   return true;
 }
 
@@ -196,13 +196,11 @@ absl::Status Authenticator::Reload() {
   if (tokens_file_.empty()) return absl::OkStatus();
   std::lock_guard<std::mutex> reload_lock(reload_mu_);
   loaded_ = Stamp();
-  absl::StatusOr<std::string> text = ReadTokensFile(tokens_file_);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<std::vector<TokenEntry>> parsed =
-      ParseTokens(*text, absl::StrCat("tokens_file: ", tokens_file_));
-  if (!parsed.ok()) return parsed.status();
+  MOE_ASSIGN_OR_RETURN(const std::string text, ReadTokensFile(tokens_file_));
+  MOE_ASSIGN_OR_RETURN(const std::vector<TokenEntry> parsed,
+                       ParseTokens(text, absl::StrCat("tokens_file: ", tokens_file_)));
   auto entries = std::make_shared<std::vector<Entry>>();
-  for (const TokenEntry& t : *parsed) {
+  for (const TokenEntry& t : parsed) {
     Entry e{t.principal, Sha256(t.token)};
     if (e.digest == Digest{}) return absl::InternalError("tokens_file: SHA-256 failed");
     entries->push_back(std::move(e));

@@ -22,10 +22,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "engine/state.h"
 #include "moe/v1/moe.pb.h"
-#include "wire/wire.h"
 #include "server/safetensors.h"
+#include "wire/wire.h"
 
 namespace moe::server {
 namespace {
@@ -168,9 +169,7 @@ absl::StatusOr<Fd> OpenParent(const Fd& root, const std::vector<std::string>& pa
       const int e = errno;
       struct stat st;
       if (::fstatat(dir.get(), name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
-        if (absl::Status s = CheckKind(st, /*want_dir=*/true, relative, parts[i]); !s.ok()) {
-          return s;
-        }
+        MOE_RETURN_IF_ERROR(CheckKind(st, /*want_dir=*/true, relative, parts[i]));
       }
       return PathError(e, "open", relative);
     }
@@ -203,7 +202,7 @@ absl::Status ReadExactly(int fd, size_t n, std::string* out, const KeepGoing& ke
                          absl::string_view relative) {
   size_t done = 0;
   while (done < n) {
-    if (absl::Status s = Stopped(keep_going); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(Stopped(keep_going));
     const size_t want = std::min(kIoChunkBytes, n - done);
     const size_t at = out->size();
     out->resize(at + want);
@@ -358,31 +357,28 @@ absl::StatusOr<std::string> WriteCheckpointFile(const std::string& root,
                                                 const std::string& relative,
                                                 const std::string& bytes, int64_t max_bytes,
                                                 const KeepGoing& keep_going) {
-  auto parts = SplitCheckpointPath(relative);
-  if (!parts.ok()) return parts.status();
+  MOE_ASSIGN_OR_RETURN(const std::vector<std::string> parts, SplitCheckpointPath(relative));
   if (bytes.size() > static_cast<uint64_t>(std::max<int64_t>(max_bytes, 0))) {
     return absl::ResourceExhaustedError(absl::StrCat("checkpoint of ", bytes.size(),
                                                      " bytes is larger than the server's bound ",
                                                      "(max_checkpoint_bytes = ", max_bytes, ")"));
   }
-  auto root_fd = OpenRoot(root);
-  if (!root_fd.ok()) return root_fd.status();
-  auto dir = OpenParent(*root_fd, *parts, /*create=*/true, relative);
-  if (!dir.ok()) return dir.status();
-  const std::string& name = parts->back();
+  MOE_ASSIGN_OR_RETURN(const Fd root_fd, OpenRoot(root));
+  MOE_ASSIGN_OR_RETURN(const Fd dir, OpenParent(root_fd, parts, /*create=*/true, relative));
+  const std::string& name = parts.back();
   bool exists = false;
   struct stat st;
-  if (absl::Status s = StatTarget(*dir, name, relative, &exists, &st); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(StatTarget(dir, name, relative, &exists, &st));
 
   std::random_device rd;
   const std::string tmp = absl::StrCat(name, ".tmp.", ::getpid(), ".", rd());
-  Fd fd(::openat(dir->get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                 0644));
+  Fd fd(
+      ::openat(dir.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (!fd.ok()) return PathError(errno, "create", relative);
   // Every failure from here on removes the temporary file.
   auto fail = [&](absl::Status s) {
     fd.Reset();
-    ::unlinkat(dir->get(), tmp.c_str(), 0);
+    ::unlinkat(dir.get(), tmp.c_str(), 0);
     return s;
   };
   size_t done = 0;
@@ -402,34 +398,31 @@ absl::StatusOr<std::string> WriteCheckpointFile(const std::string& root,
   if (::close(fd.Release()) != 0) return fail(PathError(errno, "write", relative));
   // The last moment to stop: after the rename the new checkpoint is in place.
   if (absl::Status s = Stopped(keep_going); !s.ok()) return fail(s);
-  if (::renameat(dir->get(), tmp.c_str(), dir->get(), name.c_str()) != 0) {
+  if (::renameat(dir.get(), tmp.c_str(), dir.get(), name.c_str()) != 0) {
     return fail(PathError(errno, "replace", relative));
   }
   // The rename is durable only once the directory entry is.
-  if (::fsync(dir->get()) != 0) return PathError(errno, "write", relative);
-  return absl::StrCat(root, "/", absl::StrJoin(*parts, "/"));
+  if (::fsync(dir.get()) != 0) return PathError(errno, "write", relative);
+  return absl::StrCat(root, "/", absl::StrJoin(parts, "/"));
 }
 
 absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root, const std::string& relative,
                                                int64_t max_bytes, const KeepGoing& keep_going) {
-  auto parts = SplitCheckpointPath(relative);
-  if (!parts.ok()) return parts.status();
-  auto root_fd = OpenRoot(root);
-  if (!root_fd.ok()) return root_fd.status();
-  auto dir = OpenParent(*root_fd, *parts, /*create=*/false, relative);
-  if (!dir.ok()) return dir.status();
-  const std::string& name = parts->back();
+  MOE_ASSIGN_OR_RETURN(const std::vector<std::string> parts, SplitCheckpointPath(relative));
+  MOE_ASSIGN_OR_RETURN(const Fd root_fd, OpenRoot(root));
+  MOE_ASSIGN_OR_RETURN(const Fd dir, OpenParent(root_fd, parts, /*create=*/false, relative));
+  const std::string& name = parts.back();
   bool exists = false;
   struct stat st;
-  if (absl::Status s = StatTarget(*dir, name, relative, &exists, &st); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(StatTarget(dir, name, relative, &exists, &st));
   if (!exists) return PathError(ENOENT, "read", relative);
   // O_NONBLOCK: should the entry have become a FIFO since the stat, the open does not wait for
   // a writer; the fstat below then refuses it.
-  Fd fd(::openat(dir->get(), name.c_str(),
-                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+  Fd fd(
+      ::openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
   if (!fd.ok()) return PathError(errno, "read", relative);
   if (::fstat(fd.get(), &st) != 0) return PathError(errno, "read", relative);
-  if (absl::Status s = CheckKind(st, /*want_dir=*/false, relative, ""); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckKind(st, /*want_dir=*/false, relative, ""));
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size > static_cast<uint64_t>(std::max<int64_t>(max_bytes, 0))) {
     return absl::ResourceExhaustedError(absl::StrCat("path: ", Shown(relative), " is ", size,
@@ -438,12 +431,10 @@ absl::StatusOr<std::string> ReadCheckpointFile(const std::string& root, const st
   }
   std::string out;
   if (size < 8) return absl::DataLossError("safetensors: file shorter than 8 bytes");
-  if (absl::Status s = ReadExactly(fd.get(), 8, &out, keep_going, relative); !s.ok()) return s;
-  if (auto n = SafetensorsHeaderLength(out, size); !n.ok()) return n.status();
+  MOE_RETURN_IF_ERROR(ReadExactly(fd.get(), 8, &out, keep_going, relative));
+  MOE_RETURN_IF_ERROR(SafetensorsHeaderLength(out, size).status());
   out.reserve(size);
-  if (absl::Status s = ReadExactly(fd.get(), size - 8, &out, keep_going, relative); !s.ok()) {
-    return s;
-  }
+  MOE_RETURN_IF_ERROR(ReadExactly(fd.get(), size - 8, &out, keep_going, relative));
   char extra;
   ssize_t r;
   do {
@@ -464,10 +455,9 @@ bool IsCheckpointDebrisName(absl::string_view name) {
 }
 
 absl::StatusOr<DebrisSweep> RemoveCheckpointDebris(const std::string& root) {
-  auto root_fd = OpenRoot(root);
-  if (!root_fd.ok()) return root_fd.status();
+  MOE_ASSIGN_OR_RETURN(const Fd root_fd, OpenRoot(root));
   DebrisSweep out;
-  Sweep(root_fd->get(), 0, &out);
+  Sweep(root_fd.get(), 0, &out);
   return out;
 }
 
@@ -494,10 +484,9 @@ absl::StatusOr<std::string> EncodeCheckpoint(const std::string& layer_name,
 }
 
 absl::StatusOr<DecodedCheckpoint> DecodeCheckpoint(const std::string& bytes) {
-  auto file = ParseSafetensors(bytes);
-  if (!file.ok()) return file.status();
-  auto config_it = file->metadata.find(kCheckpointConfigKey);
-  if (config_it == file->metadata.end()) {
+  MOE_ASSIGN_OR_RETURN(SafetensorsFile file, ParseSafetensors(bytes));
+  auto config_it = file.metadata.find(kCheckpointConfigKey);
+  if (config_it == file.metadata.end()) {
     return absl::DataLossError(absl::StrCat("checkpoint: metadata has no ", kCheckpointConfigKey));
   }
   v1::LayerConfig proto;
@@ -513,7 +502,7 @@ absl::StatusOr<DecodedCheckpoint> DecodeCheckpoint(const std::string& bytes) {
   }
   DecodedCheckpoint out;
   out.config = *config;
-  out.state = std::move(file->tensors);
+  out.state = std::move(file.tensors);
   return out;
 }
 

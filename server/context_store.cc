@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace moe::server {
 
@@ -72,7 +73,7 @@ absl::Status ContextStore::Put(const std::string& layer, uint64_t id, const std:
                                const std::string& session, std::unique_ptr<SavedContext> context) {
   const int64_t size = context->bytes();
   std::lock_guard<std::mutex> lock(mu_);
-  if (absl::Status st = CheckSessionLocked(session, principal); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(CheckSessionLocked(session, principal));
   Key key{layer, principal, id};
   if (entries_.count(key)) {
     return absl::AlreadyExistsError(
@@ -87,7 +88,7 @@ absl::Status ContextStore::Put(const std::string& layer, uint64_t id, const std:
                      "micro-batches"));
   }
   if (ledger_) {
-    if (absl::Status st = ledger_->AdmitContext(principal, size); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ledger_->AdmitContext(principal, size));
   }
   Entry& e = entries_[key];
   e.context = std::move(context);

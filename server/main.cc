@@ -55,6 +55,9 @@ ABSL_FLAG(int64_t, principal_layer_bytes_quota, kDefaults.principal_layer_bytes_
           "created may hold; 0 is unlimited");
 ABSL_FLAG(int64_t, principal_context_bytes_quota, kDefaults.principal_context_bytes_quota,
           "Bytes of saved training contexts one principal may hold; 0 is unlimited");
+ABSL_FLAG(int64_t, principal_region_bytes_quota, kDefaults.principal_region_bytes_quota,
+          "Bytes of shared memory and CUDA memory regions one principal may register "
+          "(RegisterRegion); 0 is unlimited");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest request message accepted; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_layers, kDefaults.max_layers, "Most layers the server holds at once");
@@ -127,6 +130,7 @@ int main(int argc, char** argv) {
   options.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   options.principal_layer_bytes_quota = absl::GetFlag(FLAGS_principal_layer_bytes_quota);
   options.principal_context_bytes_quota = absl::GetFlag(FLAGS_principal_context_bytes_quota);
+  options.principal_region_bytes_quota = absl::GetFlag(FLAGS_principal_region_bytes_quota);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);

@@ -36,6 +36,9 @@ struct ServerOptions {
   // bytes of its saved contexts.
   int64_t principal_layer_bytes_quota = 0;
   int64_t principal_context_bytes_quota = 0;
+  // Per principal, 0 unlimited: bytes of the memory regions it registered (region_registry.h).
+  // Mapping them costs the server page tables and address space, not the memory itself.
+  int64_t principal_region_bytes_quota = int64_t{16} << 30;
   // Largest checkpoint file LoadCheckpoint reads or SaveCheckpoint writes.
   int64_t max_checkpoint_bytes = int64_t{64} << 30;
   // All empty: plaintext gRPC. Certificate and key: TLS; a client CA as well: mutual TLS

@@ -5,6 +5,7 @@
 #include <cctype>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "common/tensor.h"
 #include "wire/wire.h"
 
@@ -59,7 +60,7 @@ absl::Status ValidateStripe(const v1::Stripe& stripe, uint64_t context_id) {
 
 absl::Status ValidateWeightChunk(const v1::WeightChunk& chunk, absl::string_view layer) {
   if (layer.empty()) {
-    if (absl::Status st = ValidateImportStream(chunk.layer()); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ValidateImportStream(chunk.layer()));
   } else if (!chunk.layer().empty() && chunk.layer() != layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer: \"", chunk.layer(), "\" differs from the first message's \"", layer, "\""));

@@ -1,8 +1,8 @@
 // Checks of what a client sends that need no layer, context or join state: names, stripes,
 // chunk sizes, the first message of a weight import. The service calls them before it looks
 // anything up, so a bad request is INVALID_ARGUMENT naming the field whatever the server holds;
-// kept out of service.cc so the fuzzers (fuzz/request_validation_fuzzer.cc) and tests reach
-// them without a server.
+// kept out of the service's files so the fuzzers (fuzz/request_validation_fuzzer.cc) and tests
+// reach them without a server.
 //
 // What needs a layer (shapes, dtypes and routing of x, expert_ids, weights, dout) is the
 // engine's: ValidateForwardRequest and ValidateDout (engine/routing.h), LayerConfigFromProto

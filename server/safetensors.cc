@@ -14,6 +14,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace moe::server {
 namespace {
@@ -236,18 +237,16 @@ absl::StatusOr<uint64_t> SafetensorsHeaderLength(const std::string& prefix, uint
 }
 
 absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
-  auto n = SafetensorsHeaderLength(bytes, bytes.size());
-  if (!n.ok()) return n.status();
+  MOE_ASSIGN_OR_RETURN(const uint64_t n, SafetensorsHeaderLength(bytes, bytes.size()));
   const char* header_begin = bytes.data() + 8;
-  auto json = ParseHeader(header_begin, header_begin + *n);
-  if (!json.ok()) return json.status();
-  if (!json->is_object()) return Bad("header is not an object");
-  const uint64_t data_size = bytes.size() - 8 - *n;
-  const char* data = header_begin + *n;
+  MOE_ASSIGN_OR_RETURN(const Json json, ParseHeader(header_begin, header_begin + n));
+  if (!json.is_object()) return Bad("header is not an object");
+  const uint64_t data_size = bytes.size() - 8 - n;
+  const char* data = header_begin + n;
 
   SafetensorsFile file;
   std::vector<Entry> entries;
-  for (auto it = json->begin(); it != json->end(); ++it) {
+  for (auto it = json.begin(); it != json.end(); ++it) {
     const std::string& name = it.key();
     const Json& v = it.value();
     if (name == "__metadata__") {
@@ -260,9 +259,8 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(const std::string& bytes) {
       }
       continue;
     }
-    auto entry = ParseEntry(name, v, data_size);
-    if (!entry.ok()) return entry.status();
-    entries.push_back(std::move(*entry));
+    MOE_ASSIGN_OR_RETURN(Entry entry, ParseEntry(name, v, data_size));
+    entries.push_back(std::move(entry));
   }
   // As the reference reader: in offset order the tensors tile the data exactly.
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {

@@ -9,13 +9,14 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "engine/layer.h"
-#include "wire/tls.h"
 #include "server/auth.h"
 #include "server/memory_limits.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
+#include "wire/tls.h"
 
 namespace moe::server {
 
@@ -64,22 +65,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
 
   // Before the engine: a bad TLS file is the operator's to fix and should not wait on a GPU.
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      wire::MakeServerCredentials(options.tls, "tls_");
-  if (!credentials.ok()) return credentials.status();
+  MOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ServerCredentials> credentials,
+                       wire::MakeServerCredentials(options.tls, "tls_"));
   // So is a bad tokens file.
-  absl::StatusOr<std::shared_ptr<Authenticator>> auth = Authenticator::Create(
-      {options.tokens_file, !options.tls.client_ca_file.empty(), options.admin_principals});
-  if (!auth.ok()) return auth.status();
+  MOE_ASSIGN_OR_RETURN(
+      std::shared_ptr<Authenticator> auth,
+      Authenticator::Create(
+          {options.tokens_file, !options.tls.client_ca_file.empty(), options.admin_principals}));
 
-  auto engine = CreateEngine(options.device, options.engine);
-  if (!engine.ok()) return engine.status();
+  MOE_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                       CreateEngine(options.device, options.engine));
 
-  absl::StatusOr<DeviceMemoryInfo> device_memory = (*engine)->DeviceMemory();
-  if (!device_memory.ok()) return device_memory.status();
+  MOE_ASSIGN_OR_RETURN(const DeviceMemoryInfo device_memory, engine->DeviceMemory());
   const HostMemoryLimits host_limits = ReadHostMemoryLimits();
-  MemoryBudget budget = DeriveMemoryBudget(options.memory_budget_bytes, (*engine)->name(),
-                                           *device_memory, host_limits);
+  MemoryBudget budget =
+      DeriveMemoryBudget(options.memory_budget_bytes, engine->name(), device_memory, host_limits);
   if (budget.engine_bytes <= 0 || budget.host_bytes <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "memory_budget_bytes: no memory left to admit anything (", budget.engine_memory, ": ",
@@ -87,18 +87,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
 
   std::unique_ptr<Server> server(new Server());
-  server->device_ = (*engine)->name();
+  server->device_ = engine->name();
   server->memory_budget_ = budget;
   server->checkpoint_debris_ = debris;
   server->metrics_ = std::make_unique<Metrics>(server->device_);
-  server->auth_ = *auth;
+  server->auth_ = std::move(auth);
   server->service_ = std::make_unique<ExpertServiceImpl>(
-      options, std::move(budget), std::move(*engine), server->metrics_.get(), server->auth_);
+      options, std::move(budget), std::move(engine), server->metrics_.get(), server->auth_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), *credentials,
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), credentials,
                            &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(-1);

@@ -1,4 +1,7 @@
-// The ExpertService implementation on gRPC's callback API.
+// The ExpertService implementation on gRPC's callback API: the service's shared state (the layer
+// table, the executors, the memory ledger, the context store) and its method table. The RPCs live
+// in files of their own, after grpc's route_guide callback example: a reactor class per streaming
+// RPC, a group of unary handlers per file (named at each method below).
 //
 // Threading: reactions (OnReadDone, OnWriteDone, ...) only parse, account and hand work to the
 // device executor; they never wait. Every engine call, and every change to the layer table,
@@ -92,6 +95,7 @@ class ExpertServiceImpl final : public ExpertServiceBase {
                     std::shared_ptr<const Authenticator> auth = nullptr);
   ~ExpertServiceImpl() override;
 
+  // layer_handlers.cc
   grpc::ServerUnaryReactor* CreateLayer(grpc::CallbackServerContext* ctx,
                                         const v1::CreateLayerRequest* req,
                                         v1::LayerInfo* resp) override;
@@ -103,34 +107,39 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   grpc::ServerUnaryReactor* DeleteLayer(grpc::CallbackServerContext* ctx,
                                         const v1::DeleteLayerRequest* req,
                                         v1::DeleteLayerResponse* resp) override;
-  // Raw: moe.v1.ForwardRequest in, moe.v1.ForwardResponse out.
+  // Raw: moe.v1.ForwardRequest in, moe.v1.ForwardResponse out (forward_reactor.cc).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Forward(
       grpc::CallbackServerContext* ctx) override;
-  // Raw: moe.v1.BackwardRequest in, moe.v1.BackwardResponse out.
+  // Raw: moe.v1.BackwardRequest in, moe.v1.BackwardResponse out (backward_reactor.cc).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Backward(
       grpc::CallbackServerContext* ctx) override;
+  // optimizer_handlers.cc
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) override;
   grpc::ServerUnaryReactor* ZeroGrad(grpc::CallbackServerContext* ctx,
                                      const v1::ZeroGradRequest* req,
                                      v1::ZeroGradResponse* resp) override;
+  // weights_reactors.cc
   grpc::ServerWriteReactor<v1::WeightChunk>* ExportWeights(
       grpc::CallbackServerContext* ctx, const v1::ExportWeightsRequest* req) override;
   grpc::ServerReadReactor<v1::WeightChunk>* ImportWeights(grpc::CallbackServerContext* ctx,
                                                           v1::ImportWeightsResponse* resp) override;
+  // checkpoint_handlers.cc
   grpc::ServerUnaryReactor* SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                            const v1::SaveCheckpointRequest* req,
                                            v1::SaveCheckpointResponse* resp) override;
   grpc::ServerUnaryReactor* LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                            const v1::LoadCheckpointRequest* req,
                                            v1::LoadCheckpointResponse* resp) override;
+  // layer_handlers.cc
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::StatsResponse* resp) override;
+  // session_reactor.cc
   grpc::ServerWriteReactor<v1::SessionEvent>* OpenSession(
       grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req) override;
 
-  // For the reactors (service.cc).
+  // For the reactors and handlers (the files named above).
   Metrics& metrics() { return *metrics_; }
   ContextStore& contexts() { return contexts_; }
   MemoryLedger& ledger() { return ledger_; }
@@ -161,15 +170,15 @@ class ExpertServiceImpl final : public ExpertServiceBase {
                    const absl::Status& status);
 
  private:
-  // Runs `work` on the executor (after the deadline/cancel check) and finishes the call with
-  // its status; accounts queue and compute latency and bytes.
-  // `work` gets the authenticated Caller; a call that does not authenticate never reaches the
-  // executor.
   // Every unary call's start: counts the request's bytes and authenticates the caller; on a
   // refusal the call is already finished with that status.
   absl::StatusOr<Caller> BeginUnary(grpc::CallbackServerContext* ctx, const char* method,
                                     const google::protobuf::Message& req,
                                     grpc::ServerUnaryReactor* reactor);
+  // Runs `work` on the executor (after the deadline/cancel check) and finishes the call with
+  // its status; accounts queue and compute latency and bytes.
+  // `work` gets the authenticated Caller; a call that does not authenticate never reaches the
+  // executor. Defined in service_internal.h, for the handler files.
   template <typename Work>
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
                                      const google::protobuf::Message* req,
@@ -180,6 +189,8 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   absl::StatusOr<std::unique_ptr<Layer>> CreateAdmittedLayer(const std::string& principal,
                                                              const std::string& name,
                                                              const LayerConfig& config);
+  // ResourceExhausted when the table already holds --max_layers layers.
+  absl::Status CheckLayerCount() const;
   absl::Status InsertLayer(const std::string& name, const LayerConfig& config,
                            std::unique_ptr<Layer> layer, const std::string& owner,
                            std::set<std::string> shared_with, std::shared_ptr<LayerEntry>* out);

@@ -1,6 +1,7 @@
 // Encoding and decoding of tensor-carrying messages by reference (see raw_message.h). The
 // decoder walks protobuf's wire format itself, over gRPC's slices, only far enough to lift the
-// tensors' `data` out; everything else is re-emitted in canonical form and left to protobuf.
+// tensors' `data` out; everything else (a tensor's `ref` included) is re-emitted in canonical
+// form and left to protobuf. The references a decoded request makes are checked here too.
 #include "wire/raw_message.h"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace moe::wire {
 namespace {
@@ -242,6 +244,162 @@ absl::Span<const absl::string_view> IncomingMessage::payload(int field) const {
     if (p.field == field) return p.pieces;
   }
   return {};
+}
+
+// --- Tensors by reference ----------------------------------------------------------------
+namespace {
+
+// `ref` at `field` ("x.ref", "out_ref") names a region and an offset that can exist.
+absl::Status CheckRef(const v1::TensorRef& ref, absl::string_view field) {
+  if (ref.region_id() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".region_id: 0 names no region (RegisterRegion returns a region's id)"));
+  }
+  if (ref.offset() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".offset: ", ref.offset(), " is negative"));
+  }
+  return absl::OkStatus();
+}
+
+struct RequestTensor {
+  const char* name;
+  int field;
+  bool present;
+  const v1::Tensor* tensor;
+};
+struct Destination {
+  const char* name;  // the TensorRef's field
+  bool present;
+  const v1::TensorRef* ref;
+};
+
+absl::StatusOr<MessageReferences> ReadMessageReferences(absl::Span<const RequestTensor> tensors,
+                                                        absl::Span<const Destination> destinations,
+                                                        uint64_t event_id, bool last_chunk,
+                                                        bool striped, const IncomingMessage& in,
+                                                        bool first_message) {
+  MessageReferences refs;
+  refs.event_id = event_id;
+  std::string first_ref;  // the field of the first reference, for the errors below
+  for (const RequestTensor& t : tensors) {
+    if (!t.present || !t.tensor->has_ref()) {
+      refs.tensors.emplace_back();
+      continue;
+    }
+    MOE_ASSIGN_OR_RETURN(ResolvedTensor r,
+                         ReferencedTensor(*t.tensor, in.payload(t.field), t.name));
+    if (first_ref.empty()) first_ref = r.field;
+    refs.tensors.emplace_back(std::move(r));
+  }
+  for (const Destination& d : destinations) {
+    if (!d.present) {
+      refs.destinations.emplace_back();
+      continue;
+    }
+    MOE_RETURN_IF_ERROR(CheckRef(*d.ref, d.name));
+    if (first_ref.empty()) first_ref = d.name;
+    refs.destinations.emplace_back(*d.ref);
+  }
+  if (!refs.any()) {
+    if (event_id != 0) {
+      return absl::InvalidArgumentError(
+          "event_id: an event pair orders accesses to regions, and this micro-batch references "
+          "none");
+    }
+    return refs;
+  }
+  if (!first_message) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(first_ref,
+                     ": a micro-batch with references is one message, and this one began in an "
+                     "earlier message"));
+  }
+  if (!last_chunk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("last_chunk: a micro-batch with references is one message and must set it (",
+                     first_ref, ")"));
+  }
+  if (striped) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe: a micro-batch with references is not striped (", first_ref, ")"));
+  }
+  return refs;
+}
+
+}  // namespace
+
+bool MessageReferences::any() const {
+  for (const auto& t : tensors) {
+    if (t.has_value()) return true;
+  }
+  for (const auto& d : destinations) {
+    if (d.has_value()) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<ResolvedTensor> ReferencedTensor(const v1::Tensor& tensor,
+                                                absl::Span<const absl::string_view> payload,
+                                                absl::string_view field) {
+  size_t bytes = tensor.data().size();
+  for (absl::string_view p : payload) bytes += p.size();
+  if (bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data: a tensor given by reference carries no bytes, this one ", bytes));
+  }
+  if (tensor.offset() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".offset: must be 0 for a tensor given by reference, got ", tensor.offset()));
+  }
+  MOE_ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(tensor.dtype(), field));
+  std::vector<int64_t> shape(tensor.shape().begin(), tensor.shape().end());
+  MOE_ASSIGN_OR_RETURN(const int64_t size, CheckedByteSize(shape, dtype, field));
+  const std::string ref_field = absl::StrCat(field, ".ref");
+  MOE_RETURN_IF_ERROR(CheckRef(tensor.ref(), ref_field));
+  return ResolvedTensor{ref_field, tensor.ref().region_id(), tensor.ref().offset(),
+                        dtype,     std::move(shape),         size};
+}
+
+absl::StatusOr<ResolvedTensor> DestinationTensor(const v1::TensorRef& ref, DType dtype,
+                                                 std::vector<int64_t> shape,
+                                                 absl::string_view field) {
+  MOE_RETURN_IF_ERROR(CheckRef(ref, field));
+  MOE_ASSIGN_OR_RETURN(const int64_t size, CheckedByteSize(shape, dtype, field));
+  return ResolvedTensor{
+      std::string(field), ref.region_id(), ref.offset(), dtype, std::move(shape), size};
+}
+
+absl::StatusOr<MessageReferences> ReadReferences(const v1::ForwardRequest& msg,
+                                                 const IncomingMessage& in, bool first_message) {
+  const RequestTensor tensors[] = {
+      {"x", v1::ForwardRequest::kXFieldNumber, msg.has_x(), &msg.x()},
+      {"expert_ids", v1::ForwardRequest::kExpertIdsFieldNumber, msg.has_expert_ids(),
+       &msg.expert_ids()},
+      {"weights", v1::ForwardRequest::kWeightsFieldNumber, msg.has_weights(), &msg.weights()}};
+  const Destination destinations[] = {{"out_ref", msg.has_out_ref(), &msg.out_ref()}};
+  return ReadMessageReferences(tensors, destinations, msg.event_id(), msg.last_chunk(),
+                               msg.stripe().count() != 0, in, first_message);
+}
+
+absl::StatusOr<MessageReferences> ReadReferences(const v1::BackwardRequest& msg,
+                                                 const IncomingMessage& in, bool first_message) {
+  const RequestTensor tensors[] = {
+      {"dout", v1::BackwardRequest::kDoutFieldNumber, msg.has_dout(), &msg.dout()}};
+  const Destination destinations[] = {
+      {"dx_ref", msg.has_dx_ref(), &msg.dx_ref()},
+      {"dweights_ref", msg.has_dweights_ref(), &msg.dweights_ref()}};
+  return ReadMessageReferences(tensors, destinations, msg.event_id(), msg.last_chunk(),
+                               msg.stripe().count() != 0, in, first_message);
+}
+
+void SetTensorRef(DType dtype, const std::vector<int64_t>& shape, uint64_t region_id,
+                  int64_t offset, v1::Tensor* proto) {
+  SetTensorHeader(dtype, shape, proto);
+  proto->clear_data();
+  proto->set_offset(0);
+  proto->mutable_ref()->set_region_id(region_id);
+  proto->mutable_ref()->set_offset(offset);
 }
 
 }  // namespace moe::wire

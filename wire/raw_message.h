@@ -14,6 +14,9 @@
 // merges the two occurrences into one Tensor. So any client or server that speaks moe.proto
 // (Python's grpcio, grpcurl) reads and writes these messages unchanged, and the decoder here
 // accepts any valid encoding, including protobuf's own.
+//
+// A tensor may also travel by reference (moe.proto TensorRef: bytes the client registered on the
+// server's host); ReadReferences below reads and checks a message's references.
 #ifndef MOE_WIRE_RAW_MESSAGE_H_
 #define MOE_WIRE_RAW_MESSAGE_H_
 
@@ -26,9 +29,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/tensor.h"
@@ -155,6 +161,63 @@ class ChunkedMessages {
   Header header_;
   ChunkPlan plan_;
 };
+
+// --- Tensors by reference (moe.proto TensorRef; docs/PROTOCOL.md, "Registered memory regions") -
+// A client on the server's host names a tensor's bytes by (region, offset) in memory it
+// registered, instead of sending them. These read and check the references of a decoded
+// Forward or Backward message; server/region_registry.h resolves them to memory.
+
+// A tensor by reference: where its bytes are (region, offset) and what they are (dtype, shape,
+// and the bytes that shape holds). `field` is the reference's field, which errors about it name
+// ("x.ref", "out_ref": "x.ref.offset: ...").
+struct ResolvedTensor {
+  std::string field;
+  uint64_t region_id = 0;
+  int64_t offset = 0;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  int64_t byte_size = 0;  // CheckedByteSize(shape, dtype)
+};
+
+// A request tensor `field` ("x") that carries `ref`. InvalidArgument naming the field when it
+// carries bytes as well (`data` in the message, or `payload`: its data left in the receive buffer),
+// a nonzero `offset`, an unknown dtype, a shape CheckedByteSize refuses, region_id 0 or a negative
+// ref.offset.
+absl::StatusOr<ResolvedTensor> ReferencedTensor(const v1::Tensor& tensor,
+                                                absl::Span<const absl::string_view> payload,
+                                                absl::string_view field);
+// Where a result of `dtype` and `shape` (known to the server, not the client) is to be written,
+// `ref` being the destination field `field` ("out_ref"): the same checks of the reference and
+// of the shape.
+absl::StatusOr<ResolvedTensor> DestinationTensor(const v1::TensorRef& ref, DType dtype,
+                                                 std::vector<int64_t> shape,
+                                                 absl::string_view field);
+
+// What one Forward or Backward message references.
+struct MessageReferences {
+  // Per request tensor (Forward: x, expert_ids, weights; Backward: dout): its reference, or
+  // nullopt when it is sent inline or absent.
+  std::vector<std::optional<ResolvedTensor>> tensors;
+  // Per destination (Forward: out; Backward: dx, dweights): where the client wants it written,
+  // or nullopt to receive it in the response.
+  std::vector<std::optional<v1::TensorRef>> destinations;
+  uint64_t event_id = 0;
+  // Whether the micro-batch uses any reference (and so is one message).
+  bool any() const;
+};
+
+// The references of a decoded message (`in` holds its tensors' payloads), checked: each as
+// ReferencedTensor, and a micro-batch with any reference is one message (its first and only:
+// `first_message`, last_chunk set, no stripe); an event_id needs a reference. InvalidArgument
+// naming the field otherwise ("x.ref: ...", "last_chunk: ...", "stripe: ...", "event_id: ...").
+absl::StatusOr<MessageReferences> ReadReferences(const v1::ForwardRequest& msg,
+                                                 const IncomingMessage& in, bool first_message);
+absl::StatusOr<MessageReferences> ReadReferences(const v1::BackwardRequest& msg,
+                                                 const IncomingMessage& in, bool first_message);
+
+// For encoders: `proto` becomes a tensor of `dtype` and `shape` by reference, with no bytes.
+void SetTensorRef(DType dtype, const std::vector<int64_t>& shape, uint64_t region_id,
+                  int64_t offset, v1::Tensor* proto);
 
 }  // namespace moe::wire
 

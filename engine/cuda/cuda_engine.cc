@@ -9,11 +9,13 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/cuda_layer.h"
 #include "engine/cuda/device.h"
+#include "engine/cuda/ipc.h"
 #include "engine/cuda/pinned_pool.h"
 #include "engine/state.h"
 
@@ -71,6 +73,17 @@ class CudaEngine : public Engine {
   int64_t pinned_host_bytes() const override {
     const cuda::PinnedPool* pool = cuda::PinnedPool::ForProcess();
     return pool != nullptr ? static_cast<int64_t>(pool->held_bytes()) : 0;
+  }
+  absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
+      absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) override {
+    return cuda::MapIpcMemory(device_, mem_handle, device, offset, size_bytes);
+  }
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle) override {
+    return cuda::OpenIpcEvent(handle);
+  }
+  absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent()
+      override {
+    return cuda::CreateIpcEvent(device_);
   }
   int64_t memory_total_bytes() const override {
     size_t free_b = 0, total_b = 0;

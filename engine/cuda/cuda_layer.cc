@@ -10,10 +10,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_memory.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/grouped_gemm.h"
 #include "engine/cuda/host_staging.h"
-#include "common/host_memory.h"
+#include "engine/cuda/tensor_io.h"
 #include "engine/init.h"
 #include "engine/routing.h"
 #include "engine/state.h"
@@ -66,9 +67,18 @@ class CudaLayer : public Layer {
   absl::Status Init();
 
   const LayerConfig& config() const override { return cfg_; }
-  absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request) override;
+  absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request) override {
+    absl::StatusOr<ForwardResult> res = ForwardImpl(request);
+    if (!res.ok()) Settle();
+    return res;
+  }
+  using Layer::Backward;
   absl::StatusOr<BackwardResult> Backward(std::unique_ptr<SavedContext> context,
-                                          const TensorView& dout) override;
+                                          const BackwardRequest& request) override {
+    absl::StatusOr<BackwardResult> res = BackwardImpl(std::move(context), request);
+    if (!res.ok()) Settle();
+    return res;
+  }
   absl::StatusOr<StepResult> Step() override;
   absl::Status ZeroGrad() override;
   int64_t step() const override { return step_; }
@@ -95,7 +105,18 @@ class CudaLayer : public Layer {
   absl::Status Upload(const void* src, int64_t bytes, DeviceBuffer* dst, const char* what);
   absl::Status EnsurePinned(int64_t bytes);
   const Segment* FindSegment(const std::string& name) const;
-  absl::Status RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
+  absl::StatusOr<ForwardResult> ForwardImpl(const ForwardRequest& request);
+  absl::StatusOr<BackwardResult> BackwardImpl(std::unique_ptr<SavedContext> context,
+                                              const BackwardRequest& request);
+  // A failed call has finished its work when it returns (engine/layer.h): nothing it enqueued
+  // may still read or write a caller's memory.
+  void Settle() {
+    if (cudaSetDevice(device_) == cudaSuccess) cudaStreamSynchronize(stream_->get());
+  }
+  // Client routing given in device memory: its values come to the host (one synchronisation),
+  // are checked there as host routing is (the kernels assume valid ids) and land in `res`.
+  absl::Status FetchDeviceRouting(const ForwardRequest& request, int64_t t, ForwardResult* res);
+  absl::Status RouterForward(const void* x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
                              DeviceBuffer* p);
   absl::Status RouterBackward(const CudaContext& ctx, const float* dp, float* dx);
 
@@ -189,8 +210,8 @@ absl::Status CudaLayer::Init() {
   return absl::OkStatus();
 }
 
-absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaContext* ctx,
-                                      DeviceBuffer* ids, DeviceBuffer* p) {
+absl::Status CudaLayer::RouterForward(const void* x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
+                                      DeviceBuffer* p) {
   const int64_t d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   cudaStream_t s = stream_->get();
   absl::StatusOr<DeviceBuffer> logits = Alloc(t * ne * 4, "router logits");
@@ -201,7 +222,7 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
   MOE_RETURN_IF_ERROR(gemm_->Run(
       {CUBLAS_OP_N, CUBLAS_OP_N, type(), ElemType::kFloat32, 0.f},
       {{static_cast<int>(ne), static_cast<int>(t), static_cast<int>(d), Weights(n_w13_ + n_w2_),
-        static_cast<int>(ne), x.get(), static_cast<int>(d), logits->get(), static_cast<int>(ne)}}));
+        static_cast<int>(ne), x, static_cast<int>(d), logits->get(), static_cast<int>(ne)}}));
   absl::StatusOr<DeviceBuffer> b = Alloc(t * k * 4, "expert ids");
   if (!b.ok()) return b.status();
   *ids = std::move(*b);
@@ -234,29 +255,65 @@ absl::Status CudaLayer::RouterForward(const DeviceBuffer& x, int64_t t, CudaCont
   return absl::OkStatus();
 }
 
-absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) {
+absl::Status CudaLayer::FetchDeviceRouting(const ForwardRequest& request, int64_t t,
+                                           ForwardResult* res) {
+  // Either may be in host memory while the other is not.
+  const auto to_host = [this](const TensorView& v, Tensor* t) {
+    *t = Tensor::Uninitialized(v.dtype, v.shape);
+    if (v.location.is_host()) {
+      std::memcpy(t->bytes.data(), v.data, v.size_bytes);
+      return absl::OkStatus();
+    }
+    return CopyToHost(device_, t->bytes.data(), v.data, v.size_bytes, stream_->get());
+  };
+  Tensor ids, w;
+  MOE_RETURN_IF_ERROR(to_host(request.expert_ids, &ids));
+  MOE_RETURN_IF_ERROR(to_host(request.weights, &w));
+  MOE_RETURN_IF_ERROR(
+      CheckClientRoutingValues(ids.view(), w.view(), t, cfg_.top_k, cfg_.num_experts));
+  res->expert_ids = std::move(ids);
+  ToFloat(w.view(), res->weights.as<float>());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& request) {
   LargeTensorMemoryScope pinned;  // out (and the routing) page-locked: one DMA each
-  absl::StatusOr<int64_t> t_or = ValidateForwardRequest(cfg_, request);
-  if (!t_or.ok()) return t_or.status();
+  // Every view (shapes, destinations, locations) and host routing's values before any work.
+  MOE_ASSIGN_OR_RETURN(const int64_t t, ValidateForwardShapes(cfg_, request));
+  MOE_RETURN_IF_ERROR(ValidateForwardDestination(cfg_, request, t));
+  MOE_RETURN_IF_ERROR(CheckViewLocations(RequestViews(request)));
+  const bool host_routing =
+      request.expert_ids.location.is_host() && request.weights.location.is_host();
+  if (!server() && host_routing) {
+    MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t, cfg_.top_k,
+                                                 cfg_.num_experts));
+  }
   MOE_CUDA_RETURN(cudaSetDevice(device_));
-  const int64_t t = *t_or, d = cfg_.d_model, k = cfg_.top_k, ne = cfg_.num_experts;
-  const int64_t count = cfg_.local_experts();
+  const int64_t d = cfg_.d_model, k = cfg_.top_k, ne = cfg_.num_experts;
   cudaStream_t s = stream_->get();
+  MOE_RETURN_IF_ERROR(WaitForCaller(request.order, s));
 
   auto ctx = std::make_unique<CudaContext>();
   ctx->owner = this;
   ctx->t = t;
-  MOE_RETURN_IF_ERROR(Upload(request.x.data, t * d * elem(), &ctx->x, "x"));
+  // A training Forward keeps x for its Backward: in the layer's own memory, so the caller's may be
+  // reused once the call is complete.
+  MOE_ASSIGN_OR_RETURN(const void* x,
+                       DeviceInput(request.x, request.training, stream_, &ctx->x, "x"));
   ForwardResult res;
   res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
   res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
   if (!server()) {
-    std::memcpy(res.expert_ids.as<int32_t>(), request.expert_ids.data, t * k * 4);
-    ToFloat(request.weights, res.weights.as<float>());
+    if (host_routing) {
+      std::memcpy(res.expert_ids.as<int32_t>(), request.expert_ids.data, t * k * 4);
+      ToFloat(request.weights, res.weights.as<float>());
+    } else {
+      MOE_RETURN_IF_ERROR(FetchDeviceRouting(request, t, &res));
+    }
     MOE_RETURN_IF_ERROR(Upload(res.expert_ids.bytes.data(), t * k * 4, &ctx->ids, "expert_ids"));
     MOE_RETURN_IF_ERROR(Upload(res.weights.bytes.data(), t * k * 4, &ctx->p, "weights"));
   } else {
-    MOE_RETURN_IF_ERROR(RouterForward(ctx->x, t, ctx.get(), &ctx->ids, &ctx->p));
+    MOE_RETURN_IF_ERROR(RouterForward(x, t, ctx.get(), &ctx->ids, &ctx->p));
   }
   MOE_RETURN_IF_ERROR(pipeline_->Dispatch(ctx->ids.as<int32_t>(), t, &ctx->plan));
 
@@ -294,15 +351,23 @@ absl::StatusOr<ForwardResult> CudaLayer::Forward(const ForwardRequest& request) 
     if (!hb.ok()) return hb.status();
     ctx->h = std::move(*hb);
   }
-  absl::StatusOr<DeviceBuffer> out = Alloc(t * d * elem(), "out");
-  if (!out.ok()) return out.status();
+  DeviceBuffer out_own;
+  MOE_ASSIGN_OR_RETURN(void* out,
+                       OutputTarget(request.out, t * d * elem(), stream_, &out_own, "out"));
   ExpertWeights w{Weights(0), Weights(n_w13_)};
-  MOE_RETURN_IF_ERROR(
-      pipeline_->Forward(ctx->plan, ctx->x.get(), ctx->p.as<float>(), w, ctx->h.get(), out->get()));
-  res.out = Tensor::Uninitialized(cfg_.dtype, {t, d});  // the copy below writes every byte
-  MOE_RETURN_IF_ERROR(
-      CopyToHost(device_, res.out.bytes.data(), out->get(), res.out.bytes.size(), s));
-  (void)count;
+  MOE_RETURN_IF_ERROR(pipeline_->Forward(ctx->plan, x, ctx->p.as<float>(), w, ctx->h.get(), out));
+  bool synchronised = false;
+  if (request.out.empty()) {
+    res.out = Tensor::Uninitialized(cfg_.dtype, {t, d});  // the copy below writes every byte
+    MOE_RETURN_IF_ERROR(CopyToHost(device_, res.out.bytes.data(), out, res.out.bytes.size(), s));
+    synchronised = true;
+  } else if (request.out.location.is_host()) {
+    MOE_RETURN_IF_ERROR(CopyToHost(device_, request.out.data, out, request.out.size_bytes, s));
+    synchronised = true;
+  } else {
+    MOE_RETURN_IF_ERROR(DeliverToDevice(out, request.out, *stream_));
+  }
+  MOE_RETURN_IF_ERROR(FinishCall(request.order, s, synchronised, /*host_pending=*/false));
   if (request.training) {
     if (!server()) ctx->aux_grad.clear();
     res.context = std::move(ctx);
@@ -355,8 +420,8 @@ absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, 
   return absl::OkStatus();
 }
 
-absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext> context,
-                                                   const TensorView& dout) {
+absl::StatusOr<BackwardResult> CudaLayer::BackwardImpl(std::unique_ptr<SavedContext> context,
+                                                       const BackwardRequest& request) {
   LargeTensorMemoryScope pinned;  // dx page-locked: one DMA
   auto* ctx = dynamic_cast<CudaContext*>(context.get());
   if (ctx == nullptr || ctx->owner != this) {
@@ -364,41 +429,62 @@ absl::StatusOr<BackwardResult> CudaLayer::Backward(std::unique_ptr<SavedContext>
         "context: not a saved context from a training Forward of this layer");
   }
   const int64_t t = ctx->t, d = cfg_.d_model, k = cfg_.top_k;
-  if (absl::Status st = ValidateDout(cfg_, dout, t); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(ValidateBackwardRequest(cfg_, request, t));
+  MOE_RETURN_IF_ERROR(CheckViewLocations(RequestViews(request)));
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   cudaStream_t s = stream_->get();
-  DeviceBuffer dout_d;
-  MOE_RETURN_IF_ERROR(Upload(dout.data, t * d * elem(), &dout_d, "dout"));
-  // With server routing dx accumulates the router path in fp32 before one rounding.
+  MOE_RETURN_IF_ERROR(WaitForCaller(request.order, s));
+  DeviceBuffer dout_own, dx_own, dx32_own, dp_own;
+  MOE_ASSIGN_OR_RETURN(const void* dout,
+                       DeviceInput(request.dout, /*keep=*/false, stream_, &dout_own, "dout"));
+  // dx in the layer dtype goes to `dx`. With server routing it accumulates the router path in
+  // fp32 first, then one rounding pass writes `dx` (bf16) or it was `dx` all along (fp32).
+  MOE_ASSIGN_OR_RETURN(void* dx, OutputTarget(request.dx, t * d * elem(), stream_, &dx_own, "dx"));
   const ElemType dx_type = server() ? ElemType::kFloat32 : type();
-  absl::StatusOr<DeviceBuffer> dx =
-      Alloc(t * d * static_cast<int64_t>(kernels::ElemSize(dx_type)), "dx");
-  if (!dx.ok()) return dx.status();
-  absl::StatusOr<DeviceBuffer> dp = Alloc(t * k * 4, "dweights");
-  if (!dp.ok()) return dp.status();
+  void* dx_acc = dx;
+  if (dx_type != type()) {
+    MOE_ASSIGN_OR_RETURN(dx32_own, Alloc(t * d * 4, "dx fp32"));
+    dx_acc = dx32_own.get();
+  }
+  MOE_ASSIGN_OR_RETURN(void* dp_out,
+                       OutputTarget(request.dweights, t * k * 4, stream_, &dp_own, "dweights"));
+  float* dp = static_cast<float*>(dp_out);
   ExpertWeights w{Weights(0), Weights(n_w13_)};
   ExpertGrads grads{grad_.as<float>(), grad_.as<float>() + n_w13_};
   MOE_RETURN_IF_ERROR(pipeline_->Backward(ctx->plan, ctx->x.get(), ctx->h.get(), ctx->p.as<float>(),
-                                          dout_d.get(), w, grads, dx->get(), dx_type,
-                                          dp->as<float>(), grads_zero_));
+                                          dout, w, grads, dx_acc, dx_type, dp, grads_zero_));
   grads_zero_ = false;
   BackwardResult res;
-  res.dx = Tensor::Uninitialized(cfg_.dtype, {t, d});  // CopyToHost below writes every byte
+  bool synchronised = false, host_pending = false;
   if (server()) {
-    MOE_RETURN_IF_ERROR(RouterBackward(*ctx, dp->as<float>(), dx->as<float>()));
-    if (bf16()) {
-      absl::StatusOr<DeviceBuffer> dxb = Alloc(t * d * 2, "dx bf16");
-      if (!dxb.ok()) return dxb.status();
-      MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(dx->as<float>(), t * d, dxb->get(), s));
-      *dx = std::move(*dxb);
+    MOE_RETURN_IF_ERROR(RouterBackward(*ctx, dp, static_cast<float*>(dx_acc)));
+    if (dx_acc != dx) {
+      MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(static_cast<float*>(dx_acc), t * d, dx, s));
     }
+  } else if (request.dweights.empty() || request.dweights.location.is_host()) {
+    void* host = request.dweights.data;
+    if (host == nullptr) {
+      res.dweights = Tensor::Zeros(DType::kFloat32, {t, k});
+      host = res.dweights.bytes.data();
+    }
+    MOE_CUDA_RETURN(cudaMemcpyAsync(host, dp, t * k * 4, cudaMemcpyDeviceToHost, s));
+    host_pending = true;
   } else {
-    res.dweights = Tensor::Zeros(DType::kFloat32, {t, k});
-    MOE_CUDA_RETURN(cudaMemcpyAsync(res.dweights.bytes.data(), dp->get(), t * k * 4,
-                                    cudaMemcpyDeviceToHost, s));
+    MOE_RETURN_IF_ERROR(DeliverToDevice(dp, request.dweights, *stream_));
   }
   // After the dweights copy on the same stream, so that one has landed too.
-  MOE_RETURN_IF_ERROR(CopyToHost(device_, res.dx.bytes.data(), dx->get(), res.dx.bytes.size(), s));
+  if (request.dx.empty() || request.dx.location.is_host()) {
+    void* host = request.dx.data;
+    if (host == nullptr) {
+      res.dx = Tensor::Uninitialized(cfg_.dtype, {t, d});  // CopyToHost writes every byte
+      host = res.dx.bytes.data();
+    }
+    MOE_RETURN_IF_ERROR(CopyToHost(device_, host, dx, static_cast<size_t>(t * d * elem()), s));
+    synchronised = true;
+  } else {
+    MOE_RETURN_IF_ERROR(DeliverToDevice(dx, request.dx, *stream_));
+  }
+  MOE_RETURN_IF_ERROR(FinishCall(request.order, s, synchronised, host_pending));
   for (size_t l = 0; l < tokens_seen_.size(); ++l)
     tokens_seen_[l] += ctx->plan.tokens_per_expert[l];
   return res;

@@ -6,12 +6,15 @@
 // the gradient norm and ZeroGrad one launch each over all tensors. Export and import convert
 // between this layout and the contract's named tensors.
 //
-// A call copies its host inputs to the device, runs the expert pipeline (expert_pipeline.h)
+// A call brings its inputs to the device (host inputs copied, inputs on this device read in
+// place, others copied peer to peer: tensor_io.h), runs the expert pipeline (expert_pipeline.h)
 // and, for server routing, the router (cuBLAS GEMM, fused softmax/top-K, aux and z statistics),
-// and copies the results back. Host synchronisations: Forward one in the dispatch (per-expert
-// counts, see expert_pipeline.h) plus the final device-to-host copy of the outputs; Backward
-// only the final copy; Step one (the gradient norm, which the result reports and the
-// clipping needs on the host).
+// and delivers the outputs (into the caller's destination, or back to host tensors). Host
+// synchronisations: Forward one in the dispatch (per-expert counts, see expert_pipeline.h), one
+// more to bring client routing given in device memory to the host for its checks, plus the final
+// device-to-host copy of host outputs; Backward only that final copy; with a done_event and every
+// output in device memory, neither waits for its last kernels (engine/layer.h StreamOrder);
+// Step one (the gradient norm, which the result reports and the clipping needs on the host).
 #ifndef MOE_ENGINE_CUDA_CUDA_LAYER_H_
 #define MOE_ENGINE_CUDA_CUDA_LAYER_H_
 

@@ -12,11 +12,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cpu_engine.h"
+#include "tests/server/server_fixture.h"
 #include "wire/wire.h"
-#include "tests/server/admission_fixture.h"
 
-namespace moe::testing {
+namespace moe::server_test {
 namespace {
+
+// The reference layer's: server routing (Forward needs only x), 6 experts, top 2, d 16, h 24.
+LayerConfig ReferenceConfig() { return SmallConfig(RoutingMode::kServer); }
 
 using Clock = std::chrono::steady_clock;
 
@@ -67,10 +70,10 @@ int64_t AdmittedSettled(client::Connection& conn, int64_t want) {
 }
 
 TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.memory_budget_bytes = int64_t{3} << 30;
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   auto stats = s.conn().GetStats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->memory_budget_bytes(), int64_t{3} << 30);
@@ -87,7 +90,7 @@ TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
   EXPECT_LT(seconds, 2.0) << "refused only after " << seconds << " s";
   EXPECT_EQ(s.conn().GetLayer("huge").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Admitted(s.conn()), reference);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("a create past the budget");
 
   // LoadCheckpoint of a new layer is admitted the same way: a checkpoint of a layer larger than
   // the budget, written by a server with room for it, is refused by this one.
@@ -95,26 +98,26 @@ TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
   medium.num_experts = 8;
   medium.d_model = 64;
   medium.d_hidden = 256;
-  server::ServerOptions roomy = AdmissionOptions();
+  server::ServerOptions roomy = LoopbackOptions();
   roomy.checkpoint_dir = options.checkpoint_dir;
-  AdmissionServer writer;
-  ASSERT_NO_FATAL_FAILURE(writer.Start(roomy));
+  ReferenceServer writer;
+  ASSERT_NO_FATAL_FAILURE(writer.Start(ReferenceConfig(), roomy));
   ASSERT_TRUE(writer.conn().CreateLayer("medium", medium).ok());
   ASSERT_TRUE(writer.conn().SaveCheckpoint("medium", "medium.safetensors").ok());
 
   server::ServerOptions tight = options;
   tight.memory_budget_bytes = CpuStateBytes(medium) - 1 + CpuStateBytes(ReferenceConfig());
-  AdmissionServer reader;
-  ASSERT_NO_FATAL_FAILURE(reader.Start(tight));
+  ReferenceServer reader;
+  ASSERT_NO_FATAL_FAILURE(reader.Start(ReferenceConfig(), tight));
   absl::StatusOr<v1::LayerInfo> loaded =
       reader.conn().LoadCheckpoint("medium", "medium.safetensors");
   ExpectExhausted(loaded.status(), absl::StrCat("needs ", CpuStateBytes(medium), " bytes"));
   EXPECT_EQ(reader.conn().GetLayer("medium").status().code(), absl::StatusCode::kNotFound);
-  reader.ExpectServingAndReferenceUnchanged();
+  reader.ExpectServingAndUnchanged("a load past the budget");
   // One byte more and it fits, and the layer holds what was admitted for it.
   tight.memory_budget_bytes += 1;
-  AdmissionServer roomier;
-  ASSERT_NO_FATAL_FAILURE(roomier.Start(tight));
+  ReferenceServer roomier;
+  ASSERT_NO_FATAL_FAILURE(roomier.Start(ReferenceConfig(), tight));
   loaded = roomier.conn().LoadCheckpoint("medium", "medium.safetensors");
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->resident_bytes(), CpuStateBytes(medium));
@@ -124,16 +127,16 @@ TEST(HostileAdmissionTest, CreateLayerPastTheBudgetIsRefusedAtOnce) {
 TEST(HostileAdmissionTest, CreatesPastTheLayerQuotaAreRefusedNamingIt) {
   LayerConfig second = ReferenceConfig();
   second.seed = 9;
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.principal_layer_bytes_quota = 2 * CpuStateBytes(ReferenceConfig());
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   ASSERT_TRUE(s.conn().CreateLayer("second", second).ok());
   absl::StatusOr<v1::LayerInfo> third = s.conn().CreateLayer("third", second);
   ExpectExhausted(third.status(), "--principal_layer_bytes_quota");
   ExpectExhausted(third.status(), "\"anonymous\"");
   EXPECT_EQ(s.conn().GetLayer("third").status().code(), absl::StatusCode::kNotFound);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("a create past the layer quota");
   // Deleting a layer gives its bytes back.
   ASSERT_TRUE(s.conn().DeleteLayer("second").ok());
   EXPECT_TRUE(s.conn().CreateLayer("third", second).ok());
@@ -142,22 +145,22 @@ TEST(HostileAdmissionTest, CreatesPastTheLayerQuotaAreRefusedNamingIt) {
 
 TEST(HostileAdmissionTest, ContextsPastTheContextQuotaAreRefusedNamingIt) {
   // One context's size, measured on a server without a quota.
-  AdmissionServer probe;
-  ASSERT_NO_FATAL_FAILURE(probe.Start(AdmissionOptions()));
+  ReferenceServer probe;
+  ASSERT_NO_FATAL_FAILURE(probe.Start(ReferenceConfig(), LoopbackOptions()));
   std::mt19937 rng(8);
   const int64_t d = ReferenceConfig().d_model;
-  Tensor x = RandomTensor(rng, {16, d}), dout = RandomTensor(rng, {16, d});
+  Tensor x = RandomFloat(rng, {16, d}), dout = RandomFloat(rng, {16, d});
   ASSERT_TRUE(
-      probe.conn().Forward(AdmissionServer::kReference, 1, true, x.view(), {}, {}).get().ok());
+      probe.conn().Forward(ReferenceServer::kReference, 1, true, x.view(), {}, {}).get().ok());
   const int64_t one = probe.conn().GetStats()->saved_context_bytes();
   ASSERT_GT(one, 0);
 
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.principal_context_bytes_quota = 2 * one;
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   client::Connection& c = s.conn();
-  const char* ref = AdmissionServer::kReference;
+  const char* ref = ReferenceServer::kReference;
   ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
   ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
   absl::Status st = c.Forward(ref, 3, true, x.view(), {}, {}).get().status();
@@ -170,19 +173,19 @@ TEST(HostileAdmissionTest, ContextsPastTheContextQuotaAreRefusedNamingIt) {
   EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
   EXPECT_TRUE(c.Forward(ref, 3, true, x.view(), {}, {}).get().ok());  // room again
   EXPECT_TRUE(c.Backward(ref, 3, dout.view()).get().ok());
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("contexts past the context quota");
 }
 
 // Training that fills the memory budget with contexts is refused its next context, and never
 // locked out of the Backwards that drain it: a Forward's x is charged while its context is
 // admitted, so room for a dout of the same size is left beside every context.
 TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
-  AdmissionServer probe;
-  ASSERT_NO_FATAL_FAILURE(probe.Start(AdmissionOptions()));
+  ReferenceServer probe;
+  ASSERT_NO_FATAL_FAILURE(probe.Start(ReferenceConfig(), LoopbackOptions()));
   std::mt19937 rng(12);
   const int64_t tokens = 16, d = ReferenceConfig().d_model;
-  Tensor x = RandomTensor(rng, {tokens, d}), dout = RandomTensor(rng, {tokens, d});
-  const char* ref = AdmissionServer::kReference;
+  Tensor x = RandomFloat(rng, {tokens, d}), dout = RandomFloat(rng, {tokens, d});
+  const char* ref = ReferenceServer::kReference;
   ASSERT_TRUE(probe.conn().Forward(ref, 1, true, x.view(), {}, {}).get().ok());
   const int64_t context = probe.conn().GetStats()->saved_context_bytes();
   const int64_t x_bytes = tokens * d * 4, dout_bytes = tokens * d * 4;
@@ -193,10 +196,10 @@ TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
   const int64_t backward = *cpu->HostWorkingBytes(ReferenceConfig(), tokens, EngineCall::kBackward);
   const int64_t reserve = forward + backward + dout_bytes;
 
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.memory_budget_bytes = CpuStateBytes(ReferenceConfig()) + context + x_bytes + reserve - 1;
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   client::Connection& c = s.conn();
   ASSERT_TRUE(c.Forward(ref, 1, true, x.view(), {}, {}).get().ok());
   ExpectExhausted(c.Forward(ref, 2, true, x.view(), {}, {}).get().status(),
@@ -206,22 +209,22 @@ TEST(HostileAdmissionTest, ContextsFillingTheBudgetLeaveRoomForTheirBackward) {
   EXPECT_TRUE(c.Backward(ref, 1, dout.view()).get().ok());
   ASSERT_TRUE(c.Forward(ref, 2, true, x.view(), {}, {}).get().ok());
   EXPECT_TRUE(c.Backward(ref, 2, dout.view()).get().ok());
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("contexts filling the budget");
 }
 
 TEST(HostileAdmissionTest, ContextsOutsideASessionAreFreedAfterTheShortTtl) {
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.sessionless_context_ttl_seconds = 0.3;  // contexts of a session keep the 600 s default
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   client::ClientOptions no_session;
   no_session.open_session = false;
   auto gone = client::Connection::Connect(s.target(), no_session);
   ASSERT_TRUE(gone.ok()) << gone.status();
   std::mt19937 rng(9);
   const int64_t d = ReferenceConfig().d_model;
-  Tensor x = RandomTensor(rng, {8, d}), dout = RandomTensor(rng, {8, d});
-  const char* ref = AdmissionServer::kReference;
+  Tensor x = RandomFloat(rng, {8, d}), dout = RandomFloat(rng, {8, d});
+  const char* ref = ReferenceServer::kReference;
   ASSERT_TRUE((*gone)->Forward(ref, 11, true, x.view(), {}, {}).get().ok());
   ASSERT_TRUE((*gone)->Forward(ref, 12, true, x.view(), {}, {}).get().ok());
   ASSERT_TRUE(s.conn().Forward(ref, 13, true, x.view(), {}, {}).get().ok());
@@ -244,7 +247,7 @@ TEST(HostileAdmissionTest, ContextsOutsideASessionAreFreedAfterTheShortTtl) {
   ASSERT_TRUE(other.ok());
   EXPECT_EQ((*other)->Backward(ref, 11, dout.view()).get().status().code(),
             absl::StatusCode::kNotFound);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("session-less contexts expiring");
 }
 
 // Sends up to `chunks` Forward messages of one micro-batch on the reference layer, each with
@@ -255,7 +258,7 @@ grpc::Status StreamX(client::Connection& conn, std::vector<int64_t> claimed, int
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = conn.stub()->Forward(&ctx);
   v1::ForwardRequest req;
-  req.set_layer(AdmissionServer::kReference);
+  req.set_layer(ReferenceServer::kReference);
   wire::SetTensorHeader(DType::kFloat32, claimed, req.mutable_x());
   req.mutable_x()->set_data(std::string(static_cast<size_t>(chunk_bytes), '\0'));
   for (int i = 0; i < chunks; ++i) {
@@ -267,10 +270,10 @@ grpc::Status StreamX(client::Connection& conn, std::vector<int64_t> claimed, int
 }
 
 TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.memory_budget_bytes = 16 * kMiB;
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   const int64_t reference = CpuStateBytes(ReferenceConfig());
   const int64_t d = ReferenceConfig().d_model;
 
@@ -278,7 +281,7 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
   grpc::Status st = StreamX(s.conn(), {int64_t{1} << 20, d}, kMiB, 64);
   ExpectExhausted(st, "memory budget: x: this request's tensors would hold 67108864 bytes");
   EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("an x claiming 64 MiB");
 
   // An x that claims 1 KiB and keeps sending: refused at the first chunk that passes its shape,
   // before that chunk is charged or kept.
@@ -288,7 +291,7 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
             std::string::npos)
       << st.error_message();
   EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("an x sent past its shape");
 
   // The same for ImportWeights: a tensor streamed past the budget.
   {
@@ -297,7 +300,7 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
     v1::ImportWeightsResponse resp;
     auto stream = s.conn().stub()->ImportWeights(&ctx, &resp);
     v1::WeightChunk chunk;
-    chunk.set_layer(AdmissionServer::kReference);
+    chunk.set_layer(ReferenceServer::kReference);
     chunk.set_name("w1");
     wire::SetTensorHeader(DType::kFloat32, {int64_t{1} << 22, d}, chunk.mutable_tensor());
     chunk.mutable_tensor()->set_data(std::string(static_cast<size_t>(kMiB), '\0'));
@@ -307,12 +310,12 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
     ExpectExhausted(stream->Finish(), "memory budget: tensor w1:");
   }
   EXPECT_EQ(AdmittedSettled(s.conn(), reference), reference);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("an import past the budget");
 
   // A micro-batch within the budget still runs.
   std::mt19937 rng(2);
-  Tensor x = RandomTensor(rng, {1024, d});
-  EXPECT_TRUE(s.conn().Forward(AdmissionServer::kReference, 0, false, x.view(), {}, {}).get().ok());
+  Tensor x = RandomFloat(rng, {1024, d});
+  EXPECT_TRUE(s.conn().Forward(ReferenceServer::kReference, 0, false, x.view(), {}, {}).get().ok());
 }
 
 // d = 64, h = 4096, K = 8 of 8 experts: each token's 8 routed rows need [8, 2h] fp32 hidden
@@ -333,10 +336,10 @@ LayerConfig WideConfig() {
 // activations do not fit is refused (and charges nothing afterwards); a Backward that does not
 // fit is refused before its context is consumed, so it runs once memory is free again.
 TEST(HostileAdmissionTest, ACallWhoseWorkingMemoryIsPastTheBudgetIsRefused) {
-  server::ServerOptions options = AdmissionOptions();
+  server::ServerOptions options = LoopbackOptions();
   options.memory_budget_bytes = 256 * kMiB;
-  AdmissionServer s;
-  ASSERT_NO_FATAL_FAILURE(s.Start(options));
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig(), options));
   ASSERT_TRUE(s.conn().CreateLayer("wide", WideConfig()).ok());
   const int64_t settled = Admitted(s.conn());
   const int64_t d = WideConfig().d_model;
@@ -344,16 +347,16 @@ TEST(HostileAdmissionTest, ACallWhoseWorkingMemoryIsPastTheBudgetIsRefused) {
 
   // 1024 tokens (256 KiB of x): over 400 MB of working memory, refused.
   std::mt19937 rng(23);
-  Tensor big = RandomTensor(rng, {1024, d});
+  Tensor big = RandomFloat(rng, {1024, d});
   auto fwd = s.conn().Forward("wide", 0, false, big.view(), {}, {}).get();
   ExpectExhausted(fwd.status(),
                   "memory budget: forward of 1024 tokens: this call's working memory would need");
   EXPECT_EQ(AdmittedSettled(s.conn(), settled), settled);
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("a forward whose working memory is past the budget");
 
   // A training Forward of 64 tokens fits; its Backward is made not to fit by a layer that takes
   // all but half of the Backward's working memory.
-  Tensor x = RandomTensor(rng, {64, d}), dout = RandomTensor(rng, {64, d});
+  Tensor x = RandomFloat(rng, {64, d}), dout = RandomFloat(rng, {64, d});
   const uint64_t id = s.conn().NextContextId();
   fwd = s.conn().Forward("wide", id, true, x.view(), {}, {}).get();
   ASSERT_TRUE(fwd.ok()) << fwd.status();
@@ -377,8 +380,8 @@ TEST(HostileAdmissionTest, ACallWhoseWorkingMemoryIsPastTheBudgetIsRefused) {
   ASSERT_TRUE(s.conn().DeleteLayer("filler").ok());
   bwd = s.conn().Backward("wide", id, dout.view()).get();
   EXPECT_TRUE(bwd.ok()) << bwd.status();
-  s.ExpectServingAndReferenceUnchanged();
+  s.ExpectServingAndUnchanged("a backward whose working memory is past the budget");
 }
 
 }  // namespace
-}  // namespace moe::testing
+}  // namespace moe::server_test

@@ -22,19 +22,12 @@
 #include "client/client.h"
 #include "server/checkpoint.h"
 #include "server/server.h"
+#include "tests/server/server_fixture.h"
 
-namespace moe {
+namespace moe::server_test {
 namespace {
 
 using client::Connection;
-
-std::string TempDir(const std::string& name) {
-  static int counter = 0;
-  std::string dir =
-      absl::StrCat(::testing::TempDir(), "/moe_hostile_", name, "_", ::getpid(), "_", counter++);
-  ::mkdir(dir.c_str(), 0755);
-  return dir;
-}
 
 std::string ReadRaw(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -47,34 +40,17 @@ void WriteRaw(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
-struct Loopback {
-  std::unique_ptr<server::Server> server;
-  std::shared_ptr<Connection> conn;
-};
-
 server::ServerOptions Options(const std::string& checkpoint_dir) {
-  server::ServerOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
-  o.metrics_port = -1;
-  o.device = "cpu";
+  server::ServerOptions o = LoopbackOptions();
   o.checkpoint_dir = checkpoint_dir;
   return o;
 }
 
 Loopback Start(const server::ServerOptions& options) {
-  Loopback lb;
-  auto s = server::Server::Start(options);
-  EXPECT_TRUE(s.ok()) << s.status();
-  if (!s.ok()) return lb;
-  lb.server = std::move(*s);
-  client::ClientOptions copts;
+  client::ClientOptions copts = LoopbackClientOptions();
   // Short: a call that stalls shows as DEADLINE_EXCEEDED instead of its expected status.
   copts.timeout = std::chrono::seconds(10);
-  auto c = Connection::Connect(absl::StrCat("127.0.0.1:", lb.server->port()), copts);
-  EXPECT_TRUE(c.ok()) << c.status();
-  if (c.ok()) lb.conn = *c;
-  return lb;
+  return StartLoopback(options, copts);
 }
 
 LayerConfig RefConfig() {
@@ -88,13 +64,6 @@ LayerConfig RefConfig() {
   c.seed = 3;
   c.optimizer.learning_rate = 1e-2;
   return c;
-}
-
-Tensor RandomFloat(std::mt19937& rng, std::vector<int64_t> shape) {
-  Tensor t = Tensor::Zeros(DType::kFloat32, std::move(shape));
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < t.num_elements(); ++i) t.as<float>()[i] = dist(rng);
-  return t;
 }
 
 // One training step, so the optimizer state is not all zeros.
@@ -327,4 +296,4 @@ TEST(HostileCheckpointTest, AnUnusableCheckpointDirectoryIsAStartError) {
 }
 
 }  // namespace
-}  // namespace moe
+}  // namespace moe::server_test

@@ -29,12 +29,12 @@
 #include "server/auth.h"
 #include "server/options.h"
 #include "server/server.h"
+#include "tests/server/server_fixture.h"
 
-namespace moe {
+namespace moe::server_test {
 namespace {
 
 using client::Connection;
-using State = std::map<std::string, Tensor>;
 
 constexpr char kVictim[] = "victim";
 const std::map<std::string, std::string> kTokens = {
@@ -43,11 +43,6 @@ const std::map<std::string, std::string> kTokens = {
     {"carol", "carol-0123456789abcdef0123456789"},  // the victim is shared with her
     {"root", "root-0123456789abcdef0123456789ab"},  // an admin
 };
-
-std::string TempPath(const std::string& name) {
-  static int counter = 0;
-  return absl::StrCat(::testing::TempDir(), "/moe_hostile_", name, "_", ::getpid(), "_", counter++);
-}
 
 std::string TlsFile(const std::string& name) { return absl::StrCat(MOE_TLS_TESTDATA, "/", name); }
 
@@ -63,26 +58,6 @@ LayerConfig VictimConfig() {
   return c;
 }
 
-Tensor RandomFloat(std::mt19937& rng, std::vector<int64_t> shape) {
-  Tensor t = Tensor::Zeros(DType::kFloat32, std::move(shape));
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < t.num_elements(); ++i) t.as<float>()[i] = dist(rng);
-  return t;
-}
-
-void ExpectSameState(const State& before, const State& after, const std::string& what) {
-  ASSERT_EQ(before.size(), after.size()) << "after " << what;
-  for (const auto& [name, t] : before) {
-    auto it = after.find(name);
-    ASSERT_NE(it, after.end()) << name << " missing after " << what;
-    EXPECT_EQ(it->second.dtype, t.dtype) << name << " after " << what;
-    EXPECT_EQ(it->second.shape, t.shape) << name << " after " << what;
-    ASSERT_EQ(it->second.bytes.size(), t.bytes.size()) << name << " after " << what;
-    EXPECT_EQ(std::memcmp(it->second.bytes.data(), t.bytes.data(), t.bytes.size()), 0)
-        << name << " changed after " << what;
-  }
-}
-
 // A server with bearer tokens for alice, bob, carol and root (the admin), and a connection
 // (with its session) for each. alice owns "victim", shared with carol, trained one step so that
 // its optimizer state is not zero.
@@ -94,17 +69,11 @@ class HostileTenantTest : public ::testing::Test {
     out << "# principal token\n";
     for (const auto& [principal, token] : kTokens) out << principal << " " << token << "\n";
     out.close();
-    options_.host = "127.0.0.1";
-    options_.port = 0;
-    options_.metrics_port = -1;
-    options_.device = "cpu";
-    options_.checkpoint_dir = TempPath("ckpt");
-    ::mkdir(options_.checkpoint_dir.c_str(), 0755);
+    options_ = LoopbackOptions();
     options_.tokens_file = tokens_file_;
     options_.admin_principals = {"root"};
-    auto s = server::Server::Start(options_);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = std::move(*s);
+    server_ = testing_util::StartServer(options_);
+    ASSERT_TRUE(server_);
     for (const auto& [principal, token] : kTokens) {
       auto c = ConnectAs(token);
       ASSERT_TRUE(c.ok()) << principal << ": " << c.status();
@@ -122,14 +91,13 @@ class HostileTenantTest : public ::testing::Test {
 
   absl::StatusOr<std::shared_ptr<Connection>> ConnectAs(const std::string& token,
                                                         bool open_session = true) {
-    client::ClientOptions o;
-    o.timeout = std::chrono::seconds(20);
+    client::ClientOptions o = LoopbackClientOptions();
     o.connections = 1;
     o.token = token;
     o.open_session = open_session;
     return Connection::Connect(Target(), o);
   }
-  std::string Target() const { return absl::StrCat("127.0.0.1:", server_->port()); }
+  std::string Target() const { return testing_util::Target(*server_); }
   Connection& alice() { return *conns_["alice"]; }
   Connection& bob() { return *conns_["bob"]; }
   Connection& carol() { return *conns_["carol"]; }
@@ -421,11 +389,7 @@ TEST_F(HostileTenantTest, SharedWithIsChecked) {
 
 // --- A client certificate's identity --------------------------------------------------------
 TEST(ClientCertificateTest, CertificateIdentityIsAPrincipal) {
-  server::ServerOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
-  o.metrics_port = -1;
-  o.device = "cpu";
+  server::ServerOptions o = LoopbackOptions();
   o.tls.cert_file = TlsFile("server.pem");
   o.tls.key_file = TlsFile("server-key.pem");
   o.tls.client_ca_file = TlsFile("ca.pem");
@@ -436,8 +400,7 @@ TEST(ClientCertificateTest, CertificateIdentityIsAPrincipal) {
     o.tls.reload_seconds = reload;
     auto s = server::Server::Start(o);
     ASSERT_TRUE(s.ok()) << s.status();
-    client::ClientOptions c;
-    c.timeout = std::chrono::seconds(20);
+    client::ClientOptions c = LoopbackClientOptions();
     c.connections = 1;
     c.tls.ca_file = TlsFile("ca.pem");
     c.tls.cert_file = TlsFile("client.pem");  // CN trainer-0
@@ -570,4 +533,4 @@ TEST(ListeningAddressTest, DefaultsAreLoopback) {
 }
 
 }  // namespace
-}  // namespace moe
+}  // namespace moe::server_test

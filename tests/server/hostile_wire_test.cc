@@ -2,7 +2,7 @@
 // overflow or cannot exist, chunks out of order, repeated or past their shape, stripes whose rows
 // leave their micro-batch, imports that name no layer. Each gets the status and a message naming
 // the field, and afterwards the server still serves and the reference layer's weights and
-// optimizer state are bitwise unchanged (hostile_fixture.h).
+// optimizer state are bitwise unchanged (server_fixture.h, ReferenceServer).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -14,14 +14,15 @@
 #include <thread>
 #include <vector>
 
-#include "wire/wire.h"
 #include "server/request_validation.h"
-#include "tests/server/hostile_fixture.h"
+#include "tests/server/server_fixture.h"
+#include "wire/wire.h"
 
-namespace moe {
+namespace moe::server_test {
 namespace {
 
-using hostile::HostileServer;
+// The reference layer's: client routing, 6 experts, top 2, d 16, h 24.
+LayerConfig ReferenceConfig() { return SmallConfig(RoutingMode::kClient); }
 
 constexpr int64_t kHuge = int64_t{1} << 62;
 
@@ -63,15 +64,6 @@ v1::ForwardRequest ClientRouted(const std::string& layer, int64_t tokens) {
   return r;
 }
 
-v1::Stripe StripeOf(uint32_t index, uint32_t count, int64_t row_begin, int64_t total_rows) {
-  v1::Stripe s;
-  s.set_index(index);
-  s.set_count(count);
-  s.set_row_begin(row_begin);
-  s.set_total_rows(total_rows);
-  return s;
-}
-
 v1::WeightChunk WeightOf(const std::string& layer, const std::string& name, v1::Tensor t,
                          bool last = true) {
   v1::WeightChunk c;
@@ -84,7 +76,7 @@ v1::WeightChunk WeightOf(const std::string& layer, const std::string& name, v1::
 
 struct Case {
   std::string name;
-  std::function<grpc::Status(HostileServer&)> send;
+  std::function<grpc::Status(client::Connection&)> send;
   grpc::StatusCode code;
   std::string message;  // a substring naming the field
 };
@@ -92,7 +84,7 @@ struct Case {
 // Layers besides the reference one: server routing with K = 4 in fp32 and bf16, and a
 // client-routed twin of the reference layer for Backward.
 void CreateLayers(client::Connection& c) {
-  LayerConfig server = HostileServer::ReferenceConfig();
+  LayerConfig server = ReferenceConfig();
   server.num_experts = 8;
   server.top_k = 4;
   server.d_model = 4;
@@ -101,17 +93,17 @@ void CreateLayers(client::Connection& c) {
   ASSERT_TRUE(c.CreateLayer("srv4", server).ok());
   server.dtype = DType::kBFloat16;
   ASSERT_TRUE(c.CreateLayer("srv4-bf16", server).ok());
-  ASSERT_TRUE(c.CreateLayer("twin", HostileServer::ReferenceConfig()).ok());
+  ASSERT_TRUE(c.CreateLayer("twin", ReferenceConfig()).ok());
 }
 
 std::vector<Case> Cases() {
-  const std::string ref = HostileServer::kReference;
+  const std::string ref = ReferenceServer::kReference;
   using Code = grpc::StatusCode;
   auto forward = [](std::vector<v1::ForwardRequest> reqs) {
-    return [reqs](HostileServer& s) { return s.Forward(reqs).status; };
+    return [reqs](client::Connection& c) { return SendForward(c, reqs).status; };
   };
   auto import = [](std::vector<v1::WeightChunk> chunks) {
-    return [chunks](HostileServer& s) { return s.Import(chunks); };
+    return [chunks](client::Connection& c) { return SendImport(c, chunks); };
   };
   std::vector<Case> cases;
 
@@ -149,18 +141,18 @@ std::vector<Case> Cases() {
        forward({ForwardOf(ref, TensorProto(DType::kFloat32, {1, 1, 1, 1, 1, 1, 1, 1, 16}))}),
        Code::INVALID_ARGUMENT, "x: 9 dimensions"});
   cases.push_back({"Backward, dout [2^62, 16] for a live context",
-                   [](HostileServer& s) {
+                   [](client::Connection& c) {
                      v1::ForwardRequest f = ClientRouted("twin", 4);
                      f.set_training(true);
                      f.set_context_id(77);
-                     grpc::Status st = s.Forward({f}).status;
+                     grpc::Status st = SendForward(c, {f}).status;
                      if (!st.ok()) return st;
                      v1::BackwardRequest b;
                      b.set_layer("twin");
                      b.set_context_id(77);
                      *b.mutable_dout() = TensorProto(DType::kFloat32, {kHuge, 16});
                      b.set_last_chunk(true);
-                     return s.Backward({b}).status;
+                     return SendBackward(c, {b}).status;
                    },
                    Code::INVALID_ARGUMENT, "dout: shape"});
   cases.push_back({"ImportWeights, w1 [2^62, 2^62, 2]",
@@ -248,13 +240,13 @@ std::vector<Case> Cases() {
 }
 
 TEST(HostileWireTest, EveryRequestGetsItsStatusAndLosesNothing) {
-  HostileServer s;
-  ASSERT_TRUE(s.ready());
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig()));
   CreateLayers(s.conn());
   for (const Case& c : Cases()) {
     SCOPED_TRACE(c.name);
     const auto t0 = std::chrono::steady_clock::now();
-    const grpc::Status st = c.send(s);
+    const grpc::Status st = c.send(s.conn());
     EXPECT_EQ(st.error_code(), c.code) << st.error_message();
     EXPECT_NE(st.error_message().find(c.message), std::string::npos)
         << "message should contain \"" << c.message << "\": " << st.error_message();
@@ -268,8 +260,8 @@ TEST(HostileWireTest, EveryRequestGetsItsStatusAndLosesNothing) {
 // reached the server: the sibling is answered with that failure at once, not at its deadline;
 // and a retry of the whole micro-batch under the same id then runs.
 TEST(HostileWireTest, ASiblingOfAFailedStripeIsAnsweredAtOnce) {
-  HostileServer s;
-  ASSERT_TRUE(s.ready());
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig()));
   CreateLayers(s.conn());
   auto part = [](uint32_t index, int64_t row_begin, int64_t rows) {
     v1::ForwardRequest r = ClientRouted("twin", rows);
@@ -278,10 +270,10 @@ TEST(HostileWireTest, ASiblingOfAFailedStripeIsAnsweredAtOnce) {
     *r.mutable_stripe() = StripeOf(index, 2, row_begin, 6);
     return r;
   };
-  auto bad = s.Forward({part(1, 4, 4)});  // rows [4, 8) of 6
+  auto bad = SendForward(s.conn(), {part(1, 4, 4)});  // rows [4, 8) of 6
   EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   const auto t0 = std::chrono::steady_clock::now();
-  auto sibling = s.Forward({part(0, 0, 4)}, std::chrono::seconds(8));
+  auto sibling = SendForward(s.conn(), {part(0, 0, 4)}, std::chrono::seconds(8));
   EXPECT_EQ(sibling.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
       << sibling.status.error_message();
   EXPECT_NE(sibling.status.error_message().find("stripe.row_begin"), std::string::npos)
@@ -291,8 +283,8 @@ TEST(HostileWireTest, ASiblingOfAFailedStripeIsAnsweredAtOnce) {
 
   // The retry: both streams again, under the same id.
   grpc::Status first, second;
-  std::thread t([&] { first = s.Forward({part(0, 0, 4)}).status; });
-  second = s.Forward({part(1, 4, 2)}).status;
+  std::thread t([&] { first = SendForward(s.conn(), {part(0, 0, 4)}).status; });
+  second = SendForward(s.conn(), {part(1, 4, 2)}).status;
   t.join();
   EXPECT_TRUE(first.ok()) << first.error_message();
   EXPECT_TRUE(second.ok()) << second.error_message();
@@ -303,11 +295,11 @@ TEST(HostileWireTest, ASiblingOfAFailedStripeIsAnsweredAtOnce) {
 // A client asking for 1-byte response or export chunks gets chunks of at least
 // kMinResponseChunkBytes: a handful of messages, each tensor's offsets in order.
 TEST(HostileWireTest, TinyChunkRequestsAreRaisedToTheFloor) {
-  HostileServer s;
-  ASSERT_TRUE(s.ready());
-  v1::ForwardRequest r = ClientRouted(HostileServer::kReference, 64);  // out: 4 KiB
+  ReferenceServer s;
+  ASSERT_NO_FATAL_FAILURE(s.Start(ReferenceConfig()));
+  v1::ForwardRequest r = ClientRouted(ReferenceServer::kReference, 64);  // out: 4 KiB
   r.set_max_response_chunk_bytes(1);
-  auto a = s.Forward({r});
+  auto a = SendForward(s.conn(), {r});
   ASSERT_TRUE(a.status.ok()) << a.status.error_message();
   int64_t offset = 0, payload = 0;
   for (const v1::ForwardResponse& m : a.responses) {
@@ -323,7 +315,7 @@ TEST(HostileWireTest, TinyChunkRequestsAreRaisedToTheFloor) {
   grpc::ClientContext ctx;
   s.conn().Prepare(&ctx);
   v1::ExportWeightsRequest e;
-  e.set_layer(HostileServer::kReference);
+  e.set_layer(ReferenceServer::kReference);
   e.set_include_optimizer(true);
   e.set_max_chunk_bytes(1);
   auto reader = s.conn().stub()->ExportWeights(&ctx, e);
@@ -342,4 +334,4 @@ TEST(HostileWireTest, TinyChunkRequestsAreRaisedToTheFloor) {
 }
 
 }  // namespace
-}  // namespace moe
+}  // namespace moe::server_test

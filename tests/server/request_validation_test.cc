@@ -8,21 +8,16 @@
 #include <limits>
 #include <string>
 
+#include "tests/server/server_fixture.h"
+
 namespace moe::server {
 namespace {
+
+using server_test::StripeOf;
 
 void ExpectInvalidNaming(const absl::Status& st, const std::string& field) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find(field), std::string::npos) << "should name " << field << ": " << st;
-}
-
-v1::Stripe StripeOf(uint32_t index, uint32_t count, int64_t row_begin, int64_t total_rows) {
-  v1::Stripe s;
-  s.set_index(index);
-  s.set_count(count);
-  s.set_row_begin(row_begin);
-  s.set_total_rows(total_rows);
-  return s;
 }
 
 TEST(RequestValidationTest, LayerNames) {

@@ -13,27 +13,14 @@
 #include <vector>
 
 #include "client/client.h"
+#include "tests/server/server_fixture.h"
 #include "wire/wire.h"
-#include "tests/client/test_util.h"
 
-namespace moe {
+namespace moe::server_test {
 namespace {
 
-using testing_util::RandomFloat;
-using testing_util::RandomRouting;
-using testing_util::StartServer;
-using testing_util::Target;
-
-LayerConfig Config() {
-  LayerConfig c;
-  c.num_experts = 6;
-  c.top_k = 2;
-  c.d_model = 16;
-  c.d_hidden = 24;
-  c.routing = RoutingMode::kClient;
-  c.seed = 11;
-  return c;
-}
+// Client routing, so each stream carries its rows of expert_ids and weights too.
+LayerConfig Config() { return SmallConfig(RoutingMode::kClient); }
 
 // Rows [begin, end) of a [T, ...] tensor, as a proto tensor.
 void SetRows(const Tensor& t, int64_t begin, int64_t end, v1::Tensor* proto) {
@@ -53,15 +40,6 @@ std::string RowBytes(const Tensor& t, int64_t begin, int64_t end) {
 struct Span {
   int64_t begin, end;
 };
-
-v1::Stripe StripeOf(uint32_t index, uint32_t count, int64_t begin, int64_t total) {
-  v1::Stripe s;
-  s.set_index(index);
-  s.set_count(count);
-  s.set_row_begin(begin);
-  s.set_total_rows(total);
-  return s;
-}
 
 // A Forward stream's one message: rows `r` of x, ids and weights, striped as `stripe` (count 0:
 // the whole micro-batch).
@@ -90,12 +68,6 @@ v1::BackwardRequest BackwardPart(const std::string& layer, uint64_t id, const Te
   if (stripe.count() != 0) *q.mutable_stripe() = stripe;
   return q;
 }
-
-template <typename Resp>
-struct Answer {
-  grpc::Status status;
-  std::vector<Resp> responses;
-};
 
 // One stream per request, all written (and half-closed) before any is read, as the streams of a
 // striped micro-batch on several connections would be.
@@ -132,28 +104,17 @@ std::vector<Answer<v1::BackwardResponse>> RunBackward(
       c, reqs, [&](grpc::ClientContext* ctx) { return c.stub()->Backward(ctx); });
 }
 
-void ExpectStatus(const grpc::Status& st, grpc::StatusCode code, const std::string& field) {
-  EXPECT_EQ(st.error_code(), code) << st.error_message();
-  EXPECT_NE(st.error_message().find(field), std::string::npos)
-      << "message should name " << field << ": " << st.error_message();
-}
-
-struct Fixture {
-  std::unique_ptr<server::Server> server;
-  std::shared_ptr<client::Connection> conn;
+// A server with `layers` (Config()) and one micro-batch's tensors.
+struct Fixture : Loopback {
   Tensor x, ids, w, dout;
   static constexpr int64_t kTokens = 10;
 
-  explicit Fixture(const std::vector<std::string>& layers) {
-    server = StartServer();
-    auto c = client::Connection::Connect(Target(*server));
-    EXPECT_TRUE(c.ok()) << c.status();
-    if (!c.ok()) return;
-    conn = *c;
+  explicit Fixture(const std::vector<std::string>& layers) : Loopback(StartLoopback()) {
+    if (!conn) return;
     for (const std::string& name : layers) EXPECT_TRUE(conn->CreateLayer(name, Config()).ok());
     std::mt19937 rng(3);
     x = RandomFloat(rng, {kTokens, Config().d_model});
-    RandomRouting(rng, kTokens, Config().top_k, 0, Config().num_experts, &ids, &w);
+    RandomRouting(rng, kTokens, Config(), &ids, &w);
     dout = RandomFloat(rng, {kTokens, Config().d_model});
   }
 };
@@ -357,4 +318,4 @@ TEST(StripingTest, AStreamLeftWaitingEndsWithItsCallAndFreesTheJoin) {
 }
 
 }  // namespace
-}  // namespace moe
+}  // namespace moe::server_test

@@ -14,30 +14,10 @@
 
 #include "absl/strings/escaping.h"
 #include "moe/v1/moe.pb.h"
+#include "tests/wire/buffers.h"
 
 namespace moe::wire {
 namespace {
-
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices)
-    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
-
-// `bytes` cut into slices at the given offsets (ascending), as gRPC's receive side may.
-grpc::ByteBuffer Split(const std::string& bytes, const std::vector<size_t>& cuts) {
-  std::vector<grpc::Slice> slices;
-  size_t from = 0;
-  for (size_t cut : cuts) {
-    slices.emplace_back(bytes.data() + from, cut - from);
-    from = cut;
-  }
-  slices.emplace_back(bytes.data() + from, bytes.size() - from);
-  return grpc::ByteBuffer(slices.data(), slices.size());
-}
 
 std::string Joined(absl::Span<const absl::string_view> pieces) {
   std::string out;
@@ -135,16 +115,8 @@ TEST(RawMessageTest, DecodesProtobufsOwnEncodingOverAnySplit) {
   const std::string bytes = want.SerializeAsString();
   std::mt19937 rng(6);
   for (int trial = 0; trial < 300; ++trial) {
-    // Every single cut, then random multi-way cuts (one-byte slices included).
-    std::vector<size_t> cuts;
-    if (trial < static_cast<int>(bytes.size())) {
-      cuts.push_back(static_cast<size_t>(trial));
-    } else {
-      for (size_t i = 1; i < bytes.size(); ++i) {
-        if (rng() % 5 == 0) cuts.push_back(i);
-      }
-    }
-    grpc::ByteBuffer buffer = Split(bytes, cuts);
+    grpc::ByteBuffer buffer =
+        Split(bytes, TrialCuts(static_cast<size_t>(trial), bytes.size(), rng));
     IncomingMessage in;
     v1::ForwardRequest got;
     ASSERT_TRUE(in.Decode(&buffer, kForwardTensors, &got, "ForwardRequest").ok())

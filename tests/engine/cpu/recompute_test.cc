@@ -19,35 +19,6 @@
 namespace moe::testing {
 namespace {
 
-struct Inputs {
-  int64_t t = 0;
-  Tensor x, dout, ids, w;
-};
-
-Inputs MakeInputs(const LayerConfig& c, int64_t t, uint32_t seed) {
-  Inputs in;
-  in.t = t;
-  in.x = MakeTensor(RandomVec(t * c.d_model, seed), c.dtype, {t, c.d_model});
-  in.dout = MakeTensor(RandomVec(t * c.d_model, seed + 1), c.dtype, {t, c.d_model});
-  if (c.routing == RoutingMode::kClient) {
-    in.ids = IdTensor(RandomIds(t, c.top_k, c.num_experts, seed + 2), t, c.top_k);
-    std::vector<double> p = RandomVec(t * c.top_k, seed + 3, 0.5);
-    for (double& v : p) v = 0.2 + std::abs(v);
-    in.w = MakeTensor(p, DType::kFloat32, {t, c.top_k});
-  }
-  return in;
-}
-
-ForwardRequest RequestOf(const LayerConfig& c, const Inputs& in) {
-  ForwardRequest r;
-  r.x = in.x.view();
-  if (c.routing == RoutingMode::kClient) {
-    r.expert_ids = in.ids.view();
-    r.weights = in.w.view();
-  }
-  return r;
-}
-
 // Everything observable the sequence produces, as raw bytes, in a fixed order; plus the saved
 // context sizes.
 struct Trace {

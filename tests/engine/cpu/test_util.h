@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -110,6 +111,38 @@ inline std::vector<double> StateOf(const Layer& layer, const std::string& name) 
   auto it = state->find(name);
   EXPECT_TRUE(it != state->end()) << name;
   return it == state->end() ? std::vector<double>{} : ToDouble(it->second);
+}
+
+// One call's inputs: x and dout [t, d] and, with client routing, ids and weights [t, K]
+// (weights at least 0.2 in magnitude).
+struct Inputs {
+  int64_t t = 0;
+  Tensor x, dout, ids, w;
+};
+
+inline Inputs MakeInputs(const LayerConfig& c, int64_t t, uint32_t seed) {
+  Inputs in;
+  in.t = t;
+  in.x = MakeTensor(RandomVec(t * c.d_model, seed), c.dtype, {t, c.d_model});
+  in.dout = MakeTensor(RandomVec(t * c.d_model, seed + 1), c.dtype, {t, c.d_model});
+  if (c.routing == RoutingMode::kClient) {
+    in.ids = IdTensor(RandomIds(t, c.top_k, c.num_experts, seed + 2), t, c.top_k);
+    std::vector<double> p = RandomVec(t * c.top_k, seed + 3, 0.5);
+    for (double& v : p) v = 0.2 + std::abs(v);
+    in.w = MakeTensor(p, DType::kFloat32, {t, c.top_k});
+  }
+  return in;
+}
+
+// A training Forward of `in`.
+inline ForwardRequest RequestOf(const LayerConfig& c, const Inputs& in) {
+  ForwardRequest r;
+  r.x = in.x.view();
+  if (c.routing == RoutingMode::kClient) {
+    r.expert_ids = in.ids.view();
+    r.weights = in.w.view();
+  }
+  return r;
 }
 
 }  // namespace moe::testing
