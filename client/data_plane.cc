@@ -23,6 +23,13 @@ int64_t SlotBytesFor(int64_t bytes) {
                                        kSlotGranularity);
 }
 
+// "CODE: message", or "CODE" for an empty message (an UNIMPLEMENTED method has none).
+std::string StatusText(const absl::Status& st) {
+  std::string text = absl::StatusCodeToString(st.code());
+  if (!st.message().empty()) absl::StrAppend(&text, ": ", st.message());
+  return text;
+}
+
 }  // namespace
 
 bool IsLocalTarget(absl::string_view target) {
@@ -87,13 +94,11 @@ absl::Status DataPlane::Open(Connection& conn) {
                           : requested_ == Transport::kAuto ? DeviceTransport::kUndecided
                                                            : DeviceTransport::kCudaIpc;
     } else if (requested_ == Transport::kSharedMemory) {
-      return absl::Status(st.code(),
-                          absl::StrCat("transport: shared memory with ", conn.target(),
-                                       " failed: ", st.message()));
+      return absl::Status(st.code(), absl::StrCat("transport: shared memory with ", conn.target(),
+                                                  " failed: ", StatusText(st)));
     } else {
       transport_ = Transport::kTcp;
-      reason_ = absl::StrCat("the server refused a shared memory region: ",
-                             absl::StatusCodeToString(st.code()), ": ", st.message());
+      reason_ = absl::StrCat("the server refused a shared memory region: ", StatusText(st));
       // CUDA IPC may still work where shared memory does not (a container with its own /dev/shm).
       device_transport_ = cuda ? DeviceTransport::kUndecided : DeviceTransport::kUnavailable;
     }
@@ -121,7 +126,7 @@ DeviceTransport DataPlane::DecideDevice(const std::function<absl::Status()>& pro
       line = st.ok() ? "device tensors by CUDA IPC (the server mapped a device region)"
                      : absl::StrCat("device tensors staged through host memory (CUDA IPC "
                                     "refused: ",
-                                    absl::StatusCodeToString(st.code()), ": ", st.message(), ")");
+                                    StatusText(st), ")");
     }
     decided = device_transport_;
   }
