@@ -14,16 +14,25 @@
 // other; a Connection also holds one OpenSession stream, so the server frees this client's
 // saved contexts when the client goes away.
 //
+// A trainer on the server's host can skip TCP for the tensors (ClientOptions::transport): host
+// tensors then travel through POSIX shared memory the connection registered, device tensors
+// (TensorView::location cuda:N, in a client built with CUDA) by CUDA IPC in the trainer's own
+// memory, ordered on its CUDA stream; ForwardInto and BackwardInto write results straight into
+// the caller's host or device memory (docs/PROTOCOL.md, "Registered memory regions").
+//
 // Received tensors are large fresh buffers; under glibc's default malloc each is page-faulted
 // in anew. A trainer should call moe::RetainFreedHeapMemory() (common/host_memory.h) first thing
 // in main, or set the GLIBC_TUNABLES given there (docs/decisions/0005-retained-heap-memory.md).
 // The library does not do it itself: it is the whole process's allocator.
 //
 // This is the library's one public header. Its implementation: connection.cc (channels,
-// credentials, deadlines, unary calls), striping.cc (Forward and Backward: whole or striped over
-// the connections), stream_call.cc (one Forward or Backward stream), requests.cc (the one place
-// that fills Forward and Backward requests), remote_layer.cc (RemoteLayer and the session that
-// holds its contexts), sharded_layer.cc (ShardedLayer); the headers beside those are internal.
+// credentials, deadlines, unary calls), striping.cc (Forward and Backward over TCP: whole or
+// striped over the connections), region_calls.cc (Forward and Backward through registered
+// regions, device tensors, destinations), data_plane.cc (the regions and event pairs a
+// connection registered), device_cuda.cc / device_none.cc (the client's CUDA calls, with and
+// without CUDA), stream_call.cc (one Forward or Backward stream), requests.cc (the one place that
+// fills Forward and Backward requests), remote_layer.cc (RemoteLayer and the session that holds
+// its contexts), sharded_layer.cc (ShardedLayer); the headers beside those are internal.
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 
@@ -33,6 +42,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -48,6 +58,35 @@
 #include "wire/tls.h"
 
 namespace moe::client {
+
+class DataPlane;     // data_plane.h
+struct ForwardCall;  // requests.h
+struct BackwardCall;
+
+// How Forward and Backward move their tensors (docs/PROTOCOL.md, "Registered memory regions").
+enum class Transport {
+  // Shared memory when the server is on this host (a loopback or unix: target) and registers a
+  // region; TCP otherwise (another host, a server that refuses: permission, an older server,
+  // no session). Connect logs one line saying which and why.
+  kAuto,
+  kTcp,  // the tensors' bytes in the gRPC messages
+  // Registered regions: host tensors through POSIX shared memory regions the connection creates
+  // and registers (one per micro-batch in flight, sized to the largest seen), device tensors by
+  // CUDA IPC in the caller's own memory. Connect fails if the server will not register one.
+  kSharedMemory,
+};
+// "auto", "tcp", "shared memory".
+const char* TransportName(Transport transport);
+
+// How a connection moves device tensors (TensorView::location cuda:N).
+enum class DeviceTransport {
+  kUnavailable,  // the client was built without CUDA: device tensors are InvalidArgument
+  kUndecided,    // kAuto, until the first call with a device tensor tries CUDA IPC
+  kCudaIpc,      // in place by CUDA IPC, ordered on the caller's stream by event pairs
+  kStaged,       // copied through host memory on the caller's stream (the host transport)
+};
+// "unavailable", "undecided", "cuda ipc", "staged".
+const char* DeviceTransportName(DeviceTransport transport);
 
 struct ClientOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of every call
@@ -72,6 +111,11 @@ struct ClientOptions {
   // as "authorization: Bearer <token>" on every call, the session's included. Empty: none (the
   // server then knows the client by its TLS certificate, or has authentication off).
   std::string token;
+  // How Forward and Backward move tensors (Transport). Registered regions need the session.
+  Transport transport = Transport::kTcp;
+  // Where the connection's one-line transport decisions go (kAuto and kSharedMemory); null:
+  // standard error.
+  std::function<void(const std::string&)> log;
 };
 
 // The bearer token a file holds (ClientOptions::token), surrounding whitespace removed;
@@ -113,6 +157,11 @@ class Connection {
   const std::string& target() const { return target_; }
   const std::string& session_id() const { return session_id_; }
   const ClientOptions& options() const { return options_; }
+  // The transport of host tensors, decided at Connect: kTcp or kSharedMemory, never kAuto; and
+  // why ("requested", or kAuto's reason).
+  Transport transport() const;
+  const std::string& transport_reason() const;
+  DeviceTransport device_transport() const;
 
   // grpc.health.v1 Check of `service` ("" = the whole server). OK only when SERVING.
   absl::Status Health(const std::string& service = "");
@@ -128,9 +177,11 @@ class Connection {
   absl::StatusOr<v1::StatsResponse> GetStats();
 
   // `ids`, `weights` empty for server routing. `training` keeps a context under `context_id`.
-  // Forward and Backward copy the tensors they are given before they return (so the caller may
-  // reuse them at once) and send that copy by reference; the call runs on one of the
-  // connection's `connections` TCP connections.
+  // Forward and Backward copy the host tensors they are given before they return (so the caller
+  // may reuse them at once): over TCP into the call's own buffers, which the messages refer to,
+  // with shared memory into the connection's region the server reads. The call runs on one of
+  // the connection's `connections` TCP connections. Device tensors go as ForwardInto says, their
+  // results coming back in host memory.
   std::future<absl::StatusOr<ForwardOutput>> Forward(const std::string& layer, uint64_t context_id,
                                                      bool training, const TensorView& x,
                                                      const TensorView& ids,
@@ -145,6 +196,40 @@ class Connection {
                                                      Tensor&& weights);
   std::future<absl::StatusOr<BackwardOutput>> Backward(const std::string& layer,
                                                        uint64_t context_id, Tensor&& dout);
+
+  // Forward and Backward whose results go into the caller's memory, and whose tensors may live
+  // on a CUDA device (TensorView::location cuda:N; one device per call). A destination must have
+  // the result's dtype and shape (out and dx: those of x and dout; dweights: [T, K] float32);
+  // an empty one means "return it" (ForwardOutput::out etc.), and a written one comes back
+  // empty. Without CUDA in this client, a device tensor is InvalidArgument naming its field.
+  //
+  // `stream` is the caller's cudaStream_t that produces the device inputs and consumes the
+  // device results (null: the legacy default stream of their device). By CUDA IPC
+  // (device_transport() kCudaIpc) the server reads the inputs after the work `stream` had
+  // enqueued when the call was made, and work enqueued on `stream` once the future is ready runs
+  // after the results are written, with no host wait on the GPU. Until the future is ready the
+  // call's device tensors must stay allocated and unchanged and nothing may read the
+  // destinations; the inputs' CUDA allocations must be cudaMalloc'd (not a stream-ordered
+  // pool's) and each tensor must start a multiple of 16 bytes into its allocation. Staged
+  // (kStaged), the inputs are copied to host memory on `stream` before the call returns and the
+  // results onto `stream` before the future is ready. Host destinations are written before the
+  // future is ready. With TCP for host tensors, a call that also names device tensors by CUDA
+  // IPC is one message, so its host tensors must fit the server's message size.
+  std::future<absl::StatusOr<ForwardOutput>> ForwardInto(
+      const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
+      const TensorView& ids, const TensorView& weights, const MutableTensorView& out,
+      void* stream);
+  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(const std::string& layer,
+                                                           uint64_t context_id,
+                                                           const TensorView& dout,
+                                                           const MutableTensorView& dx,
+                                                           const MutableTensorView& dweights,
+                                                           void* stream);
+  // Registered regions keep the server's mapping of a device allocation until the connection
+  // ends: a trainer that frees device memory (say, empties its allocator's cache) calls this to
+  // unregister every cached device region no call in flight uses.
+  absl::Status ReleaseIdleDeviceRegions();
+
   absl::StatusOr<StepOutput> Step(const std::string& layer);
   absl::Status ZeroGrad(const std::string& layer);
 
@@ -156,6 +241,15 @@ class Connection {
   // `shared_with` applies when the checkpoint creates the layer.
   absl::StatusOr<v1::LayerInfo> LoadCheckpoint(const std::string& layer, const std::string& path,
                                                const std::vector<std::string>& shared_with = {});
+
+  // The region calls of ExpertService, with this connection's session (which owns what they
+  // register). Forward and Backward make and use their own; these are for a trainer that
+  // manages regions itself.
+  absl::StatusOr<v1::RegisterRegionResponse> RegisterRegion(const v1::RegisterRegionRequest& req);
+  absl::Status UnregisterRegion(uint64_t region_id);
+  // `wait_event_handle`: the cudaIpcEventHandle_t of the caller's interprocess event.
+  absl::StatusOr<v1::RegisterEventsResponse> RegisterEvents(const std::string& wait_event_handle);
+  absl::Status UnregisterEvents(uint64_t event_id);
 
   // A context id unique to this connection (random prefix, counter).
   uint64_t NextContextId();
@@ -175,6 +269,11 @@ class Connection {
   // The raw-buffer stub (wire/raw_message.h) of the connection next in turn, for a Forward or
   // Backward stream (client/stream_call.h).
   grpc::GenericStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
+  // A Forward or Backward over TCP, whole or striped, its result handed to `done` (striping.cc).
+  void StartTcpForward(const ForwardCall& call, Tensor&& x, Tensor&& ids, Tensor&& weights,
+                       std::function<void(absl::StatusOr<ForwardOutput>)> done);
+  void StartTcpBackward(const BackwardCall& call, Tensor&& dout,
+                        std::function<void(absl::StatusOr<BackwardOutput>)> done);
 
   std::string target_;
   ClientOptions options_;
@@ -187,6 +286,9 @@ class Connection {
   std::atomic<uint64_t> next_raw_stub_{0};
   std::string session_id_;
   SessionCall* session_ = nullptr;
+  // The regions and event pairs registered for Forward and Backward; shared with their calls in
+  // flight.
+  std::shared_ptr<DataPlane> plane_;
   uint64_t context_prefix_ = 0;
   std::atomic<uint64_t> context_counter_{0};
 };
@@ -217,6 +319,19 @@ class RemoteLayer {
   std::future<absl::StatusOr<ForwardOutput>> Forward(Tensor&& x, Tensor&& ids, Tensor&& weights,
                                                      bool training = true);
   std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, Tensor&& dout);
+  // Results into the caller's memory, tensors possibly on a CUDA device, ordered on `stream`
+  // (Connection::ForwardInto's).
+  std::future<absl::StatusOr<ForwardOutput>> ForwardInto(const TensorView& x,
+                                                         const TensorView& ids,
+                                                         const TensorView& weights,
+                                                         const MutableTensorView& out,
+                                                         void* stream = nullptr,
+                                                         bool training = true);
+  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(uint64_t context_id,
+                                                           const TensorView& dout,
+                                                           const MutableTensorView& dx,
+                                                           const MutableTensorView& dweights = {},
+                                                           void* stream = nullptr);
   absl::StatusOr<StepOutput> Step() { return conn_->Step(name_); }
   absl::Status ZeroGrad() { return conn_->ZeroGrad(name_); }
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& path) {
@@ -257,7 +372,8 @@ class ShardedLayer {
   size_t num_shards() const { return shards_.size(); }
   RemoteLayer& shard(size_t i) { return *shards_[i]; }
 
-  // Blocks the calling thread only inside the returned future (std::async).
+  // Blocks the calling thread only inside the returned future (std::async). Host tensors only
+  // (the client gathers each shard's rows): a device tensor is InvalidArgument naming it.
   std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x, const TensorView& ids,
                                                      const TensorView& weights,
                                                      bool training = true);
@@ -283,7 +399,7 @@ class ShardedLayer {
   std::atomic<uint64_t> next_id_{1};
 };
 
-// Copies a view into an owning tensor.
+// Copies a host view into an owning tensor.
 Tensor ToTensor(const TensorView& view);
 
 }  // namespace moe::client

@@ -1,10 +1,12 @@
 // Connection: one server, reached over `ClientOptions::connections` TCP connections (a gRPC
 // channel each) with this client's credentials; every call it makes carries its deadline, its
-// session and its token; the unary and weight-streaming calls of ExpertService. Forward and
-// Backward are in striping.cc and stream_call.cc, the session in remote_layer.cc.
+// session and its token; the unary and weight-streaming calls of ExpertService, the region calls
+// among them. Forward and Backward are in striping.cc, region_calls.cc and stream_call.cc, the
+// session in remote_layer.cc, what is registered for Forward and Backward in data_plane.cc.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -14,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/data_plane.h"
 #include "client/requests.h"
 #include "common/host_memory.h"
 #include "common/status_macros.h"
@@ -56,6 +59,32 @@ absl::StatusOr<Resp> CallUnary(const Connection& conn, v1::ExpertService::Stub* 
 }
 
 }  // namespace
+
+const char* TransportName(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kTcp:
+      return "tcp";
+    case Transport::kSharedMemory:
+      return "shared memory";
+  }
+  return "unknown";
+}
+
+const char* DeviceTransportName(DeviceTransport transport) {
+  switch (transport) {
+    case DeviceTransport::kUnavailable:
+      return "unavailable";
+    case DeviceTransport::kUndecided:
+      return "undecided";
+    case DeviceTransport::kCudaIpc:
+      return "cuda ipc";
+    case DeviceTransport::kStaged:
+      return "staged";
+  }
+  return "unknown";
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -131,10 +160,48 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
   std::random_device rd;
   c->context_prefix_ = (static_cast<uint64_t>(rd()) << 32) & 0xFFFFFFFF00000000ull;
   if (options.open_session) MOE_RETURN_IF_ERROR(c->OpenSession());
+  std::function<void(const std::string&)> log = options.log;
+  if (!log) log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  c->plane_ = std::make_shared<DataPlane>(options.transport, std::move(log));
+  MOE_RETURN_IF_ERROR(c->plane_->Open(*c));
   return c;
 }
 
+// The session goes first: the server then drops every region and event pair of it, and the
+// plane's memory goes once no call in flight holds it.
 Connection::~Connection() { CloseSession(); }
+
+Transport Connection::transport() const { return plane_->transport(); }
+const std::string& Connection::transport_reason() const { return plane_->reason(); }
+DeviceTransport Connection::device_transport() const { return plane_->device_transport(); }
+
+absl::Status Connection::ReleaseIdleDeviceRegions() {
+  return plane_->ReleaseIdleDeviceRegions(*this);
+}
+
+absl::StatusOr<v1::RegisterRegionResponse> Connection::RegisterRegion(
+    const v1::RegisterRegionRequest& req) {
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::RegisterRegion, req);
+}
+
+absl::Status Connection::UnregisterRegion(uint64_t region_id) {
+  v1::UnregisterRegionRequest req;
+  req.set_region_id(region_id);
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::UnregisterRegion, req).status();
+}
+
+absl::StatusOr<v1::RegisterEventsResponse> Connection::RegisterEvents(
+    const std::string& wait_event_handle) {
+  v1::RegisterEventsRequest req;
+  req.set_wait_event_handle(wait_event_handle);
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::RegisterEvents, req);
+}
+
+absl::Status Connection::UnregisterEvents(uint64_t event_id) {
+  v1::UnregisterEventsRequest req;
+  req.set_event_id(event_id);
+  return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::UnregisterEvents, req).status();
+}
 
 uint64_t Connection::NextContextId() {
   return context_prefix_ | (++context_counter_ & 0xFFFFFFFFull);

@@ -128,4 +128,17 @@ std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t conte
   return conn_->Backward(name_, context_id, std::move(dout));
 }
 
+std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::ForwardInto(
+    const TensorView& x, const TensorView& ids, const TensorView& weights,
+    const MutableTensorView& out, void* stream, bool training) {
+  return conn_->ForwardInto(name_, training ? conn_->NextContextId() : 0, training, x, ids,
+                            weights, out, stream);
+}
+
+std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::BackwardInto(
+    uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
+    const MutableTensorView& dweights, void* stream) {
+  return conn_->BackwardInto(name_, context_id, dout, dx, dweights, stream);
+}
+
 }  // namespace moe::client

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <initializer_list>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -55,6 +56,25 @@ absl::Status JoinShards(std::vector<std::future<absl::StatusOr<Out>>>& futures, 
   return first_error;
 }
 
+// InvalidArgument naming the first view that is not in host memory.
+absl::Status HostOnly(std::initializer_list<std::pair<const TensorView*, const char*>> views) {
+  for (const auto& [v, field] : views) {
+    if (!v->empty() && !v->location.is_host()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": on ", v->location.DebugString(),
+          "; a sharded layer gathers each shard's rows in host memory, so it takes host tensors"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename Out>
+std::future<absl::StatusOr<Out>> Ready(absl::Status st) {
+  std::promise<absl::StatusOr<Out>> p;
+  p.set_value(std::move(st));
+  return p.get_future();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardedLayer>> ShardedLayer::Create(
@@ -96,12 +116,17 @@ std::future<absl::StatusOr<ForwardOutput>> ShardedLayer::Forward(const TensorVie
                                                                  const TensorView& ids,
                                                                  const TensorView& weights,
                                                                  bool training) {
+  if (absl::Status st = HostOnly({{&x, "x"}, {&ids, "expert_ids"}, {&weights, "weights"}});
+      !st.ok()) {
+    return Ready<ForwardOutput>(st);
+  }
   return std::async(std::launch::async, &ShardedLayer::RunForward, this, ToTensor(x), ToTensor(ids),
                     ToTensor(weights), training);
 }
 
 std::future<absl::StatusOr<BackwardOutput>> ShardedLayer::Backward(uint64_t context_id,
                                                                    const TensorView& dout) {
+  if (absl::Status st = HostOnly({{&dout, "dout"}}); !st.ok()) return Ready<BackwardOutput>(st);
   return std::async(std::launch::async, &ShardedLayer::RunBackward, this, context_id,
                     ToTensor(dout));
 }

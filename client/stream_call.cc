@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace moe::client {
@@ -114,11 +115,16 @@ absl::Status FinishInto(wire::TensorAssembler& assembler, bool required, Tensor*
 
 }  // namespace
 
-std::shared_ptr<ResponseTensors> ResponseTensors::Whole(absl::Span<const char* const> names) {
+std::shared_ptr<ResponseTensors> ResponseTensors::Whole(
+    absl::Span<const char* const> names, const std::vector<std::optional<v1::TensorRef>>& by_ref) {
   auto r = std::make_shared<ResponseTensors>();
   for (const char* n : names) {
     r->whole.emplace_back(n, wire::TensorAssembler::Sizing::kClaimedAtOnce);
   }
+  r->names.assign(names.begin(), names.end());
+  r->by_ref = by_ref;
+  r->by_ref.resize(names.size());
+  r->written.resize(names.size());
   return r;
 }
 
@@ -144,12 +150,40 @@ std::shared_ptr<std::deque<wire::StripedAssembler>> ResponseTensors::Shared(
 absl::Status ResponseTensors::AddIfPresent(size_t i, bool present, const v1::Tensor& proto,
                                            int field, const wire::IncomingMessage& in) {
   if (!present) return absl::OkStatus();
+  const std::string name = i < names.size() ? names[i] : absl::StrCat("response tensor ", i);
+  if (i < by_ref.size() && by_ref[i]) {
+    // Written where the call asked: the response must say so, and carry no bytes of it.
+    const v1::TensorRef& want = *by_ref[i];
+    size_t bytes = proto.data().size();
+    for (absl::string_view p : in.payload(field)) bytes += p.size();
+    if (!proto.has_ref() || proto.ref().region_id() != want.region_id() ||
+        proto.ref().offset() != want.offset() || bytes != 0) {
+      return absl::DataLossError(absl::StrCat(
+          name, ": the server did not answer that it wrote it at region ", want.region_id(),
+          " offset ", want.offset()));
+    }
+    MOE_ASSIGN_OR_RETURN(written[i].dtype, wire::DTypeFromProto(proto.dtype(), name));
+    written[i].shape.assign(proto.shape().begin(), proto.shape().end());
+    written[i].seen = true;
+    return absl::OkStatus();
+  }
+  if (proto.has_ref()) {
+    return absl::DataLossError(
+        absl::StrCat(name, ": the server answered a reference this call did not ask for"));
+  }
   return striped ? (*striped)[i].Add(stream, row_begin, proto, in.payload(field))
                  : whole[i].Add(proto, in.payload(field));
 }
 
 absl::Status ResponseTensors::FinishInto(size_t i, bool required, Tensor* out) {
   if (striped) return absl::OkStatus();
+  if (i < by_ref.size() && by_ref[i]) {
+    if (required && !written[i].seen) {
+      return absl::DataLossError(
+          absl::StrCat(names[i], ": the response does not say it was written"));
+    }
+    return absl::OkStatus();
+  }
   return client::FinishInto(whole[i], required, out);
 }
 

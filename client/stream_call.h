@@ -16,6 +16,8 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,14 +36,29 @@ namespace moe::client {
 // its rows of a striped micro-batch's outputs, which its streams share and assemble in place
 // (wire::StripedAssembler), so no stream's rows are copied again to join them.
 struct ResponseTensors {
+  // A result the server wrote where the call asked (a destination by reference): the response
+  // carries its dtype and shape, no bytes.
+  struct Written {
+    bool seen = false;
+    DType dtype = DType::kFloat32;
+    std::vector<int64_t> shape;
+  };
   std::vector<wire::TensorAssembler> whole;
   std::shared_ptr<std::deque<wire::StripedAssembler>> striped;
   uint32_t stream = 0;
   int64_t row_begin = 0;
+  std::vector<std::string> names;  // of a whole micro-batch's tensors, for errors
+  // Per tensor of a whole micro-batch: the reference the call named for it (none: its bytes come
+  // in the response), and what the server said it wrote there.
+  std::vector<std::optional<v1::TensorRef>> by_ref;
+  std::vector<Written> written;
 
   // For a whole micro-batch: the server answers for shapes this call set, so each tensor is
-  // reserved on its first chunk.
-  static std::shared_ptr<ResponseTensors> Whole(absl::Span<const char* const> names);
+  // reserved on its first chunk. `by_ref[i]` set: tensor i is written there, and the response
+  // must say so.
+  static std::shared_ptr<ResponseTensors> Whole(
+      absl::Span<const char* const> names,
+      const std::vector<std::optional<v1::TensorRef>>& by_ref = {});
   // For stream `stream` of a striped micro-batch, whose rows start at `row_begin`.
   static std::shared_ptr<ResponseTensors> Stripe(
       std::shared_ptr<std::deque<wire::StripedAssembler>> outputs, uint32_t stream,
@@ -54,7 +71,8 @@ struct ResponseTensors {
   absl::Status AddIfPresent(size_t i, bool present, const v1::Tensor& proto, int field,
                             const wire::IncomingMessage& in);
   // Moves whole tensor `i` into `*out` (a striped stream's rows are finished by the merge). A
-  // tensor no response carried is an error when `required`, and leaves `*out` empty otherwise.
+  // tensor no response carried is an error when `required`, and leaves `*out` empty otherwise;
+  // so does one written by reference (`written` says what).
   absl::Status FinishInto(size_t i, bool required, Tensor* out);
 };
 

@@ -1,5 +1,5 @@
-// Connection::Forward and Connection::Backward: a micro-batch goes as one stream, or, from
-// ClientOptions::stripe_bytes up, striped (moe.proto `Stripe`): cut by rows into up to
+// Connection::Forward and Connection::Backward over TCP: a micro-batch goes as one stream, or,
+// from ClientOptions::stripe_bytes up, striped (moe.proto `Stripe`): cut by rows into up to
 // `connections` streams, one per connection, which the server joins and runs once.
 //
 // Why: one TCP connection carries a large tensor at a few GB/s on loopback whatever the host
@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -26,18 +27,18 @@ namespace {
 // The streams of one striped micro-batch (moe.proto `Stripe`) on the client: each stream's
 // result arrives in Done; the first error cancels the streams still running (the server fails
 // them all anyway; this ends them without waiting for it), and the last stream to finish
-// merges the results in row order, or reports the error, through the promise.
+// merges the results in row order, or reports the error, to the call's `done`.
 template <typename Out>
 class StripedCall {
  public:
   using Merge = std::function<absl::StatusOr<Out>(std::vector<Out>&)>;
-  StripedCall(size_t streams, Merge merge)
+  StripedCall(size_t streams, Merge merge, std::function<void(absl::StatusOr<Out>)> done)
       : contexts_(streams, nullptr),
         results_(streams),
         remaining_(streams),
-        merge_(std::move(merge)) {}
+        merge_(std::move(merge)),
+        done_(std::move(done)) {}
 
-  std::future<absl::StatusOr<Out>> future() { return promise_.get_future(); }
   // Before stream i starts (a stream that starts after another failed is cancelled at once).
   void Track(size_t i, grpc::ClientContext* ctx) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -64,7 +65,7 @@ class StripedCall {
       last = --remaining_ == 0;
     }
     if (!last) return;
-    promise_.set_value(error_.ok() ? merge_(results_) : absl::StatusOr<Out>(error_));
+    done_(error_.ok() ? merge_(results_) : absl::StatusOr<Out>(error_));
   }
 
  private:
@@ -74,8 +75,26 @@ class StripedCall {
   size_t remaining_;
   absl::Status error_;
   Merge merge_;
-  std::promise<absl::StatusOr<Out>> promise_;
+  std::function<void(absl::StatusOr<Out>)> done_;
 };
+
+// A future and the callback that fulfils it.
+template <typename Out>
+std::pair<std::future<absl::StatusOr<Out>>, std::function<void(absl::StatusOr<Out>)>> Promise() {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<Out>>>();
+  return {promise->get_future(),
+          [promise](absl::StatusOr<Out> r) { promise->set_value(std::move(r)); }};
+}
+
+// Whether a call goes through region_calls.cc: the connection has registered regions, or a
+// tensor is on a device.
+bool NeedsRegions(const Connection& conn, std::initializer_list<const TensorView*> views) {
+  if (conn.transport() == Transport::kSharedMemory) return true;
+  for (const TensorView* v : views) {
+    if (!v->empty() && v->location.is_cuda()) return true;
+  }
+  return false;
+}
 
 // How many streams carry a micro-batch of `rows` rows and `bytes` request bytes (1: unstriped).
 int StripesFor(const ClientOptions& options, int64_t rows, int64_t bytes) {
@@ -128,15 +147,20 @@ absl::Status FinishStriped(std::deque<wire::StripedAssembler>& outputs, size_t i
 
 }  // namespace
 
-// The caller's tensors are copied once, into the call's own buffers, so the caller may reuse
-// them as soon as this returns; the messages refer to those copies (or, for the overloads that
-// take tensors, to the caller's own). A micro-batch above `stripe_bytes` goes as several streams
-// (StripedCall), each sending its rows of those same buffers.
+// Over TCP the caller's tensors are copied once, into the call's own buffers, so the caller may
+// reuse them as soon as this returns; the messages refer to those copies (or, for the overloads
+// that take tensors, to the caller's own). A micro-batch above `stripe_bytes` goes as several
+// streams (StripedCall), each sending its rows of those same buffers. With registered regions
+// or device tensors the call goes through ForwardInto (region_calls.cc), which copies host
+// tensors into its slot before it returns.
 std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string& layer,
                                                                uint64_t context_id, bool training,
                                                                const TensorView& x,
                                                                const TensorView& ids,
                                                                const TensorView& weights) {
+  if (NeedsRegions(*this, {&x, &ids, &weights})) {
+    return ForwardInto(layer, context_id, training, x, ids, weights, MutableTensorView(), nullptr);
+  }
   return Forward(layer, context_id, training, ToTensor(x), ToTensor(ids), ToTensor(weights));
 }
 
@@ -144,6 +168,19 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
                                                                uint64_t context_id, bool training,
                                                                Tensor&& x, Tensor&& ids,
                                                                Tensor&& weights) {
+  if (transport() == Transport::kSharedMemory) {
+    return ForwardInto(layer, context_id, training, x.view(), ids.view(), weights.view(),
+                       MutableTensorView(), nullptr);
+  }
+  auto [future, done] = Promise<ForwardOutput>();
+  StartTcpForward(ForwardCall{layer, context_id, training}, std::move(x), std::move(ids),
+                  std::move(weights), std::move(done));
+  return std::move(future);
+}
+
+void Connection::StartTcpForward(const ForwardCall& whole, Tensor&& x, Tensor&& ids,
+                                 Tensor&& weights,
+                                 std::function<void(absl::StatusOr<ForwardOutput>)> done) {
   const int64_t rows = Rows(x);
   const int stripes =
       StripesFor(options_, rows,
@@ -153,15 +190,14 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
   tensors->push_back(std::move(ids));
   tensors->push_back(std::move(weights));
   if (stripes == 1) {
-    auto promise = std::make_shared<std::promise<absl::StatusOr<ForwardOutput>>>();
-    StartForwardStream(
-        *this, NextRawStub(), ForwardCall{layer, context_id, training}, tensors, StreamRows(),
-        ResponseTensors::Whole(kForwardResponseTensors),
-        [promise](absl::StatusOr<ForwardOutput> r) { promise->set_value(std::move(r)); });
-    return promise->get_future();
+    StartForwardStream(*this, NextRawStub(), whole, tensors, StreamRows(),
+                       ResponseTensors::Whole(kForwardResponseTensors), std::move(done));
+    return;
   }
   // The server joins the streams by context id: an inference micro-batch gets one for that.
-  const ForwardCall call{layer, context_id != 0 ? context_id : NextContextId(), training};
+  const uint64_t context_id = whole.context_id;
+  ForwardCall call = whole;
+  if (call.context_id == 0) call.context_id = NextContextId();
   auto outputs = ResponseTensors::Shared(kForwardResponseTensors, rows);
   auto striped = std::make_shared<StripedCall<ForwardOutput>>(
       stripes,
@@ -176,58 +212,68 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
         MOE_RETURN_IF_ERROR(FinishStriped(*outputs, 1, n, false, &o.expert_ids));
         MOE_RETURN_IF_ERROR(FinishStriped(*outputs, 2, n, false, &o.weights));
         return o;
-      });
-  auto fut = striped->future();
+      },
+      std::move(done));
   StartStripes(stripes, rows, striped, outputs,
                [&](const StreamRows& stripe, std::shared_ptr<ResponseTensors> mine, auto done,
                    TrackContext track) {
                  StartForwardStream(*this, NextRawStub(), call, tensors, stripe, std::move(mine),
                                     std::move(done), std::move(track));
                });
-  return fut;
 }
 
 // As Forward: `dout` is copied once into the call's own buffer (or taken over), striped above
-// `stripe_bytes`.
+// `stripe_bytes`; or goes through BackwardInto.
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  const TensorView& dout) {
+  if (NeedsRegions(*this, {&dout})) {
+    return BackwardInto(layer, context_id, dout, MutableTensorView(), MutableTensorView(),
+                        nullptr);
+  }
   return Backward(layer, context_id, ToTensor(dout));
 }
 
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
                                                                  Tensor&& dout) {
+  if (transport() == Transport::kSharedMemory) {
+    return BackwardInto(layer, context_id, dout.view(), MutableTensorView(), MutableTensorView(),
+                        nullptr);
+  }
+  auto [future, done] = Promise<BackwardOutput>();
+  StartTcpBackward(BackwardCall{layer, context_id}, std::move(dout), std::move(done));
+  return std::move(future);
+}
+
+void Connection::StartTcpBackward(const BackwardCall& call, Tensor&& dout,
+                                  std::function<void(absl::StatusOr<BackwardOutput>)> done) {
   const int64_t rows = Rows(dout);
   const int stripes = StripesFor(options_, rows, static_cast<int64_t>(dout.bytes.size()));
-  const BackwardCall call{layer, context_id};
   auto tensors = std::make_shared<std::vector<Tensor>>();
   tensors->push_back(std::move(dout));
   if (stripes == 1) {
-    auto promise = std::make_shared<std::promise<absl::StatusOr<BackwardOutput>>>();
-    StartBackwardStream(
-        *this, NextRawStub(), call, tensors, StreamRows(),
-        ResponseTensors::Whole(kBackwardResponseTensors),
-        [promise](absl::StatusOr<BackwardOutput> r) { promise->set_value(std::move(r)); });
-    return promise->get_future();
+    StartBackwardStream(*this, NextRawStub(), call, tensors, StreamRows(),
+                        ResponseTensors::Whole(kBackwardResponseTensors), std::move(done));
+    return;
   }
   auto outputs = ResponseTensors::Shared(kBackwardResponseTensors, rows);
   auto striped = std::make_shared<StripedCall<BackwardOutput>>(
-      stripes, [outputs, stripes](std::vector<BackwardOutput>&) -> absl::StatusOr<BackwardOutput> {
+      stripes,
+      [outputs, stripes](std::vector<BackwardOutput>&) -> absl::StatusOr<BackwardOutput> {
         BackwardOutput o;
         const uint32_t n = static_cast<uint32_t>(stripes);
         MOE_RETURN_IF_ERROR(FinishStriped(*outputs, 0, n, /*required=*/true, &o.dx));
         MOE_RETURN_IF_ERROR(FinishStriped(*outputs, 1, n, false, &o.dweights));
         return o;
-      });
-  auto fut = striped->future();
+      },
+      std::move(done));
   StartStripes(stripes, rows, striped, outputs,
                [&](const StreamRows& stripe, std::shared_ptr<ResponseTensors> mine, auto done,
                    TrackContext track) {
                  StartBackwardStream(*this, NextRawStub(), call, tensors, stripe, std::move(mine),
                                      std::move(done), std::move(track));
                });
-  return fut;
 }
 
 }  // namespace moe::client

@@ -3,9 +3,17 @@
 // Starts a moe-server on loopback (or uses --server), creates one layer per case and measures
 // training steps (N Forwards in flight, N Backwards, Step) and inference rounds (N Forwards in
 // flight): tokens/s, bytes/s on the wire, per-call latency p50/p99, and the server's stage times
-// from its /metrics. Prints Markdown tables; exits 1 on any error or zero throughput, so the
-// smoke test (tests/bench) can run it as is. Every flag lives here and fills BenchOptions.
+// from its /metrics. Prints Markdown tables (and with --json appends one JSON object per case
+// and mode); exits 1 on any error or zero throughput, so the smoke test (tests/bench) can run it
+// as is. Every flag lives here and fills BenchOptions.
+//
+// --transport=cuda_ipc moves the trainer's GPU tensors (--client_device) by CUDA IPC, which
+// cannot open a handle in the process that made it: without --server the bench forks a child
+// running the server (server_process.h) before anything touches a GPU; --server_process does
+// the same for any transport, so that all compare with the server in a process of its own.
+#include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -14,7 +22,9 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "bench/service/server_process.h"
 #include "bench/service/service_bench.h"
+#include "server/options.h"
 
 // The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
 // sized so the CPU engine on two cores finishes it in about a minute. The last two cases have
@@ -30,6 +40,18 @@ ABSL_FLAG(std::string, metrics, "",
           "host:port of that server's /metrics (for stage times and wire bytes); empty: none "
           "with --server, found automatically without");
 ABSL_FLAG(std::string, device, "cpu", "Engine for the in-process server and baseline");
+ABSL_FLAG(std::string, server_device, "",
+          "Engine of the bench's own server and of the in-process baseline (default: --device)");
+ABSL_FLAG(std::string, client_device, "cpu",
+          "Where the trainer's tensors live: cpu, or cuda:N (results into device destinations "
+          "on one stream; the baseline is the engine on the same device tensors)");
+ABSL_FLAG(std::string, transport, "tcp",
+          "tcp | shm (host tensors through POSIX shared memory regions) | cuda_ipc (device "
+          "tensors in place; the server runs in a child process)");
+ABSL_FLAG(std::string, json, "", "Also append one JSON object per case and mode to this file");
+ABSL_FLAG(bool, server_process, false,
+          "Run the bench's own server in a child process instead of this one (always so for "
+          "--transport=cuda_ipc)");
 ABSL_FLAG(int64_t, experts, 8, "E, number of experts");
 ABSL_FLAG(int64_t, top_k, 2, "K, experts per token");
 ABSL_FLAG(std::string, dtype, "float32", "float32 | bfloat16");
@@ -82,6 +104,18 @@ int main(int argc, char** argv) {
   options.server = absl::GetFlag(FLAGS_server);
   options.metrics = absl::GetFlag(FLAGS_metrics);
   options.device = absl::GetFlag(FLAGS_device);
+  if (const std::string d = absl::GetFlag(FLAGS_server_device); !d.empty()) options.device = d;
+  options.client_device = absl::GetFlag(FLAGS_client_device);
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport == "tcp") {
+    options.transport = moe::bench::BenchTransport::kTcp;
+  } else if (transport == "shm") {
+    options.transport = moe::bench::BenchTransport::kSharedMemory;
+  } else if (transport == "cuda_ipc") {
+    options.transport = moe::bench::BenchTransport::kCudaIpc;
+  } else {
+    return Fail(absl::StrCat("transport: \"", transport, "\" is not tcp, shm or cuda_ipc"));
+  }
   options.steps = absl::GetFlag(FLAGS_steps);
   options.inference_rounds = absl::GetFlag(FLAGS_inference_rounds);
   options.warmup_steps = absl::GetFlag(FLAGS_warmup);
@@ -131,9 +165,47 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("activation: \"", act, "\" is not swiglu, silu, gelu or relu"));
   }
 
+  // cuda_ipc or --server_process: the server in a child process, forked before this one starts
+  // a thread or touches a GPU.
+  std::unique_ptr<moe::bench::ServerProcess> child;
+  std::string server_device = options.server.empty() ? options.device : "";
+  if (options.transport == moe::bench::BenchTransport::kCudaIpc &&
+      options.client_device == "cpu") {
+    return Fail("client_device: transport cuda_ipc moves the trainer's device tensors; name its "
+                "GPU (cuda:N)");
+  }
+  const bool own_process = absl::GetFlag(FLAGS_server_process) ||
+                           options.transport == moe::bench::BenchTransport::kCudaIpc;
+  if (own_process && options.server.empty()) {
+    moe::server::ServerOptions so;
+    so.host = "127.0.0.1";
+    so.port = 0;
+    so.metrics_port = 0;
+    so.device = options.device;
+    so.context_budget_bytes = int64_t{16} << 30;  // the bench bounds what it keeps itself
+    so.max_message_bytes = std::max<int64_t>(so.max_message_bytes, 2 * options.chunk_bytes);
+    auto forked = moe::bench::ServerProcess::Fork(so);
+    if (!forked.ok()) return Fail(forked.status().ToString());
+    child = std::move(*forked);
+    options.server = child->target();
+    options.metrics = child->metrics();
+    server_device = child->device();
+  }
+
   std::string where;
   auto results = moe::bench::RunServiceBench(options, &where);
   if (!results.ok()) return Fail(results.status().ToString());
+  if (child) {
+    where = absl::StrCat("moe-server (", child->device(), ") in child process ", child->pid(),
+                         " on loopback ", child->target());
+  }
+  absl::StrAppend(&where, ", transport ", transport, ", trainer tensors on ",
+                  options.client_device);
+  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {
+    if (auto st = moe::bench::AppendJson(*results, options, server_device, json); !st.ok()) {
+      return Fail(st.ToString());
+    }
+  }
   std::printf(
       "moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
       "rounds, %d warmup, chunk %lld bytes, %d connections, stripes of >= %lld bytes\n\n",

@@ -1,4 +1,5 @@
-// moe-service-bench's measurement core (see service_bench.h). Server stage times and wire bytes
+// moe-service-bench's measurement core (see service_bench.h; the trainers and their steps are in
+// trainers.cc). Server stage times and wire bytes
 // come from the server's own /metrics, scraped over plain HTTP before and after each timed phase
 // and differenced, so they describe exactly the calls this bench made (a shared server's other
 // traffic would leak in; the in-process server has none).
@@ -10,18 +11,26 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <random>
+#include <tuple>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/service/device_tensors.h"
+#include "bench/service/trainers.h"
 #include "client/client.h"
 #include "common/host_memory.h"
 #include "wire/raw_message.h"
@@ -128,161 +137,8 @@ void FromMetrics(const Scrape& before, const Scrape& after, ModeResult* r) {
   }
 }
 
-// --- inputs --------------------------------------------------------------------------------
-struct MicroBatch {
-  Tensor x, ids, weights, dout;
-};
-
-Tensor RandomActivations(DType dtype, int64_t rows, int64_t cols, std::mt19937_64& rng) {
-  Tensor t = Tensor::Zeros(dtype, {rows, cols});
-  std::normal_distribution<float> n(0.f, 1.f);
-  const int64_t count = rows * cols;
-  if (dtype == DType::kBFloat16) {
-    uint16_t* p = t.as<uint16_t>();
-    for (int64_t i = 0; i < count; ++i) p[i] = FloatToBFloat16(n(rng));
-  } else {
-    float* p = t.as<float>();
-    for (int64_t i = 0; i < count; ++i) p[i] = n(rng);
-  }
-  return t;
-}
-
-MicroBatch MakeMicroBatch(const LayerConfig& cfg, int64_t tokens, std::mt19937_64& rng) {
-  MicroBatch mb;
-  mb.x = RandomActivations(cfg.dtype, tokens, cfg.d_model, rng);
-  mb.dout = RandomActivations(cfg.dtype, tokens, cfg.d_model, rng);
-  if (cfg.routing == RoutingMode::kClient) {
-    const int64_t k = cfg.top_k, e = cfg.num_experts;
-    mb.ids = Tensor::Zeros(DType::kInt32, {tokens, k});
-    mb.weights = Tensor::Zeros(DType::kFloat32, {tokens, k});
-    std::vector<int32_t> perm(e);
-    std::uniform_real_distribution<float> u(0.1f, 1.f);
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < e; ++i) perm[i] = static_cast<int32_t>(i);
-      float sum = 0;
-      for (int64_t j = 0; j < k; ++j) {  // k distinct experts: a partial Fisher-Yates shuffle
-        std::uniform_int_distribution<int64_t> pick(j, e - 1);
-        std::swap(perm[j], perm[pick(rng)]);
-        mb.ids.as<int32_t>()[t * k + j] = perm[j];
-        sum += (mb.weights.as<float>()[t * k + j] = u(rng));
-      }
-      for (int64_t j = 0; j < k; ++j) mb.weights.as<float>()[t * k + j] /= sum;
-    }
-  }
-  return mb;
-}
-
-int64_t Bytes(const Tensor& t) { return static_cast<int64_t>(t.bytes.size()); }
-
 void Finalize(ModeResult* r) {
   r->tokens_per_second = r->seconds > 0 ? static_cast<double>(r->tokens) / r->seconds : 0;
-}
-
-// --- the service side ----------------------------------------------------------------------
-// One micro-batch's Forward through the service: `mb` lent as views, or, when `owned` holds this
-// rep's copies, those handed over.
-std::future<absl::StatusOr<client::ForwardOutput>> ServiceForward(client::RemoteLayer& layer,
-                                                                  const MicroBatch& mb,
-                                                                  MicroBatch* owned,
-                                                                  bool training) {
-  if (owned == nullptr)
-    return layer.Forward(mb.x.view(), mb.ids.view(), mb.weights.view(), training);
-  return layer.Forward(std::move(owned->x), std::move(owned->ids), std::move(owned->weights),
-                       training);
-}
-
-// One training step through the service: N Forwards in flight, N Backwards in flight, Step.
-// `owned`: this rep's copies of `mbs` to hand over, or null to lend views.
-absl::Status ServiceTrainStep(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
-                              std::vector<MicroBatch>* owned, ModeResult* r) {
-  const Clock::time_point t0 = Clock::now();
-  std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
-  for (size_t i = 0; i < mbs.size(); ++i) {
-    fwd.push_back(ServiceForward(layer, mbs[i], owned ? &(*owned)[i] : nullptr, true));
-  }
-  std::vector<uint64_t> ctx;
-  for (size_t i = 0; i < fwd.size(); ++i) {
-    auto out = fwd[i].get();  // in issue order: a later call's latency is seen no earlier
-    if (r) r->forward_latency.push_back(Since(t0));
-    if (!out.ok()) return out.status();
-    if (r) {
-      r->payload_bytes += Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
-                          Bytes(out->out) + Bytes(out->expert_ids) + Bytes(out->weights);
-    }
-    ctx.push_back(out->context_id);
-  }
-  const Clock::time_point t1 = Clock::now();
-  std::vector<std::future<absl::StatusOr<client::BackwardOutput>>> bwd;
-  for (size_t i = 0; i < mbs.size(); ++i) {
-    bwd.push_back(owned ? layer.Backward(ctx[i], std::move((*owned)[i].dout))
-                        : layer.Backward(ctx[i], mbs[i].dout.view()));
-  }
-  for (size_t i = 0; i < bwd.size(); ++i) {
-    auto out = bwd[i].get();
-    if (r) r->backward_latency.push_back(Since(t1));
-    if (!out.ok()) return out.status();
-    if (r) r->payload_bytes += Bytes(mbs[i].dout) + Bytes(out->dx) + Bytes(out->dweights);
-  }
-  return layer.Step().status();
-}
-
-absl::Status ServiceInferRound(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
-                               std::vector<MicroBatch>* owned, ModeResult* r) {
-  const Clock::time_point t0 = Clock::now();
-  std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
-  for (size_t i = 0; i < mbs.size(); ++i) {
-    fwd.push_back(ServiceForward(layer, mbs[i], owned ? &(*owned)[i] : nullptr, false));
-  }
-  for (size_t i = 0; i < fwd.size(); ++i) {
-    auto out = fwd[i].get();
-    if (r) r->forward_latency.push_back(Since(t0));
-    if (!out.ok()) return out.status();
-    if (r) {
-      r->payload_bytes += Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
-                          Bytes(out->out) + Bytes(out->expert_ids) + Bytes(out->weights);
-    }
-  }
-  return absl::OkStatus();
-}
-
-// --- the in-process side -------------------------------------------------------------------
-ForwardRequest Request(const MicroBatch& mb, bool training) {
-  ForwardRequest req;
-  req.x = mb.x.view();
-  if (!mb.ids.empty()) {
-    req.expert_ids = mb.ids.view();
-    req.weights = mb.weights.view();
-  }
-  req.training = training;
-  return req;
-}
-
-absl::Status InprocTrainStep(Layer& layer, const std::vector<MicroBatch>& mbs, ModeResult* r) {
-  std::vector<std::unique_ptr<SavedContext>> ctx;
-  for (const MicroBatch& mb : mbs) {
-    const Clock::time_point t = Clock::now();
-    auto out = layer.Forward(Request(mb, true));
-    if (r) r->forward_latency.push_back(Since(t));
-    if (!out.ok()) return out.status();
-    ctx.push_back(std::move(out->context));
-  }
-  for (size_t i = 0; i < mbs.size(); ++i) {
-    const Clock::time_point t = Clock::now();
-    auto out = layer.Backward(std::move(ctx[i]), mbs[i].dout.view());
-    if (r) r->backward_latency.push_back(Since(t));
-    if (!out.ok()) return out.status();
-  }
-  return layer.Step().status();
-}
-
-absl::Status InprocInferRound(Layer& layer, const std::vector<MicroBatch>& mbs, ModeResult* r) {
-  for (const MicroBatch& mb : mbs) {
-    const Clock::time_point t = Clock::now();
-    auto out = layer.Forward(Request(mb, false));
-    if (r) r->forward_latency.push_back(Since(t));
-    if (!out.ok()) return out.status();
-  }
-  return absl::OkStatus();
 }
 
 // Runs `warmup` untimed then `timed` timed repetitions of the service side and the in-process
@@ -457,6 +313,37 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   if (wire::UsesTls(options.tls) && options.server.empty()) {
     return absl::InvalidArgumentError("tls: only for a --server (the bench's own is plaintext)");
   }
+  // Where the trainer's tensors live: -1 host memory, else a GPU.
+  int client_gpu = -1;
+  if (options.client_device != "cpu") {
+    if (!absl::StartsWith(options.client_device, "cuda:") ||
+        !absl::SimpleAtoi(absl::string_view(options.client_device).substr(5), &client_gpu) ||
+        client_gpu < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "client_device: \"", options.client_device, "\" is not cpu or cuda:N"));
+    }
+    if (!CudaBuilt()) {
+      return absl::InvalidArgumentError(
+          "client_device: this moe-service-bench was built without CUDA");
+    }
+    if (!absl::StartsWith(options.device, "cuda")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "client_device: device tensors need a GPU engine for the in-process baseline (device is ",
+          options.device, ")"));
+    }
+  }
+  if (options.transport == BenchTransport::kCudaIpc) {
+    if (client_gpu < 0) {
+      return absl::InvalidArgumentError(
+          "client_device: transport cuda_ipc moves the trainer's device tensors; name its GPU "
+          "(cuda:N)");
+    }
+    if (options.server.empty()) {
+      return absl::InvalidArgumentError(
+          "server: transport cuda_ipc needs the server in another process (CUDA IPC cannot open "
+          "a handle in the process that made it)");
+    }
+  }
 
   // The server: a running one, or one started here on loopback with free ports.
   std::unique_ptr<server::Server> own_server;
@@ -487,6 +374,8 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   co.stripe_bytes = options.stripe_bytes;
   co.tls = options.tls;
   co.token = options.token;
+  co.transport = options.transport == BenchTransport::kTcp ? client::Transport::kTcp
+                                                           : client::Transport::kSharedMemory;
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);
@@ -513,34 +402,61 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
     CaseResult cr;
     cr.c = c;
 
-    // Both fresh layers from the same config and seed: the outputs must be identical.
-    {
-      auto svc = (*remote)
-                     ->Forward(mbs[0].x.view(), mbs[0].ids.view(), mbs[0].weights.view(), false)
-                     .get();
-      if (!svc.ok()) return svc.status();
-      auto loc = (*local)->Forward(Request(mbs[0], false));
-      if (!loc.ok()) return loc.status();
-      if (auto s = CheckSame(svc->out, loc->out, what); !s.ok()) return s;
-    }
-
-    // Handing over: each service rep gets fresh copies, made before its clock starts.
+    // The trainer: host tensors (lent, or handed over: each service rep gets fresh copies, made
+    // before its clock starts), or device tensors on client_gpu.
     std::vector<MicroBatch> owned;
     std::vector<MicroBatch>* hand_over = options.hand_over ? &owned : nullptr;
     auto prepare = [&] {
       if (hand_over) owned = mbs;
     };
+    std::unique_ptr<DeviceTensors> dev;
+    ServiceTrainer service;
+    InprocTrainer inproc;
+    if (client_gpu >= 0) {
+      auto d = DeviceTensors::Upload(client_gpu, mbs);
+      if (!d.ok()) return d.status();
+      dev = std::move(*d);
+      service = DeviceService(**remote, *dev);
+      inproc = DeviceInproc(*dev);
+    } else {
+      service = HostService(**remote, mbs, hand_over);
+      inproc = HostInproc(mbs);
+    }
+
+    // Both fresh layers from the same config and seed: the outputs must be identical.
+    {
+      prepare();
+      auto svc = service.forward(0, false).get();
+      if (!svc.ok()) return svc.status();
+      if (auto s = service.finish(); !s.ok()) return s;
+      Tensor service_out = std::move(svc->out);
+      if (dev) {
+        auto out = dev->DownloadOut(0);
+        if (!out.ok()) return out.status();
+        service_out = std::move(*out);
+      }
+      auto loc = (*local)->Forward(inproc.forward(0, false));
+      if (!loc.ok()) return loc.status();
+      Tensor inproc_out = std::move(loc->out);
+      if (dev) {
+        auto out = dev->DownloadOut(0);
+        if (!out.ok()) return out.status();
+        inproc_out = std::move(*out);
+      }
+      if (auto s = CheckSame(service_out, inproc_out, what); !s.ok()) return s;
+    }
+
     absl::Status st = TimedPair(
         options.warmup_steps, options.inference_rounds, tokens_per_rep, metrics, &cr.service_infer,
         &cr.inproc_infer, prepare,
-        [&](ModeResult* r) { return ServiceInferRound(**remote, mbs, hand_over, r); },
-        [&](ModeResult* r) { return InprocInferRound(**local, mbs, r); });
+        [&](ModeResult* r) { return ServiceInferRound(service, mbs, r); },
+        [&](ModeResult* r) { return InprocInferRound(**local, inproc, mbs.size(), r); });
     if (st.ok()) {
       st = TimedPair(
           options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
           &cr.inproc_train, prepare,
-          [&](ModeResult* r) { return ServiceTrainStep(**remote, mbs, hand_over, r); },
-          [&](ModeResult* r) { return InprocTrainStep(**local, mbs, r); });
+          [&](ModeResult* r) { return ServiceTrainStep(**remote, service, mbs, r); },
+          [&](ModeResult* r) { return InprocTrainStep(**local, inproc, mbs.size(), r); });
     }
     absl::Status del = (*conn)->DeleteLayer(name);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
@@ -554,6 +470,58 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
     results.push_back(std::move(cr));
   }
   return results;
+}
+
+const char* BenchTransportName(BenchTransport transport) {
+  switch (transport) {
+    case BenchTransport::kTcp:
+      return "tcp";
+    case BenchTransport::kSharedMemory:
+      return "shm";
+    case BenchTransport::kCudaIpc:
+      return "cuda_ipc";
+  }
+  return "unknown";
+}
+
+absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptions& options,
+                        const std::string& server_device, const std::string& path) {
+  std::ofstream f(path, std::ios::app);
+  if (!f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("json: cannot open ", path, ": ", std::strerror(errno)));
+  }
+  for (const CaseResult& r : results) {
+    for (auto [svc, loc, mode] : {std::tuple{&r.service_train, &r.inproc_train, "train"},
+                                  std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
+      nlohmann::json j;
+      j["transport"] = BenchTransportName(options.transport);
+      j["tokens"] = r.c.tokens;
+      j["d_model"] = r.c.d_model;
+      j["d_hidden"] = r.c.d_hidden;
+      j["experts"] = options.layer.num_experts;
+      j["top_k"] = options.layer.top_k;
+      j["in_flight"] = r.c.in_flight;
+      j["mode"] = mode;
+      j["dtype"] = DTypeName(options.layer.dtype);
+      j["routing"] = options.layer.routing == RoutingMode::kClient ? "client" : "server";
+      j["server_device"] = server_device;
+      j["client_device"] = options.client_device;
+      j["service_tok_s"] = svc->tokens_per_second;
+      j["in_process_tok_s"] = loc->tokens_per_second;
+      j["ratio"] = svc->tokens_per_second / loc->tokens_per_second;
+      j["service_fwd_p50_ms"] = Percentile(svc->forward_latency, 50) * 1e3;
+      j["in_process_fwd_p50_ms"] = Percentile(loc->forward_latency, 50) * 1e3;
+      if (std::string(mode) == "train") {
+        j["service_bwd_p50_ms"] = Percentile(svc->backward_latency, 50) * 1e3;
+        j["in_process_bwd_p50_ms"] = Percentile(loc->backward_latency, 50) * 1e3;
+      }
+      f << j.dump() << "\n";
+    }
+  }
+  f.flush();
+  if (!f) return absl::InternalError(absl::StrCat("json: writing ", path, " failed"));
+  return absl::OkStatus();
 }
 
 std::string FormatResults(const std::vector<CaseResult>& results) {

@@ -8,6 +8,11 @@
 // other, which is also what the server's single per-device executor does with them. Before each
 // case the first inference Forward of both fresh layers is compared bitwise, so a service that
 // returned wrong (or no) numbers cannot post a good time.
+//
+// The trainer's tensors live in host memory, or on a GPU (client_device): then both sides take
+// device tensors and write device destinations (trainers.h), and the service moves them by the
+// client's transport: through host memory over TCP, or in place by CUDA IPC (cuda_ipc, with the
+// server in another process: main.cc forks one).
 #ifndef MOE_BENCH_SERVICE_SERVICE_BENCH_H_
 #define MOE_BENCH_SERVICE_SERVICE_BENCH_H_
 
@@ -22,6 +27,12 @@
 #include "wire/tls.h"
 
 namespace moe::bench {
+
+// How the client moves the tensors (client::ClientOptions::transport): TCP; POSIX shared memory
+// regions (kSharedMemory, host tensors); CUDA IPC (kSharedMemory with the trainer's tensors on a
+// GPU and the server in another process).
+enum class BenchTransport { kTcp, kSharedMemory, kCudaIpc };
+const char* BenchTransportName(BenchTransport transport);  // "tcp", "shm", "cuda_ipc"
 
 // One point of the sweep; the rest of the layer config is shared (BenchOptions::layer).
 struct BenchCase {
@@ -52,6 +63,10 @@ struct BenchOptions {
   // The bearer token (ClientOptions::token), for a --server started with --tokens_file.
   std::string token;
   int timeout_seconds = 300;  // deadline of every call
+  BenchTransport transport = BenchTransport::kTcp;
+  // Where the trainer's tensors live: "cpu", or "cuda:N" (a GPU, with `device` a GPU engine: the
+  // in-process baseline is that engine on the same device tensors).
+  std::string client_device = "cpu";
 };
 
 // Per-call latencies in seconds, and what went over the wire.
@@ -98,6 +113,12 @@ double Percentile(std::vector<double> v, double pct);
 
 // The results as a Markdown table (one row per case and mode) and a stage table.
 std::string FormatResults(const std::vector<CaseResult>& results);
+
+// Appends one JSON object per case and mode to `path` (JSON Lines): transport, tokens, d_model,
+// d_hidden, experts, top_k, in_flight, mode, dtype, routing, server_device, client_device,
+// service_tok_s, in_process_tok_s, ratio and the p50 latencies.
+absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptions& options,
+                        const std::string& server_device, const std::string& path);
 
 // Parses "TxDxHxN" items separated by commas (e.g. "2048x512x512x4").
 absl::StatusOr<std::vector<BenchCase>> ParseCases(const std::string& text);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of moe-service-bench (tests/bench/service/CMakeLists.txt runs it): a tiny shape
-# through the bench's own loopback server, then through a separate moe-server process, then bad
-# flags. The bench itself exits 1 on any RPC error, a service output that differs from the
+# through the bench's own loopback server, then through a separate moe-server process, then its
+# own server in a child process (with JSON output), then through shared memory, then bad flags. The bench itself exits 1 on any RPC error, a service output that differs from the
 # in-process one, or zero throughput; this script also checks the tables it prints.
 # Usage: service_bench_smoke.sh MOE_SERVICE_BENCH MOE_SERVER
 set -u
@@ -50,8 +50,26 @@ check_rows "$work/remote.txt" 4
 grep -q "moe-server at 127.0.0.1:$port" "$work/remote.txt" || fail "not run against the process"
 grep -q '| Forward |' "$work/remote.txt" || fail "no stage rows from --metrics"
 
-# 3. Bad input: exit 1 and a message naming the flag.
-for bad in --cases=64x32x16 --dtype=float16 --routing=both --steps=0; do
+# 3. The bench's own server in a child process (as --transport=cuda_ipc runs it), its results
+# also appended as JSON Lines, one object per case and mode.
+"$bench" "${tiny[@]}" --server_process --json="$work/out.jsonl" >"$work/child.txt" 2>&1 ||
+  fail "bench with --server_process: $(cat "$work/child.txt")"
+check_rows "$work/child.txt" 4
+grep -q 'in child process' "$work/child.txt" || fail "no child process: $(cat "$work/child.txt")"
+[[ $(grep -c '"transport":"tcp"' "$work/out.jsonl") -eq 4 ]] ||
+  fail "expected 4 JSON objects: $(cat "$work/out.jsonl")"
+grep -q '"service_tok_s":[1-9]' "$work/out.jsonl" || fail "no throughput in $(cat "$work/out.jsonl")"
+
+# 4. Host tensors through shared memory regions, with the server in this process and in a child.
+for where in "" --server_process; do
+  "$bench" "${tiny[@]}" --transport=shm $where >"$work/shm.txt" 2>&1 ||
+    fail "bench with --transport=shm $where: $(cat "$work/shm.txt")"
+  check_rows "$work/shm.txt" 4
+done
+
+# 5. Bad input: exit 1 and a message naming the flag.
+for bad in --cases=64x32x16 --dtype=float16 --routing=both --steps=0 --transport=udp \
+    --client_device=gpu0; do
   if "$bench" "${tiny[@]}" "$bad" >"$work/bad.txt" 2>&1; then fail "$bad was accepted"; fi
   flag=${bad%%=*}
   grep -q "${flag#--}" "$work/bad.txt" || fail "$bad: message does not name the flag: $(cat "$work/bad.txt")"
