@@ -11,8 +11,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/layer.h"
 #include "common/tensor.h"
+#include "engine/layer.h"
 
 namespace moe {
 

@@ -16,8 +16,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/layer.h"
 #include "common/tensor.h"
+#include "engine/layer.h"
 
 namespace moe {
 

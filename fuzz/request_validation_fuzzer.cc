@@ -13,15 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "common/tensor.h"
 #include "engine/layer.h"
 #include "engine/routing.h"
 #include "engine/state.h"
-#include "common/tensor.h"
 #include "fuzz/fuzz_input.h"
 #include "google/protobuf/stubs/logging.h"
 #include "moe/v1/moe.pb.h"
-#include "wire/wire.h"
 #include "server/request_validation.h"
+#include "wire/wire.h"
 
 namespace {
 

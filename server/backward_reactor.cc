@@ -1,13 +1,17 @@
 // ExpertService.Backward: the micro-batch stream (micro_batch_reactor.h) whose one input is
-// dout. It consumes the context its Forward saved, but only once dout has passed its checks, so
-// a bad dout leaves the context for a correct retry. Unless striped, dout's room is reserved
-// from the server's own numbers (the saved context's tokens and the layer's d_model), never
-// from the client's claim.
+// dout. It consumes the context its Forward saved, but only once dout and every reference have
+// passed their checks, so a bad dout or reference leaves the context for a correct retry. Unless
+// striped or given by reference, dout's room is reserved from the server's own numbers (the saved
+// context's tokens and the layer's d_model), never from the client's claim. With dx_ref or
+// dweights_ref the engine writes that result into the client's region and the response carries
+// its dtype, shape and reference only.
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/micro_batch_reactor.h"
 #include "server/service.h"
@@ -28,7 +32,8 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
 
  protected:
   absl::Status ReadHeader(const v1::BackwardRequest&) override {
-    if (striped()) return absl::OkStatus();  // each stream's share is its own claim
+    // A striped stream's share is its own claim; a dout by reference needs no room.
+    if (striped() || InputRef(0) != nullptr) return absl::OkStatus();
     // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
     // own numbers, not the client's claim (Compute still checks the shape).
     auto entry = service_->FindLayer(layer_);
@@ -52,28 +57,57 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     MOE_RETURN_IF_ERROR(service_->AuthorizeLayer(caller(), *entry, Access::kTrain, "layer"));
     MOE_ASSIGN_OR_RETURN(const int64_t tokens,
                          service_->contexts().NumTokens(layer_, context_id_, caller().principal));
-    const TensorView& dout = inputs[0];
-    // Checked here, before the context is consumed, so a bad dout or a call that does not fit
-    // does not lose it.
-    MOE_RETURN_IF_ERROR(
-        CheckTensor(dout, "dout", entry->config.dtype, {tokens, entry->config.d_model}));
+    const LayerConfig& config = entry->config;
+    // Resolved and checked here, before the context is consumed, so a bad dout or reference, or
+    // a call that does not fit, does not lose it.
+    std::vector<std::optional<wire::ResolvedTensor>> destinations(2);
+    if (const v1::TensorRef* ref = DestinationRef(0)) {
+      MOE_ASSIGN_OR_RETURN(destinations[0], wire::DestinationTensor(*ref, config.dtype,
+                                                                    {tokens, config.d_model},
+                                                                    "dx_ref"));
+    }
+    if (const v1::TensorRef* ref = DestinationRef(1)) {
+      if (config.routing != RoutingMode::kClient) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("dweights_ref: layer \"", layer_,
+                         "\" routes on the server, so a Backward has no dweights to write"));
+      }
+      MOE_ASSIGN_OR_RETURN(destinations[1],
+                           wire::DestinationTensor(*ref, DType::kFloat32, {tokens, config.top_k},
+                                                   "dweights_ref"));
+    }
+    MOE_ASSIGN_OR_RETURN(Bound bound, Bind(inputs, destinations));
+    BackwardRequest request;
+    request.dout = bound.inputs[0];
+    request.dx = bound.destinations[0];
+    request.dweights = bound.destinations[1];
+    request.order = bound.order;
+    MOE_RETURN_IF_ERROR(CheckTensor(request.dout, "dout", config.dtype, {tokens, config.d_model}));
     MOE_ASSIGN_OR_RETURN(MemoryLedger::RequestCharge working,
                          service_->AdmitEngineCall(*entry, tokens, EngineCall::kBackward));
     MOE_ASSIGN_OR_RETURN(std::unique_ptr<SavedContext> context,
                          service_->contexts().Take(layer_, context_id_, caller().principal));
-    MOE_ASSIGN_OR_RETURN(BackwardResult result, entry->layer->Backward(std::move(context), dout));
+    MOE_ASSIGN_OR_RETURN(BackwardResult result,
+                         entry->layer->Backward(std::move(context), request));
+    // The gradients are accumulated by now; what was computed from or into memory its owner took
+    // away is still not returned.
+    MOE_RETURN_IF_ERROR(bound.call.CheckIntact());
     service_->metrics().Tokens(layer_, "backward", tokens);
     const uint64_t id = context_id_;
     const bool has_dweights = !result.dweights.empty();
+    const std::vector<std::optional<v1::Tensor>> in_place = WrittenInPlace(bound);
     auto tensors = std::make_shared<std::vector<Tensor>>();
     tensors->push_back(std::move(result.dx));
     tensors->push_back(std::move(result.dweights));
-    return Computed<v1::BackwardResponse>{std::move(tensors), [=](v1::BackwardResponse* m) {
-                                            m->set_context_id(id);
-                                            return std::vector<v1::Tensor*>{
-                                                m->mutable_dx(),
-                                                has_dweights ? m->mutable_dweights() : nullptr};
-                                          }};
+    return Computed<v1::BackwardResponse>{
+        std::move(tensors), [=](v1::BackwardResponse* m) {
+          m->set_context_id(id);
+          if (in_place[0]) *m->mutable_dx() = *in_place[0];
+          if (in_place[1]) *m->mutable_dweights() = *in_place[1];
+          return std::vector<v1::Tensor*>{
+              in_place[0] ? nullptr : m->mutable_dx(),
+              has_dweights && !in_place[1] ? m->mutable_dweights() : nullptr};
+        }};
   }
 };
 

@@ -128,6 +128,31 @@ Metrics::Metrics(std::string device)
                                    "Requests refused for the memory budget or a principal's "
                                    "quota, by reason")
                                .Register(r);
+  transport_calls_ = &prometheus::BuildCounter()
+                          .Name("moe_transport_calls_total")
+                          .Help(
+                              "Forward and Backward micro-batches answered, by method and the "
+                              "transport of their tensors (tcp, shared_memory, cuda_ipc)")
+                          .Register(r);
+  transport_bytes_ = &prometheus::BuildCounter()
+                          .Name("moe_transport_bytes_total")
+                          .Help("Forward and Backward bytes moved, by direction and transport")
+                          .Register(r);
+  regions_ = &prometheus::BuildGauge()
+                  .Name("moe_regions")
+                  .Help("Memory regions clients registered")
+                  .Register(r)
+                  .Add({});
+  region_bytes_ = &prometheus::BuildGauge()
+                       .Name("moe_region_bytes")
+                       .Help("Bytes of the memory regions clients registered")
+                       .Register(r)
+                       .Add({});
+  event_pairs_ = &prometheus::BuildGauge()
+                      .Name("moe_event_pairs")
+                      .Help("CUDA event pairs clients registered")
+                      .Register(r)
+                      .Add({});
 }
 
 void Metrics::Request(const std::string& method, const char* code) {
@@ -196,6 +221,18 @@ void Metrics::MemoryAdmitted(int64_t layer_state, int64_t saved_contexts, int64_
 }
 void Metrics::AdmissionRejected(const char* reason) {
   admission_rejections_->Add({{"reason", reason}}).Increment();
+}
+void Metrics::TransportCall(const std::string& method, const char* transport) {
+  transport_calls_->Add({{"method", method}, {"transport", transport}}).Increment();
+}
+void Metrics::TransportBytes(const char* direction, const char* transport, int64_t n) {
+  transport_bytes_->Add({{"direction", direction}, {"transport", transport}})
+      .Increment(static_cast<double>(n));
+}
+void Metrics::Regions(int64_t regions, int64_t bytes, int64_t event_pairs) {
+  regions_->Set(static_cast<double>(regions));
+  region_bytes_->Set(static_cast<double>(bytes));
+  event_pairs_->Set(static_cast<double>(event_pairs));
 }
 
 void Metrics::RemoveLayer(const std::string& layer, int64_t num_experts) {

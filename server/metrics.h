@@ -50,6 +50,14 @@ class Metrics {
   void MemoryBudgetBytes(const char* memory, int64_t bytes);
   void MemoryAdmitted(int64_t layer_state, int64_t saved_contexts, int64_t requests);
   void AdmissionRejected(const char* reason);
+  // The data plane (docs/PROTOCOL.md, "Registered memory regions"): a Forward or Backward
+  // micro-batch answered, by the transport its tensors took ("tcp": in its messages;
+  // "shared_memory", "cuda_ipc": by reference in registered regions), and tensor bytes moved by
+  // direction ("in", "out") and transport.
+  void TransportCall(const std::string& method, const char* transport);
+  void TransportBytes(const char* direction, const char* transport, int64_t n);
+  // Registered regions, their bytes, and event pairs, on the server now.
+  void Regions(int64_t regions, int64_t bytes, int64_t event_pairs);
   // Drops every series labelled with `layer` (num_experts: how many expert series it may have).
   void RemoveLayer(const std::string& layer, int64_t num_experts);
 
@@ -82,6 +90,11 @@ class Metrics {
   prometheus::Gauge* admitted_contexts_;
   prometheus::Gauge* admitted_requests_;
   prometheus::Family<prometheus::Counter>* admission_rejections_;
+  prometheus::Family<prometheus::Counter>* transport_calls_;
+  prometheus::Family<prometheus::Counter>* transport_bytes_;
+  prometheus::Gauge* regions_;
+  prometheus::Gauge* region_bytes_;
+  prometheus::Gauge* event_pairs_;
 };
 
 }  // namespace moe::server

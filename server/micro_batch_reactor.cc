@@ -1,9 +1,10 @@
 // The shared Forward/Backward stream reactor (see micro_batch_reactor.h), compiled once for both
-// methods. Sections: the stream's reactions, reading a micro-batch, admission, striping, running
-// and answering.
+// methods. Sections: the stream's reactions, reading a micro-batch, admission, references,
+// striping, running and answering.
 #include "server/micro_batch_reactor.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,6 +73,10 @@ void MicroBatchReactor<Req, Resp>::OnReadDone(bool ok) {
   absl::Status st =
       incoming_.Decode(&buffer_, input_fields_, &request_, Req::descriptor()->full_name());
   service_->metrics().BytesIn(method_, static_cast<int64_t>(incoming_.wire_bytes()));
+  service_->metrics().TransportBytes("in", "tcp", static_cast<int64_t>(incoming_.wire_bytes()));
+  // References first: a referencing micro-batch that is chunked or striped is refused before it
+  // joins anything, and the header's reservations know which inputs come by reference.
+  if (st.ok()) st = ReadMessageReferences(first);
   if (st.ok()) st = first ? BeginBatch() : CheckSameBatch();
   if (st.ok()) st = ChargeInputs();
   if (st.ok()) st = AddInputs();
@@ -103,6 +108,7 @@ void MicroBatchReactor<Req, Resp>::OnWriteDone(bool ok) {
     return;
   }
   service_->metrics().BytesOut(method_, static_cast<int64_t>(message_.Length()));
+  service_->metrics().TransportBytes("out", "tcp", static_cast<int64_t>(message_.Length()));
   if (++next_ < response_.size()) {
     message_ = response_.Build(next_);
     this->StartWrite(&message_);
@@ -110,6 +116,13 @@ void MicroBatchReactor<Req, Resp>::OnWriteDone(bool ok) {
   }
   service_->metrics().Stage(method_, "send", SecondsSince(send_start_));
   service_->metrics().Request(method_, "OK");
+  service_->metrics().TransportCall(method_, transport_);
+  if (referenced_in_bytes_ > 0) {
+    service_->metrics().TransportBytes("in", transport_, referenced_in_bytes_);
+  }
+  if (referenced_out_bytes_ > 0) {
+    service_->metrics().TransportBytes("out", transport_, referenced_out_bytes_);
+  }
   response_ = ChunkedResponse<Resp>();
   message_.Clear();
   in_batch_ = false;
@@ -163,6 +176,25 @@ absl::Status MicroBatchReactor<Req, Resp>::Cancelled() {
 }
 
 // --- Reading a micro-batch ------------------------------------------------------------------
+
+template <typename Req, typename Resp>
+absl::Status MicroBatchReactor<Req, Resp>::ReadMessageReferences(bool first) {
+  MOE_ASSIGN_OR_RETURN(wire::MessageReferences refs,
+                       wire::ReadReferences(request_, incoming_, first));
+  if (first) refs_ = std::move(refs);
+  return absl::OkStatus();
+}
+
+template <typename Req, typename Resp>
+const wire::ResolvedTensor* MicroBatchReactor<Req, Resp>::InputRef(size_t i) const {
+  return i < refs_.tensors.size() && refs_.tensors[i] ? &*refs_.tensors[i] : nullptr;
+}
+
+template <typename Req, typename Resp>
+const v1::TensorRef* MicroBatchReactor<Req, Resp>::DestinationRef(size_t j) const {
+  return j < refs_.destinations.size() && refs_.destinations[j] ? &*refs_.destinations[j]
+                                                                : nullptr;
+}
 
 template <typename Req, typename Resp>
 absl::Status MicroBatchReactor<Req, Resp>::BeginBatch() {
@@ -221,7 +253,7 @@ template <typename Req, typename Resp>
 absl::Status MicroBatchReactor<Req, Resp>::AddInputs() {
   for (size_t i = 0; i < assemblers_.size(); ++i) {
     const v1::Tensor* t = InputOf(request_, i);
-    if (t == nullptr) continue;
+    if (t == nullptr || InputRef(i) != nullptr) continue;
     const auto payload = incoming_.payload(input_fields_[i]);
     MOE_RETURN_IF_ERROR(
         shared_inputs_ ? (*shared_inputs_)[i].Add(stripe_.index(), stripe_.row_begin(), *t, payload)
@@ -242,7 +274,7 @@ absl::Status MicroBatchReactor<Req, Resp>::FinishInputs() {
   }
   views_.assign(assemblers_.size(), TensorView{});
   for (size_t i = 0; i < assemblers_.size(); ++i) {
-    if (!inputs_[i].required && !assemblers_[i].seen()) continue;
+    if (InputRef(i) != nullptr || (!inputs_[i].required && !assemblers_[i].seen())) continue;
     MOE_ASSIGN_OR_RETURN(views_[i], assemblers_[i].FinishView());
   }
   return absl::OkStatus();
@@ -256,6 +288,10 @@ void MicroBatchReactor<Req, Resp>::ResetInputs() {
   stream_carries_.assign(inputs_.size(), false);
   held_.assign(inputs_.size(), HeldBytes{});
   charge_.Reset();
+  refs_ = wire::MessageReferences();
+  transport_ = "tcp";
+  referenced_in_bytes_ = 0;
+  referenced_out_bytes_ = 0;
 }
 
 // --- Admission ------------------------------------------------------------------------------
@@ -276,7 +312,9 @@ absl::Status MicroBatchReactor<Req, Resp>::ChargeInputs() {
   const char* grown = inputs_[0].name;
   for (size_t i = 0; i < inputs_.size(); ++i) {
     const v1::Tensor* t = InputOf(request_, i);
-    if (t != nullptr && held_[i].Add(*t, incoming_.payload(input_fields_[i])) > 0) {
+    // A tensor by reference is the client's memory, not the server's.
+    if (t != nullptr && InputRef(i) == nullptr &&
+        held_[i].Add(*t, incoming_.payload(input_fields_[i])) > 0) {
       grown = inputs_[i].name;
     }
     total = SaturatingAdd(total, held_[i].held());
@@ -292,6 +330,91 @@ absl::Status MicroBatchReactor<Req, Resp>::ReserveInput(size_t i, int64_t bytes)
   MOE_RETURN_IF_ERROR(charge_.Set(total, inputs_[i].name));
   assemblers_[i].Reserve(static_cast<size_t>(bytes));
   return absl::OkStatus();
+}
+
+// --- References -----------------------------------------------------------------------------
+
+namespace {
+
+MemoryLocation ToMemoryLocation(const RegionLocation& where) {
+  return where.kind == RegionLocation::Kind::kCuda ? MemoryLocation::Cuda(where.device)
+                                                   : MemoryLocation::Host();
+}
+
+}  // namespace
+
+template <typename Req, typename Resp>
+absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<Req, Resp>::Bind(
+    const std::vector<TensorView>& inputs,
+    const std::vector<std::optional<wire::ResolvedTensor>>& destinations) {
+  Bound bound;
+  bound.inputs = inputs;
+  bound.destinations.assign(destinations.size(), MutableTensorView{});
+  if (!refs_.any()) return bound;
+  std::vector<wire::ResolvedTensor> in_refs, out_refs;
+  std::vector<size_t> in_at, out_at;
+  for (size_t i = 0; i < refs_.tensors.size() && i < bound.inputs.size(); ++i) {
+    if (!refs_.tensors[i]) continue;
+    in_refs.push_back(*refs_.tensors[i]);
+    in_at.push_back(i);
+  }
+  for (size_t j = 0; j < destinations.size(); ++j) {
+    if (!destinations[j]) continue;
+    out_refs.push_back(*destinations[j]);
+    out_at.push_back(j);
+  }
+  MOE_ASSIGN_OR_RETURN(bound.call,
+                       service_->regions().ResolveCall({caller().principal, session_}, in_refs,
+                                                       out_refs, refs_.event_id));
+  bool cuda = false;
+  int64_t in_bytes = 0, out_bytes = 0, copied = 0;
+  for (size_t k = 0; k < in_at.size(); ++k) {
+    const RegionRegistry::View& v = bound.call.inputs[k];
+    cuda = cuda || v.location.kind == RegionLocation::Kind::kCuda;
+    in_bytes += v.size_bytes;
+    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes),
+                    ToMemoryLocation(v.location)};
+    if (inputs_[in_at[k]].indexes && view.location.is_host()) {
+      // Charged as the request's own bytes, since it is the server's memory now.
+      copied = SaturatingAdd(copied, v.size_bytes);
+      int64_t held = 0;
+      for (const HeldBytes& h : held_) held = SaturatingAdd(held, h.held());
+      MOE_RETURN_IF_ERROR(charge_.Set(SaturatingAdd(held, copied), inputs_[in_at[k]].name));
+      Tensor copy = Tensor::Uninitialized(v.dtype, v.shape);
+      std::memcpy(copy.bytes.data(), v.data, static_cast<size_t>(v.size_bytes));
+      view = copy.view();  // its bytes stay where they are when the Tensor moves
+      bound.copies.push_back(std::move(copy));
+    }
+    bound.inputs[in_at[k]] = std::move(view);
+  }
+  for (size_t k = 0; k < out_at.size(); ++k) {
+    const RegionRegistry::View& v = bound.call.outputs[k];
+    cuda = cuda || v.location.kind == RegionLocation::Kind::kCuda;
+    out_bytes += v.size_bytes;
+    bound.destinations[out_at[k]] = MutableTensorView{
+        v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), ToMemoryLocation(v.location)};
+  }
+  bound.order.wait_event = bound.call.events.wait_event();
+  bound.order.done_event = bound.call.events.done_event();
+  transport_ = cuda ? "cuda_ipc" : "shared_memory";
+  referenced_in_bytes_ = in_bytes;
+  referenced_out_bytes_ = out_bytes;
+  return bound;
+}
+
+template <typename Req, typename Resp>
+std::vector<std::optional<v1::Tensor>> MicroBatchReactor<Req, Resp>::WrittenInPlace(
+    const Bound& bound) const {
+  std::vector<std::optional<v1::Tensor>> out(bound.destinations.size());
+  for (size_t j = 0; j < out.size(); ++j) {
+    const MutableTensorView& d = bound.destinations[j];
+    const v1::TensorRef* ref = DestinationRef(j);
+    if (d.empty() || ref == nullptr) continue;
+    v1::Tensor t;
+    wire::SetTensorRef(d.dtype, d.shape, ref->region_id(), ref->offset(), &t);
+    out[j] = std::move(t);
+  }
+  return out;
 }
 
 // --- Striping -------------------------------------------------------------------------------

@@ -16,6 +16,13 @@
 // What a micro-batch may hold or do is decided in one place, the admission section below: the
 // caller's right to the layer and session at the first message, and every message's tensors
 // charged to the memory ledger before they are copied in.
+//
+// A micro-batch may name tensors and destinations by reference, in regions the caller's session
+// registered (docs/PROTOCOL.md, "Registered memory regions"): such a micro-batch is one message
+// (wire::ReadReferences), its referenced tensors are neither assembled nor charged (they are the
+// client's memory), and the derived reactor resolves them on the executor (Bind) into views the
+// engine reads and writes in place; the response then carries each destination written in place
+// as its dtype, shape and reference, with no bytes.
 #ifndef MOE_SERVER_MICRO_BATCH_REACTOR_H_
 #define MOE_SERVER_MICRO_BATCH_REACTOR_H_
 
@@ -25,6 +32,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,9 +40,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/tensor.h"
+#include "engine/layer.h"
 #include "moe/v1/moe.pb.h"
 #include "server/held_bytes.h"
 #include "server/memory_ledger.h"
+#include "server/region_registry.h"
 #include "server/service.h"
 #include "server/service_internal.h"
 #include "server/stripe_join.h"
@@ -64,13 +74,27 @@ template <typename Req, typename Resp>
 class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                           public StripeJoin::Part {
  public:
-  // An input tensor of Req: its field number and name, whether a micro-batch must carry it, and
-  // how its buffer is sized.
+  // An input tensor of Req: its field number and name, whether a micro-batch must carry it,
+  // how its buffer is sized, and whether it indexes memory (expert_ids): such an input given by
+  // reference in host memory is copied into the server's memory before the engine checks it, so
+  // no change the client makes meanwhile can lead the engine out of bounds.
   struct Input {
     int field;
     const char* name;
     bool required;
     wire::TensorAssembler::Sizing sizing;
+    bool indexes = false;
+  };
+
+  // What the engine gets for a micro-batch (Bind): its inputs, those given by reference resolved
+  // to the region's memory; the destinations the client named; the stream order of its event
+  // pair. Holds the call's regions (mapped while it lives) and its event pair.
+  struct Bound {
+    std::vector<TensorView> inputs;
+    std::vector<MutableTensorView> destinations;  // per destination field; empty: in the response
+    StreamOrder order;
+    RegionRegistry::Call call;
+    std::vector<Tensor> copies;  // indexing inputs copied out of host regions
   };
 
   MicroBatchReactor(ExpertServiceImpl* service, grpc::CallbackServerContext* ctx,
@@ -105,6 +129,21 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
       const std::vector<grpc::CallbackServerContext*>& calls) = 0;
 
   bool striped() const { return stripe_.count() != 0; }
+  // The micro-batch's references (wire/raw_message.h): input i's (in the order of the Inputs),
+  // and the one the client named for destination field j of Req; null when there is none.
+  const wire::ResolvedTensor* InputRef(size_t i) const;
+  const v1::TensorRef* DestinationRef(size_t j) const;
+  // Resolves the micro-batch's references in the caller's session (RegionRegistry::ResolveCall:
+  // NotFound, or InvalidArgument naming the reference, or FailedPrecondition for a lost region or
+  // a busy event pair). `destinations` has an entry per destination field: what the server
+  // writes to the reference the client named there (wire::DestinationTensor), nullopt for none.
+  // Without references, the inputs pass through unchanged. Call on the executor, before the
+  // engine; after it, the call's CheckIntact says whether its results may be returned.
+  absl::StatusOr<Bound> Bind(const std::vector<TensorView>& inputs,
+                             const std::vector<std::optional<wire::ResolvedTensor>>& destinations);
+  // The response's tensor for each destination written in place: dtype, shape and reference,
+  // no bytes; nullopt for a destination the response carries.
+  std::vector<std::optional<v1::Tensor>> WrittenInPlace(const Bound& bound) const;
   // Room for `bytes` of input i before its first chunk, charged to the memory ledger first
   // (ResourceExhausted, nothing reserved, when it does not fit). Part of admission (below).
   absl::Status ReserveInput(size_t i, int64_t bytes);
@@ -129,6 +168,8 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   absl::Status Cancelled();
 
   // --- Reading a micro-batch ---
+  // The message's references (all on the first message, none later).
+  absl::Status ReadMessageReferences(bool first);
   absl::Status BeginBatch();
   absl::Status CheckSameBatch() const;
   absl::Status AddInputs();
@@ -180,6 +221,12 @@ class MicroBatchReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc:
   // ledger.
   std::vector<HeldBytes> held_;
   MemoryLedger::RequestCharge charge_;
+  // References: the micro-batch's, and what Bind resolved, for the transport metrics once it is
+  // answered.
+  wire::MessageReferences refs_;
+  const char* transport_ = "tcp";
+  int64_t referenced_in_bytes_ = 0;
+  int64_t referenced_out_bytes_ = 0;
   std::shared_ptr<std::deque<wire::StripedAssembler>> shared_inputs_;
   std::mutex join_mu_;
   v1::Stripe stripe_;

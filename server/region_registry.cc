@@ -10,6 +10,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "engine/layer.h"
 #include "server/posix_shm.h"
 
 namespace moe::server {
@@ -21,13 +22,13 @@ class RegionRegistry::Region {
   uint64_t id = 0;
   void* data = nullptr;
   int64_t size_bytes = 0;
-  RegionLocation location;
+  MemoryLocation location;
   // The memory behind it, so that regions over one shared memory object or one CUDA allocation
   // are known to share bytes: an identity, and where the region starts in it.
   std::string backing;
   int64_t backing_offset = 0;
   std::unique_ptr<PosixShmMapping> shm;  // one of the two
-  std::unique_ptr<MappedMemory> cuda;
+  std::unique_ptr<SharedMemoryMapping> cuda;
 
   bool lost() const { return shm != nullptr && shm->lost(); }
 };
@@ -37,9 +38,9 @@ class RegionRegistry::EventPair {
   std::string principal;
   std::string session;
   uint64_t id = 0;
-  std::unique_ptr<SharedCudaEvent> wait;  // the client's
-  std::unique_ptr<SharedCudaEvent> done;  // the server's
-  std::atomic<bool> in_use{false};        // an EventLease holds it
+  std::unique_ptr<SharedEvent> wait;  // the client's
+  std::unique_ptr<SharedEvent> done;  // the server's
+  std::atomic<bool> in_use{false};    // an EventLease holds it
 };
 
 namespace {
@@ -111,6 +112,34 @@ bool Overlap(const RegionRegistry::View& a, const RegionRegistry::View& b,
 }
 
 }  // namespace
+
+// --- EngineRegionMapper ----------------------------------------------------------------------
+namespace {
+
+class EngineMapper final : public RegionMapper {
+ public:
+  explicit EngineMapper(Engine* engine) : engine_(engine) {}
+  absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
+      absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) override {
+    return engine_->MapCudaIpcMemory(mem_handle, device, offset, size_bytes);
+  }
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle) override {
+    return engine_->OpenCudaIpcEvent(handle);
+  }
+  absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent()
+      override {
+    return engine_->CreateCudaIpcEvent();
+  }
+
+ private:
+  Engine* engine_;
+};
+
+}  // namespace
+
+std::shared_ptr<RegionMapper> EngineRegionMapper(Engine* engine) {
+  return std::make_shared<EngineMapper>(engine);
+}
 
 // --- EventLease -----------------------------------------------------------------------------
 RegionRegistry::EventLease& RegionRegistry::EventLease::operator=(EventLease&& other) noexcept {
@@ -230,7 +259,7 @@ absl::StatusOr<std::shared_ptr<RegionRegistry::Region>> RegionRegistry::MapRegio
     MOE_ASSIGN_OR_RETURN(region->shm, PosixShmMapping::Open(request.shared_memory()));
     region->data = region->shm->data();
     region->size_bytes = region->shm->size_bytes();
-    region->location = RegionLocation::Host();
+    region->location = MemoryLocation::Host();
     region->backing = absl::StrCat("shm:", region->shm->device(), ":", region->shm->inode());
     return region;
   }
@@ -239,7 +268,7 @@ absl::StatusOr<std::shared_ptr<RegionRegistry::Region>> RegionRegistry::MapRegio
     return absl::FailedPreconditionError(
         "cuda_ipc: this server's engine cannot map CUDA memory; register shared memory instead");
   }
-  absl::StatusOr<std::unique_ptr<MappedMemory>> mapped =
+  absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> mapped =
       mapper_->MapCudaIpcMemory(spec.mem_handle(), spec.device(), spec.offset(), spec.size_bytes());
   if (!mapped.ok()) return WithField(mapped.status(), "cuda_ipc");
   if (*mapped == nullptr || (*mapped)->size_bytes() < spec.size_bytes()) {
@@ -351,9 +380,10 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
   }
   auto pair = std::make_shared<EventPair>();
   absl::Status st;
-  absl::StatusOr<std::unique_ptr<SharedCudaEvent>> wait =
+  absl::StatusOr<std::unique_ptr<SharedEvent>> wait =
       mapper_->OpenCudaIpcEvent(request.wait_event_handle());
-  absl::StatusOr<RegionMapper::CreatedEvent> done = absl::UnknownError("not created");
+  absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> done =
+      absl::UnknownError("not created");
   if (!wait.ok()) {
     st = WithField(wait.status(), "wait_event_handle");
   } else {
@@ -369,12 +399,12 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
       ReleaseLocked(owner.principal, 0, 0, 1);
       return st;
     }
-    pair->done = std::move(done->event);
+    pair->done = std::move(done->first);
     pair->principal = owner.principal;
     pair->session = owner.session;
     pair->id = NewIdLocked();
     response.set_event_id(pair->id);
-    response.set_done_event_handle(std::move(done->handle));
+    response.set_done_event_handle(std::move(done->second));
     event_pairs_.emplace(pair->id, std::move(pair));
   }
   Changed();
@@ -404,7 +434,7 @@ absl::StatusOr<RegionRegistry::View> RegionRegistry::Resolve(
   if (region == nullptr) return NoRegion(absl::StrCat(ref.field, ".region_id"), ref.region_id);
   if (region->lost()) return LostError(ref.field, ref.region_id);
   MOE_ASSIGN_OR_RETURN(const int64_t bytes, CheckedByteSize(ref.shape, ref.dtype, ref.field));
-  const bool cuda = region->location.kind == RegionLocation::Kind::kCuda;
+  const bool cuda = region->location.is_cuda();
   const auto element = static_cast<int64_t>(DTypeSize(ref.dtype));
   const int64_t alignment = cuda ? std::max(kCudaRegionAlignment, element) : element;
   if (ref.offset < 0 || ref.offset % alignment != 0) {

@@ -15,8 +15,9 @@
 // kMaxEventPairsPerPrincipal. Bytes count from Register to Unregister or session end.
 //
 // The engine maps CUDA memory and events (engine/ipc.h); this library sees that through
-// RegionMapper, which the service fills with the engine's calls, and maps POSIX shared memory
-// itself (posix_shm.h). Without a mapper, CUDA regions and event pairs are FailedPrecondition.
+// RegionMapper (EngineRegionMapper: the engine's own calls; tests fake it), and maps POSIX shared
+// memory itself (posix_shm.h). Without a mapper, CUDA regions and event pairs are
+// FailedPrecondition, as they are from an engine without CUDA.
 // Thread-safe: reactors on gRPC's threads and the executor all use it.
 #ifndef MOE_SERVER_REGION_REGISTRY_H_
 #define MOE_SERVER_REGION_REGISTRY_H_
@@ -36,8 +37,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/tensor.h"
+#include "engine/ipc.h"
 #include "moe/v1/moe.pb.h"
 #include "wire/raw_message.h"
+
+namespace moe {
+class Engine;
+}
 
 namespace moe::server {
 
@@ -45,54 +51,27 @@ namespace moe::server {
 // mapping and a guard slot (posix_shm.h), each event pair two CUDA events.
 inline constexpr int kMaxRegionsPerPrincipal = 1024;
 inline constexpr int kMaxEventPairsPerPrincipal = 256;
-// cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 bytes; CUDA regions are 16-byte aligned.
-inline constexpr size_t kCudaIpcHandleBytes = 64;
+// CUDA regions, and references into them, are 16-byte aligned (vector loads and stores).
 inline constexpr int64_t kCudaRegionAlignment = 16;
 
-// Where a region's memory lives: host memory, or CUDA device `device`'s. Becomes the engine's
-// MemoryLocation (common/tensor.h) where a call's tensors are built.
-struct RegionLocation {
-  enum class Kind { kHost, kCuda };
-  Kind kind = Kind::kHost;
-  int device = 0;
-  static RegionLocation Host() { return {}; }
-  static RegionLocation Cuda(int device) { return {Kind::kCuda, device}; }
-};
-
-// Memory the engine mapped for a region (a peer's CUDA memory); unmapped when destroyed.
-class MappedMemory {
- public:
-  virtual ~MappedMemory() = default;
-  virtual void* data() const = 0;
-  virtual int64_t size_bytes() const = 0;
-  virtual RegionLocation location() const = 0;
-};
-
-// A CUDA event shared with a client process; released when destroyed.
-class SharedCudaEvent {
- public:
-  virtual ~SharedCudaEvent() = default;
-  virtual void* native() const = 0;  // the cudaEvent_t
-};
-
-// What the engine does for the registry: the CUDA engine's IPC calls (engine/ipc.h); an engine
-// that cannot returns FailedPrecondition from each, which the registry passes on.
+// What the engine does for the registry: its CUDA IPC calls (engine/layer.h, Engine); an engine
+// without CUDA returns FailedPrecondition from each, which the registry passes on.
 class RegionMapper {
  public:
-  struct CreatedEvent {
-    std::unique_ptr<SharedCudaEvent> event;
-    std::string handle;  // its cudaIpcEventHandle_t, for the client
-  };
   virtual ~RegionMapper() = default;
   // `size_bytes` bytes at `offset` of the allocation a peer exported as `mem_handle`.
-  virtual absl::StatusOr<std::unique_ptr<MappedMemory>> MapCudaIpcMemory(
+  virtual absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) = 0;
-  // A client's event, opened here.
-  virtual absl::StatusOr<std::unique_ptr<SharedCudaEvent>> OpenCudaIpcEvent(
+  // A client's interprocess event, opened here.
+  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(
       absl::string_view handle) = 0;
-  // A new interprocess event of the server's.
-  virtual absl::StatusOr<CreatedEvent> CreateCudaIpcEvent() = 0;
+  // A new interprocess event of the server's, and its handle for the client.
+  virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>>
+  CreateCudaIpcEvent() = 0;
 };
+
+// The engine's own calls. `engine` must outlive the mapper.
+std::shared_ptr<RegionMapper> EngineRegionMapper(Engine* engine);
 
 // Who makes a call: its principal (server/auth.h) and its "moe-session-id" ("" for none).
 struct RegionOwner {
@@ -125,7 +104,7 @@ class RegionRegistry {
     int64_t offset = 0;  // in the region
     void* data = nullptr;
     int64_t size_bytes = 0;
-    RegionLocation location;
+    MemoryLocation location;
     DType dtype = DType::kFloat32;
     std::vector<int64_t> shape;
   };

@@ -2,7 +2,8 @@
 // the checks every RPC makes (authentication, authorization, the layer lookup), and the helpers
 // of service_internal.h. The RPCs themselves live one reactor or group of unary calls a file:
 // forward_reactor.cc and backward_reactor.cc (over micro_batch_reactor.h), weights_reactors.cc,
-// session_reactor.cc, layer_handlers.cc, optimizer_handlers.cc, checkpoint_handlers.cc.
+// session_reactor.cc, layer_handlers.cc, optimizer_handlers.cc, checkpoint_handlers.cc,
+// region_handlers.cc.
 #include "server/service.h"
 
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/auth.h"
+#include "server/engine_region_mapper.h"
 #include "server/service_internal.h"
 #include "server/status_map.h"
 #include "wire/wire.h"
@@ -72,7 +74,14 @@ ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, MemoryBudget 
                 std::chrono::milliseconds(
                     static_cast<int64_t>(options.sessionless_context_ttl_seconds * 1000)),
                 &ledger_, metrics) {
+  RegionRegistryOptions regions;
+  regions.principal_region_bytes_quota = options.principal_region_bytes_quota;
+  regions.on_change = [metrics](const RegionRegistry::Stats& s) {
+    metrics->Regions(s.regions, s.region_bytes, s.event_pairs);
+  };
+  regions_ = std::make_unique<RegionRegistry>(std::move(regions), EngineRegionMapper(engine_.get()));
   metrics_->Layers(0);
+  metrics_->Regions(0, 0, 0);
   executor_.Submit([this](double) { SampleMemory(); });
   sweeper_ = std::thread([this] { SweepLoop(); });
 }

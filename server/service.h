@@ -1,5 +1,6 @@
 // The ExpertService implementation on gRPC's callback API: the service's shared state (the layer
-// table, the executors, the memory ledger, the context store) and its method table. The RPCs live
+// table, the executors, the memory ledger, the context store, the registered regions) and its
+// method table. The RPCs live
 // in files of their own, after grpc's route_guide callback example: a reactor class per streaming
 // RPC, a group of unary handlers per file (named at each method below).
 //
@@ -34,6 +35,7 @@
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/options.h"
+#include "server/region_registry.h"
 #include "server/request_validation.h"
 #include "server/stripe_join.h"
 
@@ -84,7 +86,11 @@ using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
                                         v1::ExpertService::WithCallbackMethod_LoadCheckpoint<
                                             v1::ExpertService::WithCallbackMethod_GetStats<
                                                 v1::ExpertService::WithCallbackMethod_OpenSession<
-                                                    v1::ExpertService::Service>>>>>>>>>>>>>>;
+                                                    v1::ExpertService::WithCallbackMethod_RegisterRegion<
+                                                        v1::ExpertService::WithCallbackMethod_UnregisterRegion<
+                                                            v1::ExpertService::WithCallbackMethod_RegisterEvents<
+                                                                v1::ExpertService::WithCallbackMethod_UnregisterEvents<
+                                                                    v1::ExpertService::Service>>>>>>>>>>>>>>>>>>;
 
 class ExpertServiceImpl final : public ExpertServiceBase {
  public:
@@ -138,6 +144,19 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // session_reactor.cc
   grpc::ServerWriteReactor<v1::SessionEvent>* OpenSession(
       grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req) override;
+  // region_handlers.cc
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterRegionRequest* req,
+                                           v1::RegisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterRegionRequest* req,
+                                             v1::UnregisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterEvents(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterEventsRequest* req,
+                                           v1::RegisterEventsResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterEvents(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterEventsRequest* req,
+                                             v1::UnregisterEventsResponse* resp) override;
 
   // For the reactors and handlers (the files named above).
   Metrics& metrics() { return *metrics_; }
@@ -145,6 +164,9 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   MemoryLedger& ledger() { return ledger_; }
   DeviceExecutor& executor() { return executor_; }
   StripeJoins& stripes() { return stripes_; }
+  // The regions and event pairs clients registered (region_handlers.cc); the session reactor
+  // opens and drops sessions in it as it does in contexts().
+  RegionRegistry& regions() { return *regions_; }
   const ServerOptions& options() const { return options_; }
   // NotFound naming the layer.
   absl::StatusOr<std::shared_ptr<LayerEntry>> FindLayer(const std::string& name) const;
@@ -209,6 +231,8 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   MemoryLedger ledger_;  // before contexts_, which charges it
   ContextStore contexts_;
   StripeJoins stripes_;
+  // After engine_, whose IPC calls map its regions: destroyed, and so unmapped, before it.
+  std::unique_ptr<RegionRegistry> regions_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<LayerEntry>> layers_;  // written on the executor only
   // Last members: destroyed first, so no task or sweep runs once the rest starts going away.

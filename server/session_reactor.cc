@@ -1,7 +1,8 @@
 // ExpertService.OpenSession: a server stream that names a new session and then stays open for
-// as long as the client does. The session ties the client's saved contexts to its life: when the
-// client cancels, exits or loses its connection the stream ends and its contexts go at once,
-// instead of waiting out their TTL (context_store.h).
+// as long as the client does. The session ties the client's saved contexts and registered
+// regions and event pairs to its life: when the client cancels, exits or loses its connection the
+// stream ends and its contexts go at once, instead of waiting out their TTL (context_store.h),
+// and so do its regions (region_registry.h; a call still using one keeps it mapped until done).
 #include <cstdint>
 #include <random>
 #include <string>
@@ -28,19 +29,24 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
     std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
     id_ = absl::StrFormat("%016x%016x", gen(), gen());
     service_->contexts().OpenSession(id_, caller->principal);
+    service_->regions().OpenSession(id_, caller->principal);
     event_.set_session_id(id_);
     StartWrite(&event_);
   }
   void OnWriteDone(bool) override {}  // the stream then stays open until the client leaves
   void OnCancel() override {
     if (id_.empty()) return;  // refused: already finished
-    // The client cancelled, exited or lost its connection: its contexts go now.
+    // The client cancelled, exited or lost its connection: its contexts and regions go now.
     service_->contexts().CloseSession(id_);
+    service_->regions().DropSession(id_);
     service_->metrics().Request("OpenSession", "CANCELLED");
     Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session closed"));
   }
   void OnDone() override {
-    if (!id_.empty()) service_->contexts().CloseSession(id_);  // idempotent
+    if (!id_.empty()) {  // both idempotent
+      service_->contexts().CloseSession(id_);
+      service_->regions().DropSession(id_);
+    }
     service_->metrics().StreamClosed("OpenSession");
     delete this;
   }

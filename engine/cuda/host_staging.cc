@@ -10,8 +10,8 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/cuda/device.h"
 #include "common/host_memory.h"
+#include "engine/cuda/device.h"
 
 namespace moe::cuda {
 namespace {

@@ -19,8 +19,8 @@
 #include <thread>
 
 #include "client/client.h"
-#include "engine/layer.h"
 #include "common/tensor.h"
+#include "engine/layer.h"
 
 namespace {
 

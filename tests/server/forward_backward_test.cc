@@ -20,15 +20,6 @@ namespace {
 using client::RemoteLayer;
 
 // --- Bit-exact against the engine in process ------------------------------------------------
-// float32 -> bf16 (round to nearest even), the dtype a bf16 layer expects for x and dout.
-Tensor ToBFloat16(const Tensor& t) {
-  Tensor out = Tensor::Zeros(DType::kBFloat16, t.shape);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    out.as<uint16_t>()[i] = FloatToBFloat16(t.as<float>()[i]);
-  }
-  return out;
-}
-
 void CheckTrainStepMatchesInProcess(RoutingMode routing, int64_t chunk_bytes,
                                     DType dtype = DType::kFloat32) {
   client::ClientOptions copts = LoopbackClientOptions();

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <random>
 #include <string>
 
@@ -42,13 +41,6 @@ std::string HttpGet(int port, const std::string& path) {
   return out;
 }
 
-// Value of the series `name{labels}` (labels in exposition order), -1 when absent.
-double Metric(const std::string& page, const std::string& series) {
-  size_t at = page.find("\n" + series + " ");
-  if (at == std::string::npos) return -1;
-  return std::strtod(page.c_str() + at + series.size() + 2, nullptr);
-}
-
 TEST(ServiceTest, MetricsEndpointShowsCountersMoving) {
   server::ServerOptions options = LoopbackOptions();
   options.metrics_port = 0;
@@ -64,40 +56,40 @@ TEST(ServiceTest, MetricsEndpointShowsCountersMoving) {
   ASSERT_NE(before.find("200 OK"), std::string::npos) << before.substr(0, 200);
   const std::string fwd_ok = "moe_requests_total{code=\"OK\",method=\"Forward\"}";
   const std::string tokens = "moe_tokens_total{direction=\"forward\",layer=\"m\"}";
-  EXPECT_EQ(Metric(before, fwd_ok), 1) << before;
-  EXPECT_EQ(Metric(before, tokens), 10);
-  EXPECT_GT(Metric(before, "moe_saved_context_bytes"), 0);
+  EXPECT_EQ(MetricValue(before, fwd_ok), 1) << before;
+  EXPECT_EQ(MetricValue(before, tokens), 10);
+  EXPECT_GT(MetricValue(before, "moe_saved_context_bytes"), 0);
 
   ASSERT_TRUE(c.Backward("m", 1, x.view()).get().ok());
   ASSERT_TRUE(c.Forward("m", 2, false, x.view(), {}, {}).get().ok());
   ASSERT_TRUE(c.Step("m").ok());
   EXPECT_EQ(c.Step("zzz").status().code(), absl::StatusCode::kNotFound);
   const std::string after = HttpGet(lb.server->metrics_port(), "/metrics");
-  EXPECT_EQ(Metric(after, fwd_ok), 2);
-  EXPECT_EQ(Metric(after, tokens), 20);
-  EXPECT_EQ(Metric(after, "moe_tokens_total{direction=\"backward\",layer=\"m\"}"), 10);
-  EXPECT_EQ(Metric(after, "moe_requests_total{code=\"NOT_FOUND\",method=\"Step\"}"), 1);
-  EXPECT_EQ(Metric(after, "moe_optimizer_steps_total{layer=\"m\"}"), 1);
-  EXPECT_EQ(Metric(after, "moe_saved_context_bytes"), 0);
+  EXPECT_EQ(MetricValue(after, fwd_ok), 2);
+  EXPECT_EQ(MetricValue(after, tokens), 20);
+  EXPECT_EQ(MetricValue(after, "moe_tokens_total{direction=\"backward\",layer=\"m\"}"), 10);
+  EXPECT_EQ(MetricValue(after, "moe_requests_total{code=\"NOT_FOUND\",method=\"Step\"}"), 1);
+  EXPECT_EQ(MetricValue(after, "moe_optimizer_steps_total{layer=\"m\"}"), 1);
+  EXPECT_EQ(MetricValue(after, "moe_saved_context_bytes"), 0);
   double expert_sum = 0;
   for (int e = 0; e < config.num_experts; ++e) {
-    expert_sum += std::max(0.0, Metric(after, absl::StrCat("moe_expert_tokens_total{expert=\"", e,
+    expert_sum += std::max(0.0, MetricValue(after, absl::StrCat("moe_expert_tokens_total{expert=\"", e,
                                                            "\",layer=\"m\"}")));
   }
   EXPECT_EQ(expert_sum, 20 * config.top_k);
-  EXPECT_GT(Metric(after, "moe_stage_duration_seconds_count{method=\"Forward\",stage=\"compute\"}"),
+  EXPECT_GT(MetricValue(after, "moe_stage_duration_seconds_count{method=\"Forward\",stage=\"compute\"}"),
             1);
-  EXPECT_GT(Metric(after, "moe_received_bytes_total{method=\"Forward\"}"),
-            Metric(before, "moe_received_bytes_total{method=\"Forward\"}"));
-  EXPECT_GT(Metric(after, "moe_device_memory_used_bytes{device=\"cpu\"}"), 0);
-  EXPECT_EQ(Metric(after, "moe_pinned_host_bytes"), 0);  // the CPU engine pins nothing
-  EXPECT_EQ(Metric(after, "moe_layers"), 1);
+  EXPECT_GT(MetricValue(after, "moe_received_bytes_total{method=\"Forward\"}"),
+            MetricValue(before, "moe_received_bytes_total{method=\"Forward\"}"));
+  EXPECT_GT(MetricValue(after, "moe_device_memory_used_bytes{device=\"cpu\"}"), 0);
+  EXPECT_EQ(MetricValue(after, "moe_pinned_host_bytes"), 0);  // the CPU engine pins nothing
+  EXPECT_EQ(MetricValue(after, "moe_layers"), 1);
   EXPECT_NE(HttpGet(lb.server->metrics_port(), "/other").find("404"), std::string::npos);
   // Deleting the layer removes its series.
   ASSERT_TRUE(c.DeleteLayer("m").ok());
   const std::string gone = HttpGet(lb.server->metrics_port(), "/metrics");
-  EXPECT_EQ(Metric(gone, tokens), -1);
-  EXPECT_EQ(Metric(gone, "moe_layers"), 0);
+  EXPECT_EQ(MetricValue(gone, tokens), -1);
+  EXPECT_EQ(MetricValue(gone, "moe_layers"), 0);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory_region.h"
+#include "engine/layer.h"
 #include "server/posix_shm.h"
 
 namespace moe::server {
@@ -57,19 +58,19 @@ wire::ResolvedTensor Ref(uint64_t region, int64_t offset, std::vector<int64_t> s
 
 // A host buffer posing as a peer's CUDA allocation, so the registry's handling of CUDA regions
 // runs without a GPU.
-class FakeCudaMemory : public MappedMemory {
+class FakeCudaMemory : public SharedMemoryMapping {
  public:
   FakeCudaMemory(int64_t size, int device) : bytes_(static_cast<size_t>(size)), device_(device) {}
   void* data() const override { return const_cast<char*>(bytes_.data()); }
   int64_t size_bytes() const override { return static_cast<int64_t>(bytes_.size()); }
-  RegionLocation location() const override { return RegionLocation::Cuda(device_); }
+  MemoryLocation location() const override { return MemoryLocation::Cuda(device_); }
 
  private:
   std::vector<char> bytes_;
   int device_;
 };
 
-class FakeEvent : public SharedCudaEvent {
+class FakeEvent : public SharedEvent {
  public:
   explicit FakeEvent(int* live) : live_(live) { ++*live_; }
   ~FakeEvent() override { --*live_; }
@@ -81,19 +82,20 @@ class FakeEvent : public SharedCudaEvent {
 
 class FakeMapper : public RegionMapper {
  public:
-  absl::StatusOr<std::unique_ptr<MappedMemory>> MapCudaIpcMemory(absl::string_view, int device,
-                                                                 int64_t,
-                                                                 int64_t size_bytes) override {
+  absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
+      absl::string_view, int device, int64_t, int64_t size_bytes) override {
     if (on_map) on_map();
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeCudaMemory>(size_bytes, device);
   }
-  absl::StatusOr<std::unique_ptr<SharedCudaEvent>> OpenCudaIpcEvent(absl::string_view) override {
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view) override {
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeEvent>(&live_events);
   }
-  absl::StatusOr<CreatedEvent> CreateCudaIpcEvent() override {
-    return CreatedEvent{std::make_unique<FakeEvent>(&live_events), std::string(64, 'h')};
+  absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent()
+      override {
+    return std::make_pair(std::unique_ptr<SharedEvent>(std::make_unique<FakeEvent>(&live_events)),
+                          std::string(64, 'h'));
   }
   absl::Status refuse;
   std::function<void()> on_map;
@@ -172,7 +174,7 @@ TEST_F(RegionRegistryTest, ResolvedViewsShareTheClientsBytesBothWays) {
   absl::StatusOr<RegionRegistry::View> x = registry_.Resolve(kAliceA, Ref(id, 128, {4, 8}));
   ASSERT_TRUE(x.ok()) << x.status();
   EXPECT_EQ(x->size_bytes, 128);
-  EXPECT_EQ(x->location.kind, RegionLocation::Kind::kHost);
+  EXPECT_TRUE(x->location.is_host());
   EXPECT_EQ(std::memcmp(x->data, client + 32, 128), 0);  // the server's mapping, other address
 
   absl::StatusOr<RegionRegistry::View> out =
@@ -470,7 +472,7 @@ TEST_F(RegionRegistryTest, CudaRegionsGoThroughTheEngineAndAre16ByteAligned) {
   ASSERT_TRUE(r.ok()) << r.status();
   auto view = registry.Resolve(kAliceA, Ref(r->region_id(), 16, {4}));
   ASSERT_TRUE(view.ok()) << view.status();
-  EXPECT_EQ(view->location.kind, RegionLocation::Kind::kCuda);
+  EXPECT_TRUE(view->location.is_cuda());
   EXPECT_CODE(registry.Resolve(kAliceA, Ref(r->region_id(), 8, {4})).status(), kInvalidArgument,
               "x.ref.offset");
   // One allocation registered as two overlapping regions is one memory.
@@ -507,6 +509,22 @@ TEST_F(RegionRegistryTest, CudaRegionsGoThroughTheEngineAndAre16ByteAligned) {
   EXPECT_CODE(registry.Register(kAliceA, CudaRequest(1024)).status(), kFailedPrecondition,
               "cuda_ipc: the CPU engine");
   EXPECT_EQ(registry.principal_region_bytes(kAlice), held);
+}
+
+TEST_F(RegionRegistryTest, TheCpuEnginesMapperRefusesCudaRegionsAndEvents) {
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine("cpu");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  RegionRegistry registry(RegionRegistryOptions{}, EngineRegionMapper(engine->get()));
+  Open(registry);
+  EXPECT_CODE(registry.Register(kAliceA, CudaRequest(1024)).status(), kFailedPrecondition,
+              "cuda_ipc: ");
+  EXPECT_CODE(registry.RegisterEvents(kAliceA, EventsRequest()).status(), kFailedPrecondition,
+              "wait_event_handle: ");
+  EXPECT_EQ(registry.principal_region_bytes(kAlice), 0);
+  EXPECT_EQ(registry.stats().event_pairs, 0);
+  // Shared memory needs no engine.
+  auto region = NewRegion(4096);
+  EXPECT_TRUE(registry.Register(kAliceA, region->RegisterRequest()).ok());
 }
 
 TEST_F(RegionRegistryTest, ASessionEndingDuringRegistrationLeavesNothing) {

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -54,6 +55,20 @@ v1::Stripe StripeOf(uint32_t index, uint32_t count, int64_t row_begin, int64_t t
   s.set_row_begin(row_begin);
   s.set_total_rows(total_rows);
   return s;
+}
+
+Tensor ToBFloat16(const Tensor& t) {
+  Tensor out = Tensor::Zeros(DType::kBFloat16, t.shape);
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    out.as<uint16_t>()[i] = FloatToBFloat16(t.as<float>()[i]);
+  }
+  return out;
+}
+
+double MetricValue(const std::string& page, const std::string& series) {
+  const size_t at = page.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::strtod(page.c_str() + at + series.size() + 2, nullptr);
 }
 
 void ExpectStatus(const grpc::Status& st, grpc::StatusCode code, const std::string& field) {

@@ -49,6 +49,12 @@ void RandomRouting(std::mt19937& rng, int64_t tokens, const LayerConfig& c, Tens
 // moe.proto's Stripe: stream `index` of `count`, rows from `row_begin` of `total_rows`.
 v1::Stripe StripeOf(uint32_t index, uint32_t count, int64_t row_begin, int64_t total_rows);
 
+// `t` (float32) in bf16, rounded to nearest even: what a bf16 layer takes for x and dout.
+Tensor ToBFloat16(const Tensor& t);
+// The value of the series `name{labels}` (labels in alphabetical order, as the exposition
+// format lists them) in a metrics page; -1 when absent.
+double MetricValue(const std::string& page, const std::string& series);
+
 // `st` has `code` and its message names `field`.
 void ExpectStatus(const grpc::Status& st, grpc::StatusCode code, const std::string& field);
 // Every tensor of `before` is in `after` with the same dtype, shape and bytes, and nothing else

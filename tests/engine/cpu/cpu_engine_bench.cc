@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu_engine.h"
 #include "common/tensor.h"
+#include "engine/cpu_engine.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/thread_pool.h"
 

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "common/tensor.h"
 #include "engine/cpu_engine.h"
 #include "engine/layer.h"
-#include "common/tensor.h"
 #include "tests/engine/cpu/reference.h"
 
 namespace moe::testing {

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/layer.h"
 #include "common/tensor.h"
+#include "engine/layer.h"
 
 namespace moe::testing {
 

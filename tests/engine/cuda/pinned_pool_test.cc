@@ -13,11 +13,11 @@
 #include <cstring>
 #include <random>
 
+#include "common/host_memory.h"
+#include "common/tensor.h"
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/host_staging.h"
-#include "common/host_memory.h"
 #include "engine/layer.h"
-#include "common/tensor.h"
 
 namespace moe::cuda {
 namespace {

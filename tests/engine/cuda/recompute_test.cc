@@ -25,13 +25,13 @@
 #include <string>
 #include <vector>
 
+#include "common/tensor.h"
 #include "engine/cpu_engine.h"
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
-#include "common/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
 
 namespace moe {

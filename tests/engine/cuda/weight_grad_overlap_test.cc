@@ -22,12 +22,12 @@
 #include <sstream>
 #include <string>
 
+#include "common/tensor.h"
 #include "engine/cuda/cuda_engine.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/expert_pipeline.h"
 #include "engine/cuda/pipeline_options.h"
 #include "engine/layer.h"
-#include "common/tensor.h"
 #include "tests/engine/cuda/engine_test_util.h"
 #include "tests/engine/cuda/gpu_delay.h"
 
