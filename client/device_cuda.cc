@@ -1,8 +1,7 @@
 // The client's CUDA calls (see device.h), for a client built with CUDA: exports and events
 // through moe::cuda_ipc_export, copies through the runtime.
 //
-// Every call leaves the calling thread's current device as it found it: the caller is a
-// trainer whose framework keeps its own notion of the current device.
+// Every call leaves the calling thread's current device as it found it (cuda::DeviceScope).
 #include <cuda_runtime_api.h>
 
 #include <utility>
@@ -18,42 +17,18 @@ std::string ErrorText(cudaError_t err) {
   return absl::StrCat(cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
 }
 
-// Makes `device` current for its scope and restores the caller's device after.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = cudaSetDevice(device);
-    if (status_ != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
-
 class CudaEvent final : public Event {
  public:
   explicit CudaEvent(cuda::InterprocessEvent event) : event_(std::move(event)) {}
   const std::string& handle() const override { return event_.handle(); }
   absl::Status Record(void* stream, int device) const override {
-    DeviceScope scope(device);
-    if (scope.status() != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cannot make cuda:", device, " current: ",
-                                              ErrorText(scope.status())));
-    }
+    cuda::DeviceScope scope(device);
+    if (!scope.ok()) return absl::InternalError(absl::StrCat("cannot use ", scope.error()));
     return event_.Record(stream);
   }
   absl::Status StreamWait(void* stream, int device) const override {
-    DeviceScope scope(device);
-    if (scope.status() != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cannot make cuda:", device, " current: ",
-                                              ErrorText(scope.status())));
-    }
+    cuda::DeviceScope scope(device);
+    if (!scope.ok()) return absl::InternalError(absl::StrCat("cannot use ", scope.error()));
     return event_.StreamWait(stream);
   }
 
@@ -64,10 +39,9 @@ class CudaEvent final : public Event {
 // cudaMemcpyAsync of `kind` on `stream`, then waits for the stream.
 absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, int device,
                   void* stream, absl::string_view field) {
-  DeviceScope scope(device);
-  if (scope.status() != cudaSuccess) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": cannot make cuda:", device,
-                                                   " current: ", ErrorText(scope.status())));
+  cuda::DeviceScope scope(device);
+  if (!scope.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": cannot use ", scope.error()));
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemcpyAsync(dst, src, bytes, kind, s);

@@ -287,21 +287,29 @@ std::shared_ptr<References> MakeReferences(const RegionCall<Out>& c) {
 // writes.
 template <typename Out>
 absl::Status Deliver(RegionCall<Out>& c, Out& out) {
+  // First, so that the caller's stream is ordered after the server's writes whatever follows.
+  if (c.events) {
+    MOE_RETURN_IF_ERROR(c.events->done->StreamWait(c.stream, c.device));
+  }
   for (size_t i = 0; i < c.dests.size(); ++i) {
     const Part& p = c.dests[i];
     Tensor& t = out.*(c.results[i]);
     if (p.way == Way::kSlot || p.way == Way::kRegion) {
       const ResponseTensors::Written& w = c.responses->written[i];
       if (w.dtype != p.dtype || w.shape != p.shape) {
-        return absl::InternalError(absl::StrCat(p.field, ": the server wrote ",
-                                                ShapeText(w.dtype, w.shape), ", the call expected ",
-                                                ShapeText(p.dtype, p.shape)));
+        // A caller's destination of the wrong shape (the layer's K, say), or a server at odds
+        // with this client.
+        return absl::Status(
+            p.dst != nullptr ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kInternal,
+            absl::StrCat(p.field, ": the server wrote ", ShapeText(w.dtype, w.shape),
+                         p.dst != nullptr ? ", the destination is " : ", the call expected ",
+                         ShapeText(p.dtype, p.shape)));
       }
     } else if (p.dst != nullptr &&
                (t.dtype != p.dtype || t.shape != p.shape || t.bytes.size() != p.bytes)) {
-      return absl::InternalError(absl::StrCat(p.field, ": the server answered ",
-                                              ShapeText(t.dtype, t.shape), ", the destination is ",
-                                              ShapeText(p.dtype, p.shape)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          p.field, ": the server answered ", ShapeText(t.dtype, t.shape), ", the destination is ",
+          ShapeText(p.dtype, p.shape)));
     }
     const void* from = nullptr;
     if (p.way == Way::kSlot) {
@@ -324,9 +332,6 @@ absl::Status Deliver(RegionCall<Out>& c, Out& out) {
       }
     }
     t = Tensor();  // written to the destination: the result carries none
-  }
-  if (c.events) {
-    MOE_RETURN_IF_ERROR(c.events->done->StreamWait(c.stream, c.device));
   }
   return absl::OkStatus();
 }
@@ -395,7 +400,7 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::ForwardInto(
   }
   c->dests = {Destination(out, "out", x.dtype, x.shape, /*known_shape=*/true)};
   c->results = {&ForwardOutput::out};
-  const ForwardCall call{layer, context_id, training};
+  const ForwardCall call{layer, context_id, training, nullptr};
   return Run(
       *this, c, {std::begin(kForwardResponseTensors), std::end(kForwardResponseTensors)},
       [this, call](std::shared_ptr<References> refs, std::vector<Tensor> tensors,
@@ -436,7 +441,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::BackwardInto(
   c->dests = {Destination(dx, "dx", dout.dtype, dout.shape, /*known_shape=*/true),
               Destination(dweights, "dweights", DType::kFloat32, {}, /*known_shape=*/false)};
   c->results = {&BackwardOutput::dx, &BackwardOutput::dweights};
-  const BackwardCall call{layer, context_id};
+  const BackwardCall call{layer, context_id, nullptr};
   return Run(
       *this, c, {std::begin(kBackwardResponseTensors), std::end(kBackwardResponseTensors)},
       [this, call](std::shared_ptr<References> refs, std::vector<Tensor> tensors,

@@ -138,6 +138,21 @@ std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::ForwardInto(
 std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::BackwardInto(
     uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
     const MutableTensorView& dweights, void* stream) {
+  // dweights' K is the layer's, which the connection alone does not know: checked here, before
+  // the server accumulates this micro-batch's gradients.
+  if (!dweights.empty()) {
+    absl::Status st =
+        config_.routing != RoutingMode::kClient
+            ? absl::InvalidArgumentError(
+                  "dweights: the layer routes on the server, so a Backward has no dweights")
+            : CheckTensor(dweights, "dweights", DType::kFloat32,
+                          {dout.shape.empty() ? -1 : dout.shape[0], config_.top_k});
+    if (!st.ok()) {
+      std::promise<absl::StatusOr<BackwardOutput>> p;
+      p.set_value(st);
+      return p.get_future();
+    }
+  }
   return conn_->BackwardInto(name_, context_id, dout, dx, dweights, stream);
 }
 

@@ -173,7 +173,7 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::Forward(const std::string
                        MutableTensorView(), nullptr);
   }
   auto [future, done] = Promise<ForwardOutput>();
-  StartTcpForward(ForwardCall{layer, context_id, training}, std::move(x), std::move(ids),
+  StartTcpForward(ForwardCall{layer, context_id, training, nullptr}, std::move(x), std::move(ids),
                   std::move(weights), std::move(done));
   return std::move(future);
 }
@@ -242,7 +242,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
                         nullptr);
   }
   auto [future, done] = Promise<BackwardOutput>();
-  StartTcpBackward(BackwardCall{layer, context_id}, std::move(dout), std::move(done));
+  StartTcpBackward(BackwardCall{layer, context_id, nullptr}, std::move(dout), std::move(done));
   return std::move(future);
 }
 

@@ -11,7 +11,6 @@
 // cannot open a handle in the process that made it: without --server the bench forks a child
 // running the server (server_process.h) before anything touches a GPU; --server_process does
 // the same for any transport, so that all compare with the server in a process of its own.
-#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -24,7 +23,6 @@
 #include "absl/strings/str_cat.h"
 #include "bench/service/server_process.h"
 #include "bench/service/service_bench.h"
-#include "server/options.h"
 
 // The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
 // sized so the CPU engine on two cores finishes it in about a minute. The last two cases have
@@ -177,14 +175,7 @@ int main(int argc, char** argv) {
   const bool own_process = absl::GetFlag(FLAGS_server_process) ||
                            options.transport == moe::bench::BenchTransport::kCudaIpc;
   if (own_process && options.server.empty()) {
-    moe::server::ServerOptions so;
-    so.host = "127.0.0.1";
-    so.port = 0;
-    so.metrics_port = 0;
-    so.device = options.device;
-    so.context_budget_bytes = int64_t{16} << 30;  // the bench bounds what it keeps itself
-    so.max_message_bytes = std::max<int64_t>(so.max_message_bytes, 2 * options.chunk_bytes);
-    auto forked = moe::bench::ServerProcess::Fork(so);
+    auto forked = moe::bench::ServerProcess::Fork(moe::bench::OwnServerOptions(options));
     if (!forked.ok()) return Fail(forked.status().ToString());
     child = std::move(*forked);
     options.server = child->target();

@@ -299,6 +299,17 @@ absl::StatusOr<std::vector<BenchCase>> ParseCases(const std::string& text) {
   return cases;
 }
 
+server::ServerOptions OwnServerOptions(const BenchOptions& options) {
+  server::ServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = 0;
+  so.metrics_port = 0;
+  so.device = options.device;
+  so.context_budget_bytes = int64_t{16} << 30;  // the bench bounds what it keeps itself
+  so.max_message_bytes = std::max<int64_t>(so.max_message_bytes, 2 * options.chunk_bytes);
+  return so;
+}
+
 absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
                                                         std::string* server_description) {
   if (options.cases.empty()) return absl::InvalidArgumentError("cases: no case given");
@@ -349,14 +360,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   std::unique_ptr<server::Server> own_server;
   std::string target = options.server, metrics = options.metrics;
   if (target.empty()) {
-    server::ServerOptions so;
-    so.host = "127.0.0.1";
-    so.port = 0;
-    so.metrics_port = 0;
-    so.device = options.device;
-    so.context_budget_bytes = int64_t{16} << 30;  // the bench bounds what it keeps itself
-    so.max_message_bytes = std::max<int64_t>(so.max_message_bytes, 2 * options.chunk_bytes);
-    auto s = server::Server::Start(so);
+    auto s = server::Server::Start(OwnServerOptions(options));
     if (!s.ok()) return s.status();
     own_server = std::move(*s);
     target = absl::StrCat("127.0.0.1:", own_server->port());

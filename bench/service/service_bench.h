@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "engine/layer.h"
+#include "server/options.h"
 #include "wire/tls.h"
 
 namespace moe::bench {
@@ -87,6 +88,10 @@ struct CaseResult {
   ModeResult service_train, inproc_train;
   ModeResult service_infer, inproc_infer;
 };
+
+// The options of the bench's own server (in this process, or forked: server_process.h): loopback,
+// free ports, `device`, a saved-context budget the bench's own bounds keep within.
+server::ServerOptions OwnServerOptions(const BenchOptions& options);
 
 // Runs every case; fails on the first error (an RPC error, an engine error, a service output
 // that differs from the in-process one, or zero throughput).

@@ -23,23 +23,6 @@ std::string ErrorText(cudaError_t err) {
   return absl::StrCat(cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
 }
 
-// Makes `device` current for its scope and restores the caller's device after.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = cudaSetDevice(device);
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
-
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
 
 // cuMemGetAddressRange (the 64-bit version), or null when the driver does not offer it.
@@ -65,6 +48,21 @@ GetAddressRangeFn AddressRangeFn() {
 
 }  // namespace
 
+DeviceScope::DeviceScope(int device) : device_(device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  const cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) cudaGetLastError();
+  error_ = static_cast<int>(err);
+}
+
+DeviceScope::~DeviceScope() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+std::string DeviceScope::error() const {
+  return absl::StrCat("cuda:", device_, ": ", ErrorText(static_cast<cudaError_t>(error_)));
+}
+
 absl::StatusOr<DeviceAllocation> FindDeviceAllocation(const void* ptr, absl::string_view field) {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
@@ -84,10 +82,8 @@ absl::StatusOr<DeviceAllocation> FindDeviceAllocation(const void* ptr, absl::str
         absl::StrCat(field, ": the CUDA driver offers no cuMemGetAddressRange"));
   }
   DeviceScope scope(attr.device);
-  if (scope.status() != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InternalError(absl::StrCat(field, ": cannot make cuda:", attr.device,
-                                            " current: ", ErrorText(scope.status())));
+  if (!scope.ok()) {
+    return absl::InternalError(absl::StrCat(field, ": cannot make it current: ", scope.error()));
   }
   CUdeviceptr base = 0;
   size_t size = 0;
@@ -136,10 +132,8 @@ absl::StatusOr<ExportedMemory> ExportDeviceMemory(const void* ptr, int64_t size_
 
 absl::StatusOr<InterprocessEvent> InterprocessEvent::Create(int device) {
   DeviceScope scope(device);
-  if (scope.status() != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InvalidArgumentError(
-        absl::StrCat("device: cannot use cuda:", device, ": ", ErrorText(scope.status())));
+  if (!scope.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("device: cannot use ", scope.error()));
   }
   InterprocessEvent e;
   cudaEvent_t ev = nullptr;

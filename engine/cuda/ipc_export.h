@@ -24,6 +24,25 @@
 
 namespace moe::cuda {
 
+// Makes `device` current for its scope and restores the caller's device after: a trainer's
+// framework keeps its own notion of the current device, and a null stream means the legacy
+// default stream of whichever device is current.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  bool ok() const { return error_ == 0; }
+  // Why it could not be made current: "cuda:N: <CUDA's error name and text>".
+  std::string error() const;
+
+ private:
+  int device_ = -1;
+  int previous_ = -1;
+  int error_ = 0;  // the cudaError_t of making it current
+};
+
 // The device allocation a pointer lies in.
 struct DeviceAllocation {
   int device = -1;             // this process's ordinal

@@ -62,6 +62,13 @@ client::ClientOptions WithTransport(client::Transport t, std::vector<std::string
   return o;
 }
 
+// A small layer with client routing: d 64, h 32, 4 experts, top 2.
+LayerConfig ClientRouted() {
+  LayerConfig c = testing_util::ServerRoutedConfig(64, 32);
+  c.routing = RoutingMode::kClient;
+  return c;
+}
+
 std::string Joined(const std::vector<std::string>& lines) {
   std::string all;
   for (const std::string& l : lines) all += l + "\n";
@@ -255,9 +262,7 @@ TEST(TransportTest, DestinationsOverTcp) {
   ASSERT_TRUE(s);
   auto conn = client::Connection::Connect(Target(*s));
   ASSERT_TRUE(conn.ok()) << conn.status();
-  LayerConfig config = testing_util::ServerRoutedConfig(64, 32);
-  config.routing = RoutingMode::kClient;
-  auto layer = client::RemoteLayer::Create(*conn, "dest", config);
+  auto layer = client::RemoteLayer::Create(*conn, "dest", ClientRouted());
   ASSERT_TRUE(layer.ok()) << layer.status();
   std::mt19937 rng(8);
   Tensor x = RandomFloat(rng, {19, 64}), ids, w;
@@ -279,10 +284,13 @@ TEST(TransportTest, DestinationsOverTcp) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_EQ(st.message().rfind("out: ", 0), 0u) << st;
   Tensor dout = RandomFloat(rng, {19, 64});
-  Tensor bad_dw = Tensor::Zeros(DType::kInt32, {19, 2});
-  st = (*layer)->BackwardInto(1, dout.view(), {}, bad_dw.mutable_view()).get().status();
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_EQ(st.message().rfind("dweights: ", 0), 0u) << st;
+  // dweights of the wrong dtype, or of another K than the layer's.
+  for (Tensor bad_dw : {Tensor::Zeros(DType::kInt32, {19, 2}), Tensor::Zeros(DType::kFloat32,
+                                                                             {19, 3})}) {
+    st = (*layer)->BackwardInto(1, dout.view(), {}, bad_dw.mutable_view()).get().status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_EQ(st.message().rfind("dweights: ", 0), 0u) << st;
+  }
 }
 
 // A client built without CUDA refuses device tensors and destinations, naming the field, before
@@ -292,8 +300,7 @@ TEST(TransportTest, DeviceTensorsAreRefusedWithoutCuda) {
   ASSERT_TRUE(s);
   auto conn = client::Connection::Connect(Target(*s));
   ASSERT_TRUE(conn.ok()) << conn.status();
-  LayerConfig config = testing_util::ServerRoutedConfig(64, 32);
-  config.routing = RoutingMode::kClient;
+  const LayerConfig config = ClientRouted();
   std::mt19937 rng(9);
   Tensor x = RandomFloat(rng, {7, 64}), ids, w;
   testing_util::RandomRouting(rng, 7, 2, 0, 4, &ids, &w);
