@@ -62,9 +62,9 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     // a call that does not fit, does not lose it.
     std::vector<std::optional<wire::ResolvedTensor>> destinations(2);
     if (const v1::TensorRef* ref = DestinationRef(0)) {
-      MOE_ASSIGN_OR_RETURN(destinations[0], wire::DestinationTensor(*ref, config.dtype,
-                                                                    {tokens, config.d_model},
-                                                                    "dx_ref"));
+      MOE_ASSIGN_OR_RETURN(
+          destinations[0],
+          wire::DestinationTensor(*ref, config.dtype, {tokens, config.d_model}, "dx_ref"));
     }
     if (const v1::TensorRef* ref = DestinationRef(1)) {
       if (config.routing != RoutingMode::kClient) {
@@ -72,9 +72,9 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
             absl::StrCat("dweights_ref: layer \"", layer_,
                          "\" routes on the server, so a Backward has no dweights to write"));
       }
-      MOE_ASSIGN_OR_RETURN(destinations[1],
-                           wire::DestinationTensor(*ref, DType::kFloat32, {tokens, config.top_k},
-                                                   "dweights_ref"));
+      MOE_ASSIGN_OR_RETURN(
+          destinations[1],
+          wire::DestinationTensor(*ref, DType::kFloat32, {tokens, config.top_k}, "dweights_ref"));
     }
     MOE_ASSIGN_OR_RETURN(Bound bound, Bind(inputs, destinations));
     BackwardRequest request;

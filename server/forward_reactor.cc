@@ -28,8 +28,8 @@ absl::StatusOr<int64_t> RowsOfX(const TensorView& x, const wire::ResolvedTensor*
   const DType dtype = ref != nullptr ? ref->dtype : x.dtype;
   const std::vector<int64_t>& shape = ref != nullptr ? ref->shape : x.shape;
   if (dtype != config.dtype) {  // the messages of CheckTensor, which checks an inline x later
-    return absl::InvalidArgumentError(absl::StrCat("x: dtype ", DTypeName(dtype), ", expected ",
-                                                   DTypeName(config.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("x: dtype ", DTypeName(dtype), ", expected ", DTypeName(config.dtype)));
   }
   if (shape.size() != 2 || shape[0] < 0 || shape[1] != config.d_model) {
     return absl::InvalidArgumentError(absl::StrCat("x: shape [", absl::StrJoin(shape, ", "),
@@ -95,9 +95,9 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     std::vector<std::optional<wire::ResolvedTensor>> destinations(1);
     if (const v1::TensorRef* out_ref = DestinationRef(0)) {
       MOE_ASSIGN_OR_RETURN(const int64_t tokens, RowsOfX(inputs[0], InputRef(0), config));
-      MOE_ASSIGN_OR_RETURN(destinations[0],
-                           wire::DestinationTensor(*out_ref, config.dtype,
-                                                   {tokens, config.d_model}, "out_ref"));
+      MOE_ASSIGN_OR_RETURN(
+          destinations[0],
+          wire::DestinationTensor(*out_ref, config.dtype, {tokens, config.d_model}, "out_ref"));
     }
     MOE_ASSIGN_OR_RETURN(Bound bound, Bind(inputs, destinations));
     ForwardRequest request;
@@ -140,16 +140,16 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
     tensors->push_back(std::move(result.out));
     tensors->push_back(std::move(result.expert_ids));
     tensors->push_back(std::move(result.weights));
-    return Computed<v1::ForwardResponse>{
-        std::move(tensors), [=](v1::ForwardResponse* r) {
-          r->set_context_id(id);
-          r->set_aux_loss(aux);
-          r->set_z_loss(z);
-          if (out_in_place) *r->mutable_out() = *out_in_place;
-          return std::vector<v1::Tensor*>{out_in_place ? nullptr : r->mutable_out(),
-                                          has_ids ? r->mutable_expert_ids() : nullptr,
-                                          has_weights ? r->mutable_weights() : nullptr};
-        }};
+    return Computed<v1::ForwardResponse>{std::move(tensors), [=](v1::ForwardResponse* r) {
+                                           r->set_context_id(id);
+                                           r->set_aux_loss(aux);
+                                           r->set_z_loss(z);
+                                           if (out_in_place) *r->mutable_out() = *out_in_place;
+                                           return std::vector<v1::Tensor*>{
+                                               out_in_place ? nullptr : r->mutable_out(),
+                                               has_ids ? r->mutable_expert_ids() : nullptr,
+                                               has_weights ? r->mutable_weights() : nullptr};
+                                         }};
   }
 
  private:

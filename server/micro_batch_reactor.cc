@@ -192,8 +192,7 @@ const wire::ResolvedTensor* MicroBatchReactor<Req, Resp>::InputRef(size_t i) con
 
 template <typename Req, typename Resp>
 const v1::TensorRef* MicroBatchReactor<Req, Resp>::DestinationRef(size_t j) const {
-  return j < refs_.destinations.size() && refs_.destinations[j] ? &*refs_.destinations[j]
-                                                                : nullptr;
+  return j < refs_.destinations.size() && refs_.destinations[j] ? &*refs_.destinations[j] : nullptr;
 }
 
 template <typename Req, typename Resp>
@@ -354,17 +353,16 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
     out_refs.push_back(*destinations[j]);
     out_at.push_back(j);
   }
-  MOE_ASSIGN_OR_RETURN(bound.call,
-                       service_->regions().ResolveCall({caller().principal, session_}, in_refs,
-                                                       out_refs, refs_.event_id));
+  MOE_ASSIGN_OR_RETURN(
+      bound.call, service_->regions().ResolveCall({caller().principal, session_}, in_refs, out_refs,
+                                                  refs_.event_id));
   bool cuda = false;
   int64_t in_bytes = 0, out_bytes = 0, copied = 0;
   for (size_t k = 0; k < in_at.size(); ++k) {
     const RegionRegistry::View& v = bound.call.inputs[k];
     cuda = cuda || !v.location.is_host();
     in_bytes += v.size_bytes;
-    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes),
-                    v.location};
+    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
     if (inputs_[in_at[k]].indexes && view.location.is_host()) {
       // Charged as the request's own bytes, since it is the server's memory now.
       copied = SaturatingAdd(copied, v.size_bytes);
@@ -382,8 +380,8 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
     const RegionRegistry::View& v = bound.call.outputs[k];
     cuda = cuda || !v.location.is_host();
     out_bytes += v.size_bytes;
-    bound.destinations[out_at[k]] = MutableTensorView{
-        v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
+    bound.destinations[out_at[k]] =
+        MutableTensorView{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
   }
   bound.order.wait_event = bound.call.events.wait_event();
   bound.order.done_event = bound.call.events.done_event();

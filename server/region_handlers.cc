@@ -18,12 +18,12 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RegisterRegion(grpc::CallbackServer
                                                             const v1::RegisterRegionRequest* req,
                                                             v1::RegisterRegionResponse* resp) {
   const std::string session = SessionOf(ctx);
-  return RunUnary(ctx, "RegisterRegion", req, resp,
-                  [this, req, resp, session](const Caller& caller) -> absl::Status {
-                    MOE_ASSIGN_OR_RETURN(*resp,
-                                         regions_->Register({caller.principal, session}, *req));
-                    return absl::OkStatus();
-                  });
+  return RunUnary(
+      ctx, "RegisterRegion", req, resp,
+      [this, req, resp, session](const Caller& caller) -> absl::Status {
+        MOE_ASSIGN_OR_RETURN(*resp, regions_->Register({caller.principal, session}, *req));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::UnregisterRegion(
@@ -40,12 +40,12 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RegisterEvents(grpc::CallbackServer
                                                             const v1::RegisterEventsRequest* req,
                                                             v1::RegisterEventsResponse* resp) {
   const std::string session = SessionOf(ctx);
-  return RunUnary(ctx, "RegisterEvents", req, resp,
-                  [this, req, resp, session](const Caller& caller) -> absl::Status {
-                    MOE_ASSIGN_OR_RETURN(
-                        *resp, regions_->RegisterEvents({caller.principal, session}, *req));
-                    return absl::OkStatus();
-                  });
+  return RunUnary(
+      ctx, "RegisterEvents", req, resp,
+      [this, req, resp, session](const Caller& caller) -> absl::Status {
+        MOE_ASSIGN_OR_RETURN(*resp, regions_->RegisterEvents({caller.principal, session}, *req));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* ExpertServiceImpl::UnregisterEvents(
@@ -54,8 +54,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::UnregisterEvents(
   const std::string session = SessionOf(ctx);
   return RunUnary(ctx, "UnregisterEvents", req, resp,
                   [this, req, session](const Caller& caller) -> absl::Status {
-                    return regions_->UnregisterEvents({caller.principal, session},
-                                                      req->event_id());
+                    return regions_->UnregisterEvents({caller.principal, session}, req->event_id());
                   });
 }
 

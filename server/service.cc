@@ -78,7 +78,8 @@ ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, MemoryBudget 
   regions.on_change = [metrics](const RegionRegistry::Stats& s) {
     metrics->Regions(s.regions, s.region_bytes, s.event_pairs);
   };
-  regions_ = std::make_unique<RegionRegistry>(std::move(regions), EngineRegionMapper(engine_.get()));
+  regions_ =
+      std::make_unique<RegionRegistry>(std::move(regions), EngineRegionMapper(engine_.get()));
   metrics_->Layers(0);
   metrics_->Regions(0, 0, 0);
   executor_.Submit([this](double) { SampleMemory(); });

@@ -70,6 +70,12 @@ enum class Access {
   kManage,  // DeleteLayer, ImportWeights, LoadCheckpoint into it
 };
 
+// The registered-memory calls (region_handlers.cc), the last four of the generated service.
+template <class Base>
+using RegionMethods = v1::ExpertService::WithCallbackMethod_RegisterRegion<
+    v1::ExpertService::WithCallbackMethod_UnregisterRegion<
+        v1::ExpertService::WithCallbackMethod_RegisterEvents<
+            v1::ExpertService::WithCallbackMethod_UnregisterEvents<Base>>>>;
 // The callback service with Forward and Backward taking raw buffers: their tensors' bytes are
 // decoded and encoded by reference (wire/raw_message.h) instead of through protobuf's copies.
 // The wire format is unchanged. Same order of methods as the generated CallbackService.
@@ -86,11 +92,8 @@ using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
                                         v1::ExpertService::WithCallbackMethod_LoadCheckpoint<
                                             v1::ExpertService::WithCallbackMethod_GetStats<
                                                 v1::ExpertService::WithCallbackMethod_OpenSession<
-                                                    v1::ExpertService::WithCallbackMethod_RegisterRegion<
-                                                        v1::ExpertService::WithCallbackMethod_UnregisterRegion<
-                                                            v1::ExpertService::WithCallbackMethod_RegisterEvents<
-                                                                v1::ExpertService::WithCallbackMethod_UnregisterEvents<
-                                                                    v1::ExpertService::Service>>>>>>>>>>>>>>>>>>;
+                                                    RegionMethods<
+                                                        v1::ExpertService::Service>>>>>>>>>>>>>>>;
 
 class ExpertServiceImpl final : public ExpertServiceBase {
  public:

@@ -1,8 +1,8 @@
 // Registered CUDA regions and event pairs end to end (GPU only, ctest label "gpu"; built with the
-// service and CUDA: `ctest -L gpu -R RegionCuda`). A moe-server on the CUDA engine runs in a second process (this
-// binary again, started with --server-child: CUDA IPC cannot open a handle in the process that
-// exported it), and this process plays the trainer: one cudaMalloc block exported as a region
-// (engine/cuda/ipc_export.h), an interprocess "ready" event registered as an event pair. Its
+// service and CUDA: `ctest -L gpu -R RegionCuda`). A moe-server on the CUDA engine runs in a second
+// process (this binary again, started with --server-child: CUDA IPC cannot open a handle in the
+// process that exported it), and this process plays the trainer: one cudaMalloc block exported as a
+// region (engine/cuda/ipc_export.h), an interprocess "ready" event registered as an event pair. Its
 // inputs land in the block only after a GPU delay, so a server that did not wait for "ready"
 // would read the 0xFF the block was filled with. A Forward and a Backward by reference, written
 // in place and ordered by the pair, give bitwise what the same micro-batches sent as bytes give,
@@ -121,9 +121,9 @@ struct Layout {
 Layout LayoutFor(const LayerConfig& c) {
   const int64_t act = kTokens * c.d_model * 2, routing = kTokens * c.top_k * 4;
   Layout l{};
-  const std::pair<int64_t*, int64_t> parts[] = {{&l.x, act},    {&l.ids, routing}, {&l.w, routing},
-                                                {&l.out, act},  {&l.dout, act},    {&l.dx, act},
-                                                {&l.dweights, routing}};
+  const std::pair<int64_t*, int64_t> parts[] = {
+      {&l.x, act},    {&l.ids, routing}, {&l.w, routing},       {&l.out, act},
+      {&l.dout, act}, {&l.dx, act},      {&l.dweights, routing}};
   int64_t at = 0;
   for (const auto& [field, bytes] : parts) {
     *field = at;
@@ -138,8 +138,8 @@ TEST(RegionCudaTest, CudaRegionsAndEventPairsMatchBytes) {
   ServerChild child;
   const int port = child.Start();
   ASSERT_NE(port, 0) << "the server process did not start";
-  auto conn = client::Connection::Connect("127.0.0.1:" + std::to_string(port),
-                                          LoopbackClientOptions());
+  auto conn =
+      client::Connection::Connect("127.0.0.1:" + std::to_string(port), LoopbackClientOptions());
   ASSERT_TRUE(conn.ok()) << conn.status();
   client::Connection& c = **conn;
   const LayerConfig config = CudaConfig();
@@ -199,9 +199,9 @@ TEST(RegionCudaTest, CudaRegionsAndEventPairsMatchBytes) {
   const auto download = [&](DType dtype, std::vector<int64_t> shape, int64_t offset) {
     Tensor t = Tensor::Zeros(dtype, std::move(shape));
     EXPECT_TRUE(done->StreamWait(s).ok());
-    EXPECT_EQ(cudaMemcpyAsync(t.bytes.data(), base + offset, t.bytes.size(),
-                              cudaMemcpyDeviceToHost, s),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpyAsync(t.bytes.data(), base + offset, t.bytes.size(), cudaMemcpyDeviceToHost, s),
+        cudaSuccess);
     EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     return t;
   };

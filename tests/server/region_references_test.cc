@@ -137,7 +137,8 @@ void CheckReferencesMatchBytes(const LayerConfig& config, const Placement& place
         placement.dout ? ByRef(b.dout, arena.id(), arena.Put(b.dout)) : Inline(b.dout);
     if (placement.dx) *br.mutable_dx_ref() = RefTo(arena.id(), arena.Room(tokens * d * elem));
     const bool dweights_in_place = client_routing && placement.dweights;
-    if (dweights_in_place) *br.mutable_dweights_ref() = RefTo(arena.id(), arena.Room(tokens * k * 4));
+    if (dweights_in_place)
+      *br.mutable_dweights_ref() = RefTo(arena.id(), arena.Room(tokens * k * 4));
     auto gb = SendBackward(c, {bb});
     auto gr = SendBackward(c, {br});
     ASSERT_TRUE(gb.status.ok()) << gb.status.error_message();
@@ -239,12 +240,15 @@ TEST(RegionReferencesTest, TransportMetricsCountBothPaths) {
   const double x_bytes = static_cast<double>(b.x.bytes.size());
   EXPECT_EQ(MetricValue(page, "moe_transport_calls_total{method=\"Forward\",transport=\"tcp\"}"), 1)
       << page;
-  EXPECT_EQ(MetricValue(page, "moe_transport_calls_total{method=\"Forward\",transport=\"shared_memory\"}"),
+  EXPECT_EQ(MetricValue(
+                page, "moe_transport_calls_total{method=\"Forward\",transport=\"shared_memory\"}"),
             2);
-  EXPECT_EQ(MetricValue(page, "moe_transport_bytes_total{direction=\"in\",transport=\"shared_memory\"}"),
-            2 * x_bytes);
-  EXPECT_EQ(MetricValue(page, "moe_transport_bytes_total{direction=\"out\",transport=\"shared_memory\"}"),
-            2 * x_bytes);  // out is x's shape
+  EXPECT_EQ(
+      MetricValue(page, "moe_transport_bytes_total{direction=\"in\",transport=\"shared_memory\"}"),
+      2 * x_bytes);
+  EXPECT_EQ(
+      MetricValue(page, "moe_transport_bytes_total{direction=\"out\",transport=\"shared_memory\"}"),
+      2 * x_bytes);  // out is x's shape
   // Every message crossed TCP: at least the inline x went in, and every response came out.
   EXPECT_GT(MetricValue(page, "moe_transport_bytes_total{direction=\"in\",transport=\"tcp\"}"),
             x_bytes);
@@ -274,8 +278,7 @@ TEST(RegionReferencesTest, RegionsGoWithTheirSession) {
   *req.mutable_x() = ByRef(x, arena.id(), arena.Put(x));
   // In its session the region serves; in another it does not exist.
   EXPECT_TRUE(ForwardAs(*lb.conn, session, {req}).status.ok());
-  ExpectStatus(SendForward(*lb.conn, {req}).status, grpc::StatusCode::NOT_FOUND,
-               "x.ref.region_id");
+  ExpectStatus(SendForward(*lb.conn, {req}).status, grpc::StatusCode::NOT_FOUND, "x.ref.region_id");
   EXPECT_EQ(MetricValue(MetricsText(*lb.server), "moe_regions"), 1);
 
   other->reset();  // the client goes away: its session ends

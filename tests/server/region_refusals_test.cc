@@ -134,8 +134,7 @@ TEST_F(RegionRefusalsTest, BadForwardReferencesLoseNothing) {
   add("another session's region", r, StatusCode::NOT_FOUND, "x.ref.region_id");
   r = GoodForward(++id);
   *r.mutable_out_ref() = RefTo(foreign_.id(), 0);
-  add("a destination in another session's region", r, StatusCode::NOT_FOUND,
-      "out_ref.region_id");
+  add("a destination in another session's region", r, StatusCode::NOT_FOUND, "out_ref.region_id");
   r = GoodForward(++id);
   r.mutable_x()->mutable_ref()->set_region_id(0);
   add("region 0", r, StatusCode::INVALID_ARGUMENT, "x.ref.region_id");
@@ -399,8 +398,7 @@ TEST(RegionRegistrationTest, CudaRegionsAndEventPairsNeedACudaEngine) {
   cuda.mutable_cuda_ipc()->set_mem_handle(std::string(kCudaIpcHandleBytes, 'm'));
   cuda.mutable_cuda_ipc()->set_size_bytes(4096);
   v1::RegisterRegionResponse resp;
-  ExpectStatus(RegisterRegion(*lb.conn, cuda, &resp), StatusCode::FAILED_PRECONDITION,
-               "cuda_ipc");
+  ExpectStatus(RegisterRegion(*lb.conn, cuda, &resp), StatusCode::FAILED_PRECONDITION, "cuda_ipc");
   grpc::ClientContext ctx;
   lb.conn->Prepare(&ctx);
   v1::RegisterEventsRequest events;
