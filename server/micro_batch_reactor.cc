@@ -334,15 +334,6 @@ absl::Status MicroBatchReactor<Req, Resp>::ReserveInput(size_t i, int64_t bytes)
 
 // --- References -----------------------------------------------------------------------------
 
-namespace {
-
-MemoryLocation ToMemoryLocation(const RegionLocation& where) {
-  return where.kind == RegionLocation::Kind::kCuda ? MemoryLocation::Cuda(where.device)
-                                                   : MemoryLocation::Host();
-}
-
-}  // namespace
-
 template <typename Req, typename Resp>
 absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<Req, Resp>::Bind(
     const std::vector<TensorView>& inputs,
@@ -370,10 +361,9 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
   int64_t in_bytes = 0, out_bytes = 0, copied = 0;
   for (size_t k = 0; k < in_at.size(); ++k) {
     const RegionRegistry::View& v = bound.call.inputs[k];
-    cuda = cuda || v.location.kind == RegionLocation::Kind::kCuda;
+    cuda = cuda || v.location.is_cuda();
     in_bytes += v.size_bytes;
-    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes),
-                    ToMemoryLocation(v.location)};
+    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
     if (inputs_[in_at[k]].indexes && view.location.is_host()) {
       // Charged as the request's own bytes, since it is the server's memory now.
       copied = SaturatingAdd(copied, v.size_bytes);
@@ -389,10 +379,10 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
   }
   for (size_t k = 0; k < out_at.size(); ++k) {
     const RegionRegistry::View& v = bound.call.outputs[k];
-    cuda = cuda || v.location.kind == RegionLocation::Kind::kCuda;
+    cuda = cuda || v.location.is_cuda();
     out_bytes += v.size_bytes;
     bound.destinations[out_at[k]] = MutableTensorView{
-        v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), ToMemoryLocation(v.location)};
+        v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
   }
   bound.order.wait_event = bound.call.events.wait_event();
   bound.order.done_event = bound.call.events.done_event();

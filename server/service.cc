@@ -16,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/auth.h"
-#include "server/engine_region_mapper.h"
 #include "server/service_internal.h"
 #include "server/status_map.h"
 #include "wire/wire.h"
