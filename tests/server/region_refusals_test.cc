@@ -396,7 +396,7 @@ TEST(RegionRegistrationTest, CudaRegionsAndEventPairsNeedACudaEngine) {
   Loopback lb = StartLoopback();
   ASSERT_TRUE(lb.conn);
   v1::RegisterRegionRequest cuda;
-  cuda.mutable_cuda_ipc()->set_mem_handle(std::string(server::kCudaIpcHandleBytes, 'm'));
+  cuda.mutable_cuda_ipc()->set_mem_handle(std::string(kCudaIpcHandleBytes, 'm'));
   cuda.mutable_cuda_ipc()->set_size_bytes(4096);
   v1::RegisterRegionResponse resp;
   ExpectStatus(RegisterRegion(*lb.conn, cuda, &resp), StatusCode::FAILED_PRECONDITION,
@@ -404,7 +404,7 @@ TEST(RegionRegistrationTest, CudaRegionsAndEventPairsNeedACudaEngine) {
   grpc::ClientContext ctx;
   lb.conn->Prepare(&ctx);
   v1::RegisterEventsRequest events;
-  events.set_wait_event_handle(std::string(server::kCudaIpcHandleBytes, 'e'));
+  events.set_wait_event_handle(std::string(kCudaIpcHandleBytes, 'e'));
   v1::RegisterEventsResponse events_resp;
   ExpectStatus(lb.conn->stub()->RegisterEvents(&ctx, events, &events_resp),
                StatusCode::FAILED_PRECONDITION, "wait_event_handle");
