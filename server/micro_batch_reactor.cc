@@ -361,9 +361,10 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
   int64_t in_bytes = 0, out_bytes = 0, copied = 0;
   for (size_t k = 0; k < in_at.size(); ++k) {
     const RegionRegistry::View& v = bound.call.inputs[k];
-    cuda = cuda || v.location.is_cuda();
+    cuda = cuda || !v.location.is_host();
     in_bytes += v.size_bytes;
-    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};
+    TensorView view{v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes),
+                    v.location};
     if (inputs_[in_at[k]].indexes && view.location.is_host()) {
       // Charged as the request's own bytes, since it is the server's memory now.
       copied = SaturatingAdd(copied, v.size_bytes);
@@ -379,7 +380,7 @@ absl::StatusOr<typename MicroBatchReactor<Req, Resp>::Bound> MicroBatchReactor<R
   }
   for (size_t k = 0; k < out_at.size(); ++k) {
     const RegionRegistry::View& v = bound.call.outputs[k];
-    cuda = cuda || v.location.is_cuda();
+    cuda = cuda || !v.location.is_host();
     out_bytes += v.size_bytes;
     bound.destinations[out_at[k]] = MutableTensorView{
         v.dtype, v.shape, v.data, static_cast<size_t>(v.size_bytes), v.location};

@@ -4,10 +4,8 @@
 // the run spans several 1 s scrapes), saves a checkpoint, makes one call that must fail
 // (Forward on a layer that does not exist: NOT_FOUND), and ends with a training Forward whose
 // Backward never comes, so that closing the connection makes the server drop that context
-// (reason session_closed). Each round also runs an inference Forward through a second
-// connection that moves its tensors through shared memory where the server is on this host
-// (ClientOptions::transport kAuto), for the dashboard's transport panel. Afterwards every series
-// the dashboard and the alert rules read exists, error codes and dropped contexts included. With TOKEN_FILE (a server with
+// (reason session_closed). Afterwards every series the dashboard and the alert rules read
+// exists, error codes and dropped contexts included. With TOKEN_FILE (a server with
 // authentication on, as the manifests run it) every call carries that bearer token, and a
 // connection without one must first be refused UNAUTHENTICATED. Exits non-zero when any call
 // that should succeed fails, or a bad call does not fail as it should.
@@ -78,12 +76,6 @@ int main(int argc, char** argv) {
   config.optimizer.learning_rate = 1e-3;
   auto layer = moe::client::RemoteLayer::Create(*conn, kLayer, config);
   if (!layer.ok()) return Fail("create layer", layer.status());
-  moe::client::ClientOptions regions_options = options;
-  regions_options.transport = moe::client::Transport::kAuto;
-  auto regions_conn = moe::client::Connection::Connect(target, regions_options);
-  if (!regions_conn.ok()) return Fail("connect with regions", regions_conn.status());
-  auto regions_layer = moe::client::RemoteLayer::Attach(*regions_conn, kLayer);
-  if (!regions_layer.ok()) return Fail("attach with regions", regions_layer.status());
 
   std::mt19937 rng(1234);
   int64_t tokens = 0;
@@ -96,8 +88,6 @@ int main(int argc, char** argv) {
     if (!bwd.ok()) return Fail("backward", bwd.status());
     auto step = (*layer)->Step();
     if (!step.ok()) return Fail("step", step.status());
-    auto infer = (*regions_layer)->Forward(x.view(), {}, {}, /*training=*/false).get();
-    if (!infer.ok()) return Fail("inference forward with regions", infer.status());
     tokens += kTokens;
     std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
   }
