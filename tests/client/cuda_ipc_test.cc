@@ -1,8 +1,8 @@
 // moe::client with device tensors against a moe-server on the CUDA engine in another process
 // (CUDA IPC cannot open a handle in the process that made it): by CUDA IPC (kSharedMemory, and
 // kAuto deciding so at the first device call) and staged through host memory (kTcp), training
-// with two micro-batches in flight into device destinations on a non-default stream gives the
-// bits of host tensors over TCP; the inputs are written on that stream just before each call and
+// with two Forwards in flight (their Backwards one at a time, as gradients sum in the order they
+// run) into device destinations on a non-default stream gives the bits of host tensors over TCP; the inputs are written on that stream just before each call and
 // the results read on it just after, so a missing order shows; a misaligned tensor is refused
 // naming its field. Needs a GPU (label gpu): skipped without one.
 //
@@ -254,16 +254,13 @@ class CudaIpcTest : public ::testing::Test {
         device_ctx.push_back(d->context_id);
         host_ctx.push_back(h->context_id);
       }
-      std::vector<std::future<absl::StatusOr<client::BackwardOutput>>> db;
+      // Backwards one at a time: the weight gradients sum over them in the order they run.
       for (int i = 0; i < 2; ++i) {
         MicroBatch& mb = *mbs[i];
-        db.push_back((*device_layer)
-                         ->BackwardInto(device_ctx[i], mb.DeviceIn(3), mb.DeviceOut(5),
-                                        mb.DeviceOut(6), stream_));
-      }
-      for (int i = 0; i < 2; ++i) {
-        MicroBatch& mb = *mbs[i];
-        auto d = db[i].get();
+        auto d = (*device_layer)
+                     ->BackwardInto(device_ctx[i], mb.DeviceIn(3), mb.DeviceOut(5),
+                                    mb.DeviceOut(6), stream_)
+                     .get();
         ASSERT_TRUE(d.ok()) << d.status();
         for (int k : {5, 6}) {
           ASSERT_CUDA(cudaMemcpyAsync(mb.h(k), mb.d(k), mb.bytes[k], cudaMemcpyDeviceToHost,

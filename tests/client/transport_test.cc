@@ -76,8 +76,8 @@ std::string Joined(const std::vector<std::string>& lines) {
 }
 
 // Two layers of one config and seed, one through each connection, trained the same way: every
-// result must be bitwise equal. Three micro-batches in flight per step; the shared memory side
-// also writes results into host destinations.
+// result must be bitwise equal. Three Forwards in flight per step, their Backwards one at a
+// time; the shared memory side also writes results into host destinations.
 void ExpectSameTraining(std::shared_ptr<client::Connection> tcp_conn,
                         std::shared_ptr<client::Connection> shm_conn, RoutingMode routing,
                         const std::string& tag) {
@@ -134,21 +134,19 @@ void ExpectSameTraining(std::shared_ptr<client::Connection> tcp_conn,
     auto si = (*shm_layer)->Forward(Tensor(x[1]), Tensor(ids[1]), Tensor(w[1]), false).get();
     ASSERT_TRUE(ti.ok() && si.ok()) << ti.status() << " " << si.status();
     EXPECT_TRUE(si->out.bytes == ti->out.bytes);
-    std::vector<std::future<absl::StatusOr<client::BackwardOutput>>> tb, sb;
+    // Backwards one at a time: the weight gradients sum over them in the order they run.
     Tensor dx0 = Tensor::Zeros(DType::kFloat32, dout[0].shape), dw0;
     std::fill(dx0.bytes.begin(), dx0.bytes.end(), std::byte{0x7f});
     if (client_routing) dw0 = Tensor::Zeros(DType::kFloat32, {dout[0].shape[0], config.top_k});
     for (int i = 0; i < kInFlight; ++i) {
-      tb.push_back((*tcp_layer)->Backward(tcp_ctx[i], dout[i].view()));
-      sb.push_back(i == 0 ? (*shm_layer)->BackwardInto(shm_ctx[i], dout[i].view(),
-                                                       dx0.mutable_view(),
-                                                       client_routing ? dw0.mutable_view()
-                                                                      : MutableTensorView())
-                          : (*shm_layer)->Backward(shm_ctx[i], dout[i].view()));
-    }
-    for (int i = 0; i < kInFlight; ++i) {
-      auto t = tb[i].get();
-      auto s = sb[i].get();
+      auto tb = (*tcp_layer)->Backward(tcp_ctx[i], dout[i].view());
+      auto sb = i == 0 ? (*shm_layer)->BackwardInto(shm_ctx[i], dout[i].view(),
+                                                    dx0.mutable_view(),
+                                                    client_routing ? dw0.mutable_view()
+                                                                   : MutableTensorView())
+                       : (*shm_layer)->Backward(shm_ctx[i], dout[i].view());
+      auto t = tb.get();
+      auto s = sb.get();
       ASSERT_TRUE(t.ok() && s.ok()) << t.status() << " " << s.status();
       EXPECT_TRUE((i == 0 ? dx0 : s->dx).bytes == t->dx.bytes) << "micro-batch " << i;
       if (client_routing) {
