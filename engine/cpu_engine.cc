@@ -436,10 +436,10 @@ class CpuEngine : public Engine {
         pool_(num_threads > 0 ? std::make_shared<ThreadPool>(num_threads) : nullptr) {}
   std::string name() const override { return "cpu"; }
   absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const LayerConfig& config) override {
-    if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(ValidateLayerConfig(config));
     try {
       auto layer = std::make_unique<CpuLayer>(config, memory_, pool_);
-      if (absl::Status s = layer->Init(); !s.ok()) return s;
+      MOE_RETURN_IF_ERROR(layer->Init());
       return std::unique_ptr<Layer>(std::move(layer));
     } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError("layer config: weights do not fit in host memory");

@@ -93,7 +93,7 @@ absl::Status CpuLayer::Init() {
   for (Param& p : params_) {
     const size_t n = static_cast<size_t>(NumElements(p.shape));
     p.w.resize(n);
-    if (absl::Status s = InitLayerWeight(cfg_, p.name, p.w.data()); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(InitLayerWeight(cfg_, p.name, p.w.data()));
     if (bf16()) {
       p.master = p.w;
       for (float& v : p.w) v = RoundBf16(v);
@@ -220,7 +220,7 @@ absl::Status CpuLayer::ImportState(const std::map<std::string, Tensor>& state) {
     return p == nullptr ? nullptr : &p->shape;
   };
   for (const auto& [name, tensor] : state) {
-    if (absl::Status s = ValidateStateTensor(cfg_, name, tensor, shape_of); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(ValidateStateTensor(cfg_, name, tensor, shape_of));
   }
   // Weights first, then masters: a bf16 weight import resets its master to the imported value
   // unless the master is imported too.

@@ -58,9 +58,7 @@ absl::Status RequireHostValues(const TensorView& view, const char* field) {
 
 absl::StatusOr<int64_t> ValidateForwardShapes(const LayerConfig& config,
                                               const ForwardRequest& request) {
-  if (absl::Status s = CheckTensor(request.x, "x", config.dtype, {-1, config.d_model}); !s.ok()) {
-    return s;
-  }
+  MOE_RETURN_IF_ERROR(CheckTensor(request.x, "x", config.dtype, {-1, config.d_model}));
   const int64_t t = request.x.shape[0];
   if (t < 1) return absl::InvalidArgumentError("x: needs at least one token (shape [0, d])");
   // The routed pairs are indexed with int32 (dispatch, kernels): T * K, checked.

@@ -1,4 +1,5 @@
 // State tensor names and import validation shared by every engine (see state.h).
+#include "common/status_macros.h"
 #include "engine/state.h"
 
 #include <cmath>
@@ -63,7 +64,7 @@ absl::Status ValidateStateTensor(
   const std::string field = absl::StrCat("state[\"", name, "\"]");
   const StateName parsed = ParseStateName(name);
   if (parsed.kind == StateKind::kStep) {
-    if (absl::Status s = CheckTensor(tensor.view(), field, DType::kInt64, {1}); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CheckTensor(tensor.view(), field, DType::kInt64, {1}));
     if (tensor.as<int64_t>()[0] < 0) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": step must be >= 0"));
     }
@@ -75,7 +76,7 @@ absl::Status ValidateStateTensor(
         absl::StrCat(field, ": this layer has no state tensor of that name"));
   }
   const DType want = parsed.kind == StateKind::kWeight ? config.dtype : DType::kFloat32;
-  if (absl::Status s = CheckTensor(tensor.view(), field, want, *shape); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckTensor(tensor.view(), field, want, *shape));
   const TensorView v = tensor.view();
   const bool nonnegative = parsed.kind == StateKind::kExpAvgSq;
   for (int64_t i = 0; i < v.num_elements(); ++i) {
@@ -90,7 +91,7 @@ absl::Status ValidateStateTensor(
 }
 
 absl::StatusOr<int64_t> LayerStateBytesFor(const LayerConfig& config, int64_t bytes_per_param) {
-  if (absl::Status s = ValidateLayerConfig(config); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(ValidateLayerConfig(config));
   const int64_t d = config.d_model, h = config.d_hidden, count = config.local_experts();
   // Every product and sum is checked: a valid config bounds the expert weights, not the router
   // (d * E) nor the product with the bytes per parameter.

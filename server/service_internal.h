@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/status_macros.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/repeated_ptr_field.h"
 #include "server/service.h"
@@ -35,7 +36,7 @@ template <typename Work>
 auto TimedWork(Metrics& metrics, const std::string& method, double queued,
                grpc::CallbackServerContext* ctx, Work work) -> decltype(work()) {
   metrics.Stage(method, "queue", queued);
-  if (absl::Status alive = CallAlive(ctx); !alive.ok()) return alive;
+  MOE_RETURN_IF_ERROR(CallAlive(ctx));
   const Clock::time_point t0 = Clock::now();
   auto result = work();
   metrics.Stage(method, "compute", SecondsSince(t0));

@@ -1,5 +1,6 @@
 // Proto <-> engine conversions and tensor chunking (see wire.h). Defaults for zero-valued proto
 // fields are filled here, once, so the server and the client agree on what "unset" means.
+#include "common/status_macros.h"
 #include "wire/wire.h"
 
 #include <algorithm>
@@ -289,7 +290,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
         absl::StrCat(field_, ": a striped micro-batch's tensors need a row (first) dimension"));
   }
   // Every chunk's extents (later streams' rows included), before any is used in a product.
-  if (absl::Status s = CheckedNumElements(shape, field_).status(); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckedNumElements(shape, field_).status());
   size_t n = 0;
   for (absl::string_view p : pieces) n += p.size();
   std::byte* dst = nullptr;
@@ -306,7 +307,7 @@ absl::Status StripedAssembler::Add(uint32_t stream, int64_t row_begin, const v1:
       whole[0] = 1;
       absl::StatusOr<int64_t> row = CheckedByteSize(whole, *d, field_);
       if (!row.ok()) return row.status();
-      if (absl::Status s = CheckedByteSize(shape, *d, field_).status(); !s.ok()) return s;
+      MOE_RETURN_IF_ERROR(CheckedByteSize(shape, *d, field_).status());
       whole[0] = total_rows_;
       absl::StatusOr<int64_t> all = CheckedByteSize(whole, *d, field_);
       if (!all.ok()) {
