@@ -319,7 +319,7 @@ TEST(HostileAdmissionTest, StreamedTensorsPastTheBudgetAreRefused) {
 }
 
 // d = 64, h = 4096, K = 8 of 8 experts: each token's 8 routed rows need [8, 2h] fp32 hidden
-// activations, about 850 times x's own bytes, so a modest x asks the engine for far more host
+// activations, 1024 times x's own bytes, so a modest x asks the engine for far more host
 // memory than the server has.
 LayerConfig WideConfig() {
   LayerConfig c;
