@@ -291,8 +291,8 @@ absl::Status CudaLayer::ClientRoutingVerdict(const ForwardRequest& request, int6
     if (v.location.is_host()) {
       std::memcpy(h.bytes.data(), v.data, v.size_bytes);
     } else {
-      MOE_RETURN_IF_ERROR(CopyToHost(v.location.device, h.bytes.data(), v.data, v.size_bytes,
-                                     stream_->get()));
+      MOE_RETURN_IF_ERROR(
+          CopyToHost(device_, h.bytes.data(), v.data, v.size_bytes, stream_->get()));
     }
     return h;
   };
@@ -301,8 +301,8 @@ absl::Status CudaLayer::ClientRoutingVerdict(const ForwardRequest& request, int6
   MOE_RETURN_IF_ERROR(
       CheckClientRoutingValues(ids.view(), w.view(), t, cfg_.top_k, cfg_.num_experts));
   return absl::InternalError(absl::StrCat(
-      "routing check: the GPU found a fault at pair ", kernels::RoutingFaultPair(record),
-      " (kind ", static_cast<int>(kernels::RoutingFaultKind(record)), ") that the host does not"));
+      "routing check: the GPU found a fault at pair ", kernels::RoutingFaultPair(record), " (kind ",
+      static_cast<int>(kernels::RoutingFaultKind(record)), ") that the host does not"));
 }
 
 absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& request) {

@@ -17,8 +17,8 @@ namespace {
 struct OpenAllocation {
   char* base = nullptr;
   int64_t size_bytes = 0;
-  int device = -1;     // the allocation's device
-  int mapped_on = -1;  // the engine's device, where it is open
+  int device = -1;   // the allocation's device
+  int used_on = -1;  // the engine's device, whose streams read and write it
   int mappings = 0;
 };
 
@@ -31,19 +31,20 @@ class HandleTable {
     return *table;
   }
 
-  // The allocation `handle` names, opened on `engine_device` unless it is open already; counts
-  // one more mapping of it.
-  absl::StatusOr<OpenAllocation> Acquire(const std::string& handle, int engine_device) {
+  // The allocation `handle` names, opened on `device` (the memory's, as the exporter numbers it)
+  // unless it is open already; counts one more mapping of it, used by the engine on
+  // `engine_device`.
+  absl::StatusOr<OpenAllocation> Acquire(const std::string& handle, int device, int engine_device) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(handle);
     if (it != open_.end()) {
       ++it->second.mappings;
       return it->second;
     }
-    if (const cudaError_t err = cudaSetDevice(engine_device); err != cudaSuccess) {
+    if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
       cudaGetLastError();
-      return absl::InternalError(absl::StrCat("cuda:", engine_device,
-                                              ": cudaSetDevice failed: ", cudaGetErrorString(err)));
+      return absl::InternalError(
+          absl::StrCat("cuda:", device, ": cudaSetDevice failed: ", cudaGetErrorString(err)));
     }
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof(h));
@@ -64,7 +65,7 @@ class HandleTable {
     o.base = static_cast<char*>(p);
     o.size_bytes = a->size_bytes;
     o.device = a->device;
-    o.mapped_on = engine_device;
+    o.used_on = engine_device;
     o.mappings = 1;
     open_[handle] = o;
     return o;
@@ -76,7 +77,7 @@ class HandleTable {
     if (it == open_.end() || --it->second.mappings > 0) return;
     // A call ordered by a done_event returns while its kernels may still read or write the
     // mapping: closing it under them would fault the device. Rare (unregistration, session end).
-    if (cudaSetDevice(it->second.mapped_on) == cudaSuccess) cudaDeviceSynchronize();
+    if (cudaSetDevice(it->second.used_on) == cudaSuccess) cudaDeviceSynchronize();
     cudaIpcCloseMemHandle(it->second.base);
     cudaGetLastError();  // the exporter may be gone; closing then is all that is left to do
     open_.erase(it);
@@ -145,7 +146,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_dev
         absl::StrCat("size_bytes: ", size_bytes, ", must be positive"));
   }
   const std::string handle(mem_handle);
-  MOE_ASSIGN_OR_RETURN(const OpenAllocation a, HandleTable::Get().Acquire(handle, engine_device));
+  MOE_ASSIGN_OR_RETURN(const OpenAllocation a,
+                       HandleTable::Get().Acquire(handle, device, engine_device));
   absl::Status refused;
   if (a.device != device) {
     refused = absl::InvalidArgumentError(

@@ -22,9 +22,13 @@
 
 namespace moe::cuda {
 
-// Engine::MapCudaIpcMemory for an engine on `engine_device`: the handle is opened there (with
-// cudaIpcMemLazyEnablePeerAccess, so memory of another device is reachable from it); `device` is
-// the memory's device, which must be the one the handle's allocation is on.
+// Engine::MapCudaIpcMemory for an engine on `engine_device`: the handle is opened on `device`,
+// the memory's device as the exporter numbers it (the same CUDA_VISIBLE_DEVICES), so memory of
+// another GPU is a peer allocation the engine copies from and into (cudaMemcpyPeerAsync) rather
+// than memory its kernels read across the link. Pointer attributes of opened memory name the
+// device it was opened on, so a wrong `device` cannot be told apart on a first open; it harms
+// only its caller (the copies still reach the memory through its peer mapping). A handle already
+// open under another device is refused.
 absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_device,
                                                                   absl::string_view mem_handle,
                                                                   int device, int64_t offset,

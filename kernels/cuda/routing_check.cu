@@ -13,8 +13,8 @@ constexpr int kThreads = 256;
 // One thread per token: its K ids against each other (K is small) and its K weights.
 __global__ void check_client_routing_kernel(const int32_t* __restrict__ ids,
                                             const void* __restrict__ weights, bool weights_bf16,
-                                            int64_t num_tokens, int32_t top_k,
-                                            int32_t num_experts, int32_t* __restrict__ ids_out,
+                                            int64_t num_tokens, int32_t top_k, int32_t num_experts,
+                                            int32_t* __restrict__ ids_out,
                                             float* __restrict__ p_out,
                                             unsigned long long* first_fault) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -33,9 +33,9 @@ using testing::DeviceBlock;
 using testing::DeviceDestination;
 using testing::DeviceView;
 using testing::Download;
+using testing::ExpectRefused;
 using testing::RandomRounds;
 using testing::Round;
-using testing::ExpectRefused;
 using testing::SameBytes;
 
 constexpr int64_t kTokens = 96, kExperts = 6, kTopK = 2, kModel = 128, kHidden = 96;
