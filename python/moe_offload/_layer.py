@@ -241,18 +241,23 @@ class RemoteMoE(torch.nn.Module):
         current stream; nothing waits for the GPU."""
         device = x.device
         stream = torch.cuda.current_stream(device)
+        # Every tensor a spec points into (x's, ids' and weights' converted copies among them) is
+        # held until the call returns: freed before, its memory could go to `out` meanwhile.
+        # Once it returns, the stream is ordered after the server's reads and writes, so they
+        # may go (see README, "CUDA tensors").
         x, x_spec = _tensors.device_input(x, "x", stream)
-        ids_spec = w_spec = None
+        ids = ids_spec = w = w_spec = None
         if expert_ids is not None:
-            _, ids_spec = _tensors.device_input(
+            ids, ids_spec = _tensors.device_input(
                 self._wire_ids(expert_ids.to(device)), "expert_ids", stream)
         if weights is not None:
-            _, w_spec = _tensors.device_input(self._wire_weights(weights.to(device)), "weights",
+            w, w_spec = _tensors.device_input(self._wire_weights(weights.to(device)), "weights",
                                               stream)
         out = torch.empty_like(x)
         context_id, aux_loss, z_loss = self._core.forward_into(
             x_spec, ids_spec, w_spec, _tensors.device_output(out, stream), stream.cuda_stream,
             training)
+        del x, ids, w
         # A fill kernel with the value as its argument: no copy, so no wait for the stream.
         aux = torch.full((), aux_loss + z_loss, dtype=torch.float32, device=device)
         return out, context_id, aux
