@@ -138,14 +138,17 @@ if HAVE_CUSTOM_OP:
     @torch.library.custom_op("moe_offload::backward", mutates_args=())
     def backward_op(grad_out: torch.Tensor, context: torch.Tensor,
                     weights: Optional[torch.Tensor], handle: int,
-                    aux_grad: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        dx, dweights = _layer(handle)._run_backward(_id_from_tensor(context), grad_out, aux_grad)
+                    grad_aux: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        # grad_aux is read here, in the op, so that a traced backward never needs its value.
+        layer = _layer(handle)
+        weight = 1.0 if weights is not None else aux_loss_grad(layer, grad_aux)
+        dx, dweights = layer._run_backward(_id_from_tensor(context), grad_out, weight)
         if weights is None:
             return dx, grad_out.new_empty((0,), dtype=torch.float32)
         return dx, dweights.to(weights.dtype)
 
     @backward_op.register_fake
-    def _(grad_out, context, weights, handle, aux_grad):
+    def _(grad_out, context, weights, handle, grad_aux):
         if weights is None:
             return torch.empty_like(grad_out), grad_out.new_empty((0,), dtype=torch.float32)
         return torch.empty_like(grad_out), torch.empty_like(weights)
@@ -160,10 +163,10 @@ if HAVE_CUSTOM_OP:
 
     def _backward(ctx, grad_out, grad_aux, grad_context):
         context, weights = ctx.saved_tensors
-        weight = 1.0 if ctx.has_weights else aux_loss_grad(_layer(ctx.handle), grad_aux)
         grad_out = _zeros_if_none(grad_out, *ctx.out_meta)
         dx, dweights = backward_op(grad_out.contiguous(), context,
-                                   weights if ctx.has_weights else None, ctx.handle, weight)
+                                   weights if ctx.has_weights else None, ctx.handle,
+                                   None if ctx.has_weights else grad_aux)
         return dx, None, (dweights if ctx.has_weights else None), None, None
 
     forward_op.register_autograd(_backward, setup_context=_setup_context)
