@@ -128,8 +128,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 struct ForwardOutput {
   uint64_t context_id = 0;
   Tensor out;         // [T, d]
-  Tensor expert_ids;  // [T, K] int32, the routing used
-  Tensor weights;     // [T, K] float32
+  Tensor expert_ids;  // [T, K] int32, the routing the server chose; empty with client routing
+  Tensor weights;     // [T, K] float32, likewise
   double aux_loss = 0;
   double z_loss = 0;
 };

@@ -171,8 +171,6 @@ absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Ten
   }
   ForwardOutput out;
   out.out = Tensor::Zeros(DType::kFloat32, {tokens, d});
-  out.expert_ids = ids;
-  out.weights = weights;
   // On an error, the shards' contexts die with their TTL or the session.
   MOE_RETURN_IF_ERROR(JoinShards(futures, [&](size_t s, const ForwardOutput& r) {
     ScatterAdd(r.out, pending.rows[s], &out.out);

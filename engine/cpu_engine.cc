@@ -240,6 +240,11 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
     ctx->slot_of = std::move(slot_of);
     res.context = std::move(ctx);
   }
+  if (cfg_.routing == RoutingMode::kClient) {
+    // The routing used is the caller's own: nothing to return (engine/layer.h).
+    res.expert_ids = Tensor();
+    res.weights = Tensor();
+  }
   return res;
 }
 

@@ -112,8 +112,10 @@ struct ForwardRequest {
 
 struct ForwardResult {
   Tensor out;              // [T, d], layer dtype; empty when the request named a destination
-  Tensor expert_ids;       // [T, K] int32: the routing used (computed for server routing)
-  Tensor weights;          // [T, K] fp32: the routing weights used
+  // Server routing: the routing the router chose. Client routing: empty, as the caller has it
+  // (echoing it would cost a device-to-host copy and, through moe-server, its bytes on the wire).
+  Tensor expert_ids;       // [T, K] int32
+  Tensor weights;          // [T, K] fp32
   double aux_loss = 0.0;   // server routing: load-balancing term (already times its coef)
   double z_loss = 0.0;     // server routing: z-loss term (already times its coef)
   std::vector<int64_t> tokens_per_local_expert;  // (t,k) entries routed to each local expert

@@ -20,6 +20,7 @@
 #include "engine/state.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/routing_check.h"
 
 namespace moe::cuda {
 namespace {
@@ -113,9 +114,11 @@ class CudaLayer : public Layer {
   void Settle() {
     if (cudaSetDevice(device_) == cudaSuccess) cudaStreamSynchronize(stream_->get());
   }
-  // Client routing given in device memory: its values come to the host (one synchronisation),
-  // are checked there as host routing is (the kernels assume valid ids) and land in `res`.
-  absl::Status FetchDeviceRouting(const ForwardRequest& request, int64_t t, ForwardResult* res);
+  // Client routing, wherever the caller's ids and weights live, checked and copied into the
+  // context on the GPU (kernels/cuda/routing_check.h); the fault record lands in pinned_ for
+  // the dispatch's synchronisation to cover. ClientRoutingVerdict reads it after that.
+  absl::Status TakeClientRouting(const ForwardRequest& request, int64_t t, CudaContext* ctx);
+  absl::Status ClientRoutingVerdict(const ForwardRequest& request, int64_t t);
   absl::Status RouterForward(const void* x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
                              DeviceBuffer* p);
   // `aux_scale`: the caller's d loss / d aux, which the aux and z-loss gradients are scaled by.
@@ -257,25 +260,51 @@ absl::Status CudaLayer::RouterForward(const void* x, int64_t t, CudaContext* ctx
   return absl::OkStatus();
 }
 
-absl::Status CudaLayer::FetchDeviceRouting(const ForwardRequest& request, int64_t t,
-                                           ForwardResult* res) {
-  // Either may be in host memory while the other is not.
-  const auto to_host = [this](const TensorView& v, Tensor* t) {
-    *t = Tensor::Uninitialized(v.dtype, v.shape);
+absl::Status CudaLayer::TakeClientRouting(const ForwardRequest& request, int64_t t,
+                                          CudaContext* ctx) {
+  const int64_t k = cfg_.top_k;
+  DeviceBuffer ids_own, w_own;
+  MOE_ASSIGN_OR_RETURN(const void* ids, DeviceInput(request.expert_ids, /*keep=*/false, stream_,
+                                                    &ids_own, "expert_ids"));
+  MOE_ASSIGN_OR_RETURN(const void* w,
+                       DeviceInput(request.weights, /*keep=*/false, stream_, &w_own, "weights"));
+  MOE_ASSIGN_OR_RETURN(ctx->ids, Alloc(t * k * 4, "expert_ids"));
+  MOE_ASSIGN_OR_RETURN(ctx->p, Alloc(t * k * 4, "routing weights"));
+  MOE_ASSIGN_OR_RETURN(DeviceBuffer fault, Alloc(8, "routing fault record"));
+  cudaStream_t s = stream_->get();
+  MOE_CUDA_RETURN(cudaMemsetAsync(fault.get(), 0xff, 8, s));
+  MOE_CUDA_RETURN(kernels::LaunchCheckClientRouting(
+      static_cast<const int32_t*>(ids), w, request.weights.dtype == DType::kBFloat16, t,
+      static_cast<int32_t>(k), static_cast<int32_t>(cfg_.num_experts), ctx->ids.as<int32_t>(),
+      ctx->p.as<float>(), fault.as<unsigned long long>(), s));
+  MOE_RETURN_IF_ERROR(EnsurePinned(8));
+  MOE_CUDA_RETURN(cudaMemcpyAsync(pinned_.get(), fault.get(), 8, cudaMemcpyDeviceToHost, s));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLayer::ClientRoutingVerdict(const ForwardRequest& request, int64_t t) {
+  unsigned long long record;
+  std::memcpy(&record, pinned_.get(), 8);
+  if (record == kernels::kNoRoutingFault) return absl::OkStatus();
+  // A fault: the caller's values come to the host, where the CPU engine's check words the
+  // error exactly as it would (the first fault in the same order).
+  const auto to_host = [this](const TensorView& v) -> absl::StatusOr<Tensor> {
+    Tensor h = Tensor::Uninitialized(v.dtype, v.shape);
     if (v.location.is_host()) {
-      std::memcpy(t->bytes.data(), v.data, v.size_bytes);
-      return absl::OkStatus();
+      std::memcpy(h.bytes.data(), v.data, v.size_bytes);
+    } else {
+      MOE_RETURN_IF_ERROR(CopyToHost(v.location.device, h.bytes.data(), v.data, v.size_bytes,
+                                     stream_->get()));
     }
-    return CopyToHost(device_, t->bytes.data(), v.data, v.size_bytes, stream_->get());
+    return h;
   };
-  Tensor ids, w;
-  MOE_RETURN_IF_ERROR(to_host(request.expert_ids, &ids));
-  MOE_RETURN_IF_ERROR(to_host(request.weights, &w));
+  MOE_ASSIGN_OR_RETURN(const Tensor ids, to_host(request.expert_ids));
+  MOE_ASSIGN_OR_RETURN(const Tensor w, to_host(request.weights));
   MOE_RETURN_IF_ERROR(
       CheckClientRoutingValues(ids.view(), w.view(), t, cfg_.top_k, cfg_.num_experts));
-  res->expert_ids = std::move(ids);
-  ToFloat(w.view(), res->weights.as<float>());
-  return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(
+      "routing check: the GPU found a fault at pair ", kernels::RoutingFaultPair(record),
+      " (kind ", static_cast<int>(kernels::RoutingFaultKind(record)), ") that the host does not"));
 }
 
 absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& request) {
@@ -284,12 +313,6 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
   MOE_ASSIGN_OR_RETURN(const int64_t t, ValidateForwardShapes(cfg_, request));
   MOE_RETURN_IF_ERROR(ValidateForwardDestination(cfg_, request, t));
   MOE_RETURN_IF_ERROR(CheckViewLocations(RequestViews(request)));
-  const bool host_routing =
-      request.expert_ids.location.is_host() && request.weights.location.is_host();
-  if (!server() && host_routing) {
-    MOE_RETURN_IF_ERROR(CheckClientRoutingValues(request.expert_ids, request.weights, t, cfg_.top_k,
-                                                 cfg_.num_experts));
-  }
   MOE_CUDA_RETURN(cudaSetDevice(device_));
   const int64_t d = cfg_.d_model, k = cfg_.top_k, ne = cfg_.num_experts;
   cudaStream_t s = stream_->get();
@@ -303,23 +326,19 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
   MOE_ASSIGN_OR_RETURN(const void* x,
                        DeviceInput(request.x, request.training, stream_, &ctx->x, "x"));
   ForwardResult res;
-  res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
-  res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
   if (!server()) {
-    if (host_routing) {
-      std::memcpy(res.expert_ids.as<int32_t>(), request.expert_ids.data, t * k * 4);
-      ToFloat(request.weights, res.weights.as<float>());
-    } else {
-      MOE_RETURN_IF_ERROR(FetchDeviceRouting(request, t, &res));
-    }
-    MOE_RETURN_IF_ERROR(Upload(res.expert_ids.bytes.data(), t * k * 4, &ctx->ids, "expert_ids"));
-    MOE_RETURN_IF_ERROR(Upload(res.weights.bytes.data(), t * k * 4, &ctx->p, "weights"));
+    MOE_RETURN_IF_ERROR(TakeClientRouting(request, t, ctx.get()));
   } else {
     MOE_RETURN_IF_ERROR(RouterForward(x, t, ctx.get(), &ctx->ids, &ctx->p));
   }
   MOE_RETURN_IF_ERROR(pipeline_->Dispatch(ctx->ids.as<int32_t>(), t, &ctx->plan));
 
-  if (server()) {
+  if (!server()) {
+    // The dispatch's synchronisation completed the fault record's copy.
+    MOE_RETURN_IF_ERROR(ClientRoutingVerdict(request, t));
+  } else {
+    res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
+    res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
     // The dispatch's sync completed the staged router results.
     const char* pin = pinned_.as<const char>();
     std::vector<double> stats(ne + 1);

@@ -17,7 +17,8 @@ namespace {
 struct OpenAllocation {
   char* base = nullptr;
   int64_t size_bytes = 0;
-  int device = -1;
+  int device = -1;     // the allocation's device
+  int mapped_on = -1;  // the engine's device, where it is open
   int mappings = 0;
 };
 
@@ -63,6 +64,7 @@ class HandleTable {
     o.base = static_cast<char*>(p);
     o.size_bytes = a->size_bytes;
     o.device = a->device;
+    o.mapped_on = engine_device;
     o.mappings = 1;
     open_[handle] = o;
     return o;
@@ -72,6 +74,9 @@ class HandleTable {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(handle);
     if (it == open_.end() || --it->second.mappings > 0) return;
+    // A call ordered by a done_event returns while its kernels may still read or write the
+    // mapping: closing it under them would fault the device. Rare (unregistration, session end).
+    if (cudaSetDevice(it->second.mapped_on) == cudaSuccess) cudaDeviceSynchronize();
     cudaIpcCloseMemHandle(it->second.base);
     cudaGetLastError();  // the exporter may be gone; closing then is all that is left to do
     open_.erase(it);

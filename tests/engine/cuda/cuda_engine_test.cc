@@ -259,9 +259,12 @@ void RunCase(const Case& c, const std::string& extra, cuda::PipelineOptions pipe
   Tensor go = gf->out, co = cf->out;
   int64_t differ = 0, kept = 0;
   const size_t row = static_cast<size_t>(d) * DTypeSize(c.dtype);
+  // Client routing is the request's own (not echoed): alike by construction.
+  const bool server_routed = c.routing == RoutingMode::kServer;
+  const int32_t* g_ids = server_routed ? gf->expert_ids.as<int32_t>() : ids.as<int32_t>();
+  const int32_t* c_ids = server_routed ? cf->expert_ids.as<int32_t>() : ids.as<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
-    if (std::memcmp(gf->expert_ids.as<int32_t>() + t * K, cf->expert_ids.as<int32_t>() + t * K,
-                    K * 4) != 0) {
+    if (std::memcmp(g_ids + t * K, c_ids + t * K, K * 4) != 0) {
       ++differ;
       continue;
     }

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -390,7 +391,6 @@ TEST(DeviceTensorRefusalTest, BadViewsAreRefusedBeforeAnyWork) {
                 "out: shape");
   ExpectRefused(forward_with([&](ForwardRequest* q) { q->out.data = block.at(8); }),
                 "out: overlaps x");
-  // Device routing is checked once on the host, as host routing is.
   Tensor bad_ids = in.ids;
   bad_ids.as<int32_t>()[5] = kExperts + 3;
   testing::Upload(bad_ids, block.at(2 * xb));
@@ -398,6 +398,32 @@ TEST(DeviceTensorRefusalTest, BadViewsAreRefusedBeforeAnyWork) {
                   q->expert_ids = DeviceView(bad_ids, block.at(2 * xb), 0);
                 }),
                 "expert_ids[2, 1] = 9 out of range [0, 6)");
+
+  // Routing faults are found on the GPU, host routing's too, and worded as the CPU engine words
+  // them: the first fault in its order.
+  Tensor dup_ids = in.ids;
+  dup_ids.as<int32_t>()[7] = dup_ids.as<int32_t>()[6];
+  testing::Upload(dup_ids, block.at(2 * xb));
+  const std::string dup_message = "expert_ids[3, 1] = " + std::to_string(dup_ids.as<int32_t>()[6]) +
+                                  " duplicates expert_ids[3, 0]";
+  ExpectRefused(forward_with([&](ForwardRequest* q) {
+                  q->expert_ids = DeviceView(dup_ids, block.at(2 * xb), 0);
+                }),
+                dup_message);
+  ExpectRefused(forward_with([&](ForwardRequest* q) { q->expert_ids = dup_ids.view(); }),
+                dup_message);
+  ASSERT_EQ(in.w.dtype, DType::kFloat32);
+  Tensor nan_weights = in.w;
+  nan_weights.as<float>()[4] = std::nanf("");
+  bad_ids.as<int32_t>()[5] = in.ids.as<int32_t>()[5];
+  bad_ids.as<int32_t>()[9] = -1;  // a later fault: the message names the first
+  testing::Upload(bad_ids, block.at(2 * xb));
+  testing::Upload(nan_weights, block.at(3 * xb));
+  ExpectRefused(forward_with([&](ForwardRequest* q) {
+                  q->expert_ids = DeviceView(bad_ids, block.at(2 * xb), 0);
+                  q->weights = DeviceView(nan_weights, block.at(3 * xb), 0);
+                }),
+                "weights[2, 0] = nan is not finite");
 
   auto f = layer->Forward(HostRequest(c, in));
   ASSERT_TRUE(f.ok()) << f.status();
