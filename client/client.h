@@ -230,13 +230,10 @@ class Connection {
       const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
       const TensorView& ids, const TensorView& weights, const MutableTensorView& out,
       void* stream);
-  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(const std::string& layer,
-                                                           uint64_t context_id,
-                                                           const TensorView& dout,
-                                                           const MutableTensorView& dx,
-                                                           const MutableTensorView& dweights,
-                                                           void* stream,
-                                                           const BackwardOptions& options = {});
+  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(
+      const std::string& layer, uint64_t context_id, const TensorView& dout,
+      const MutableTensorView& dx, const MutableTensorView& dweights, void* stream,
+      const BackwardOptions& options = {});
   // Registered regions keep the server's mapping of a device allocation until the connection
   // ends: a trainer that frees device memory (say, empties its allocator's cache) calls this to
   // unregister every cached device region no call in flight uses.

@@ -229,15 +229,14 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::stri
                                                                  const TensorView& dout,
                                                                  const BackwardOptions& options) {
   if (NeedsRegions(*this, {&dout})) {
-    return BackwardInto(layer, context_id, dout, MutableTensorView(), MutableTensorView(),
-                        nullptr, options);
+    return BackwardInto(layer, context_id, dout, MutableTensorView(), MutableTensorView(), nullptr,
+                        options);
   }
   return Backward(layer, context_id, ToTensor(dout), options);
 }
 
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
-                                                                 uint64_t context_id,
-                                                                 Tensor&& dout,
+                                                                 uint64_t context_id, Tensor&& dout,
                                                                  const BackwardOptions& options) {
   if (transport() == Transport::kSharedMemory) {
     return BackwardInto(layer, context_id, dout.view(), MutableTensorView(), MutableTensorView(),

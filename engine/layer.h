@@ -41,9 +41,9 @@
 //              f_e = (#(t,k) with idx[t,k]=e) / (T*K),  P_e = mean_t s[t,e];
 //            router z-loss  z = z_loss_coef * mean_t (logsumexp_e logits[t,e])^2.
 //            Both are added to the loss whose gradient the backward returns, times
-//            BackwardRequest::aux_grad_scale (they contribute to dWr). In a sharded layer every shard computes the full router; only the shard
-//            with expert_first == 0 adds the aux terms to dWr, so that a client summing shard
-//            gradients counts them once.
+//            BackwardRequest::aux_grad_scale (they contribute to dWr). In a sharded layer every
+//            shard computes the full router; only the shard with expert_first == 0 adds the aux
+//            terms to dWr, so that a client summing shard gradients counts them once.
 //   backward from dout [T,d]: dx [T,d] (with server routing dx also carries the path through
 //            the router: softmax/top-K/renormalise and the aux terms); dp [T,K] fp32 (client
 //            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing)

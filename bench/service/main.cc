@@ -3,9 +3,9 @@
 // Starts a moe-server on loopback (or uses --server), creates one layer per case and measures
 // training steps (N Forwards in flight, N Backwards, Step unless --optimizer_step=false) and
 // inference rounds (N Forwards in flight): tokens/s, bytes/s on the wire, per-call latency
-// p50/p99, and the server's stage times from its /metrics. Prints Markdown tables (and with --json appends one JSON object per case
-// and mode); exits 1 on any error or zero throughput, so the smoke test (tests/bench) can run it
-// as is. Every flag lives here and fills BenchOptions.
+// p50/p99, and the server's stage times from its /metrics. Prints Markdown tables (and with --json
+// appends one JSON object per case and mode); exits 1 on any error or zero throughput, so the smoke
+// test (tests/bench) can run it as is. Every flag lives here and fills BenchOptions.
 //
 // --transport=cuda_ipc moves the trainer's GPU tensors (--client_device) by CUDA IPC, which
 // cannot open a handle in the process that made it: without --server the bench forks a child

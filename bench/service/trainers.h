@@ -1,9 +1,9 @@
 // moe-service-bench's two trainers, driving the same micro-batches through the service (a
 // RemoteLayer) and through the engine in process (a Layer), with the tensors in host memory or
 // on a GPU, and the steps both run: a training step is N Forwards in flight, then their N
-// Backwards in flight, then Step (unless the bench says not); an inference round is N inference Forwards in flight. In
-// process the N calls run one after the other, as the server's single per-device executor runs
-// them.
+// Backwards in flight, then Step (unless the bench says not); an inference round is N inference
+// Forwards in flight. In process the N calls run one after the other, as the server's single
+// per-device executor runs them.
 //
 // A trainer with its tensors on a GPU (DeviceTensors) keeps each micro-batch's inputs and
 // results in one cudaMalloc'd block, as a framework's caching allocator would, and orders

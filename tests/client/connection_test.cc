@@ -205,9 +205,9 @@ TEST(ClientTest, AuxLossGradScalesTheAuxGradientAcrossTheWire) {
     client::Transport transport;
     int64_t stripe_bytes;
   };
-  for (const Way& way : {Way{"tcp", client::Transport::kTcp, 0},
-                         Way{"tcp striped", client::Transport::kTcp, 4096},
-                         Way{"shared memory", client::Transport::kSharedMemory, 0}}) {
+  for (const Way& way :
+       {Way{"tcp", client::Transport::kTcp, 0}, Way{"tcp striped", client::Transport::kTcp, 4096},
+        Way{"shared memory", client::Transport::kSharedMemory, 0}}) {
     SCOPED_TRACE(way.name);
     client::ClientOptions options;
     options.transport = way.transport;
