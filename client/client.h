@@ -134,6 +134,15 @@ struct ForwardOutput {
   double z_loss = 0;
 };
 
+// What a Backward says besides its tensors.
+struct BackwardOptions {
+  // d loss / d aux (server routing): the weight with which the trainer's loss uses the Forward's
+  // aux_loss + z_loss; the server adds their gradient times this (1: loss = task + aux + z; 0:
+  // not trained). Sent only when it is not 1, so a server that predates it gets the same
+  // request as before.
+  double aux_loss_grad = 1.0;
+};
+
 struct BackwardOutput {
   Tensor dx;        // [T, d]
   Tensor dweights;  // [T, K] float32 (client routing), else empty
@@ -187,7 +196,8 @@ class Connection {
                                                      const TensorView& ids,
                                                      const TensorView& weights);
   std::future<absl::StatusOr<BackwardOutput>> Backward(const std::string& layer,
-                                                       uint64_t context_id, const TensorView& dout);
+                                                       uint64_t context_id, const TensorView& dout,
+                                                       const BackwardOptions& options = {});
   // The same, taking the tensors over instead of copying them (for a trainer that has no more
   // use for them once they are sent: the copy of a 75 MB tensor costs about 3 ms on the H100
   // machine). An empty tensor is an absent one.
@@ -195,7 +205,8 @@ class Connection {
                                                      bool training, Tensor&& x, Tensor&& ids,
                                                      Tensor&& weights);
   std::future<absl::StatusOr<BackwardOutput>> Backward(const std::string& layer,
-                                                       uint64_t context_id, Tensor&& dout);
+                                                       uint64_t context_id, Tensor&& dout,
+                                                       const BackwardOptions& options = {});
 
   // Forward and Backward whose results go into the caller's memory, and whose tensors may live
   // on a CUDA device (TensorView::location cuda:N; one device per call). A destination must have
@@ -219,12 +230,10 @@ class Connection {
       const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
       const TensorView& ids, const TensorView& weights, const MutableTensorView& out,
       void* stream);
-  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(const std::string& layer,
-                                                           uint64_t context_id,
-                                                           const TensorView& dout,
-                                                           const MutableTensorView& dx,
-                                                           const MutableTensorView& dweights,
-                                                           void* stream);
+  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(
+      const std::string& layer, uint64_t context_id, const TensorView& dout,
+      const MutableTensorView& dx, const MutableTensorView& dweights, void* stream,
+      const BackwardOptions& options = {});
   // Registered regions keep the server's mapping of a device allocation until the connection
   // ends: a trainer that frees device memory (say, empties its allocator's cache) calls this to
   // unregister every cached device region no call in flight uses.
@@ -314,11 +323,13 @@ class RemoteLayer {
                                                      const TensorView& ids = {},
                                                      const TensorView& weights = {},
                                                      bool training = true);
-  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, const TensorView& dout);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, const TensorView& dout,
+                                                       const BackwardOptions& options = {});
   // The same, taking the tensors over instead of copying them (Connection::Forward's).
   std::future<absl::StatusOr<ForwardOutput>> Forward(Tensor&& x, Tensor&& ids, Tensor&& weights,
                                                      bool training = true);
-  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, Tensor&& dout);
+  std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, Tensor&& dout,
+                                                       const BackwardOptions& options = {});
   // Results into the caller's memory, tensors possibly on a CUDA device, ordered on `stream`
   // (Connection::ForwardInto's).
   std::future<absl::StatusOr<ForwardOutput>> ForwardInto(const TensorView& x,
@@ -331,7 +342,8 @@ class RemoteLayer {
                                                            const TensorView& dout,
                                                            const MutableTensorView& dx,
                                                            const MutableTensorView& dweights = {},
-                                                           void* stream = nullptr);
+                                                           void* stream = nullptr,
+                                                           const BackwardOptions& options = {});
   absl::StatusOr<StepOutput> Step() { return conn_->Step(name_); }
   absl::Status ZeroGrad() { return conn_->ZeroGrad(name_); }
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const std::string& path) {

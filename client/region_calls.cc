@@ -419,7 +419,8 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::ForwardInto(
 
 std::future<absl::StatusOr<BackwardOutput>> Connection::BackwardInto(
     const std::string& layer, uint64_t context_id, const TensorView& dout,
-    const MutableTensorView& dx, const MutableTensorView& dweights, void* stream) {
+    const MutableTensorView& dx, const MutableTensorView& dweights, void* stream,
+    const BackwardOptions& options) {
   auto c = std::make_shared<RegionCall<BackwardOutput>>();
   c->plane = plane_;
   c->stream = stream;
@@ -441,7 +442,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::BackwardInto(
   c->dests = {Destination(dx, "dx", dout.dtype, dout.shape, /*known_shape=*/true),
               Destination(dweights, "dweights", DType::kFloat32, {}, /*known_shape=*/false)};
   c->results = {&BackwardOutput::dx, &BackwardOutput::dweights};
-  const BackwardCall call{layer, context_id, nullptr};
+  const BackwardCall call{layer, context_id, nullptr, options.aux_loss_grad};
   return Run(
       *this, c, {std::begin(kBackwardResponseTensors), std::end(kBackwardResponseTensors)},
       [this, call](std::shared_ptr<References> refs, std::vector<Tensor> tensors,

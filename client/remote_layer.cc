@@ -113,8 +113,9 @@ std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(const TensorView
 }
 
 std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t context_id,
-                                                                  const TensorView& dout) {
-  return conn_->Backward(name_, context_id, dout);
+                                                                  const TensorView& dout,
+                                                                  const BackwardOptions& options) {
+  return conn_->Backward(name_, context_id, dout, options);
 }
 
 std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(Tensor&& x, Tensor&& ids,
@@ -124,8 +125,9 @@ std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::Forward(Tensor&& x, Tens
 }
 
 std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::Backward(uint64_t context_id,
-                                                                  Tensor&& dout) {
-  return conn_->Backward(name_, context_id, std::move(dout));
+                                                                  Tensor&& dout,
+                                                                  const BackwardOptions& options) {
+  return conn_->Backward(name_, context_id, std::move(dout), options);
 }
 
 std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::ForwardInto(
@@ -137,7 +139,7 @@ std::future<absl::StatusOr<ForwardOutput>> RemoteLayer::ForwardInto(
 
 std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::BackwardInto(
     uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
-    const MutableTensorView& dweights, void* stream) {
+    const MutableTensorView& dweights, void* stream, const BackwardOptions& options) {
   // dweights' K is the layer's, which the connection alone does not know: checked here, before
   // the server accumulates this micro-batch's gradients.
   if (!dweights.empty()) {
@@ -153,7 +155,7 @@ std::future<absl::StatusOr<BackwardOutput>> RemoteLayer::BackwardInto(
       return p.get_future();
     }
   }
-  return conn_->BackwardInto(name_, context_id, dout, dx, dweights, stream);
+  return conn_->BackwardInto(name_, context_id, dout, dx, dweights, stream, options);
 }
 
 }  // namespace moe::client

@@ -80,6 +80,7 @@ wire::ChunkedMessages<v1::BackwardRequest> BackwardRequests(
         if (const v1::TensorRef* dx = Destination(call.refs, 0)) *r->mutable_dx_ref() = *dx;
         if (const v1::TensorRef* dw = Destination(call.refs, 1)) *r->mutable_dweights_ref() = *dw;
         if (call.refs) r->set_event_id(call.refs->event_id);
+        if (call.aux_loss_grad != 1.0) r->set_aux_loss_grad(call.aux_loss_grad);
         return std::vector<v1::Tensor*>{TensorOrRef(call.refs, 0, r->mutable_dout())};
       });
 }

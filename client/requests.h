@@ -55,6 +55,7 @@ struct BackwardCall {
   std::string layer;
   uint64_t context_id = 0;
   std::shared_ptr<const References> refs;  // null: every tensor inline
+  double aux_loss_grad = 1.0;              // BackwardOptions'
 };
 
 // The rows one stream sends: rows [begin, end) of every request tensor (end -1: all of them,

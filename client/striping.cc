@@ -226,23 +226,25 @@ void Connection::StartTcpForward(const ForwardCall& whole, Tensor&& x, Tensor&& 
 // `stripe_bytes`; or goes through BackwardInto.
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
                                                                  uint64_t context_id,
-                                                                 const TensorView& dout) {
+                                                                 const TensorView& dout,
+                                                                 const BackwardOptions& options) {
   if (NeedsRegions(*this, {&dout})) {
-    return BackwardInto(layer, context_id, dout, MutableTensorView(), MutableTensorView(),
-                        nullptr);
+    return BackwardInto(layer, context_id, dout, MutableTensorView(), MutableTensorView(), nullptr,
+                        options);
   }
-  return Backward(layer, context_id, ToTensor(dout));
+  return Backward(layer, context_id, ToTensor(dout), options);
 }
 
 std::future<absl::StatusOr<BackwardOutput>> Connection::Backward(const std::string& layer,
-                                                                 uint64_t context_id,
-                                                                 Tensor&& dout) {
+                                                                 uint64_t context_id, Tensor&& dout,
+                                                                 const BackwardOptions& options) {
   if (transport() == Transport::kSharedMemory) {
     return BackwardInto(layer, context_id, dout.view(), MutableTensorView(), MutableTensorView(),
-                        nullptr);
+                        nullptr, options);
   }
   auto [future, done] = Promise<BackwardOutput>();
-  StartTcpBackward(BackwardCall{layer, context_id, nullptr}, std::move(dout), std::move(done));
+  StartTcpBackward(BackwardCall{layer, context_id, nullptr, options.aux_loss_grad}, std::move(dout),
+                   std::move(done));
   return std::move(future);
 }
 

@@ -248,7 +248,8 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
   return res;
 }
 
-void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf) {
+void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const float* dp,
+                              double aux_scale, float* dxf) {
   const int64_t t = ctx.t, d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   // Recompute softmax and logsumexp from x and the router (only x is saved).
   std::vector<float> logits(t * ne), probs(t * ne), lse(t);
@@ -262,15 +263,17 @@ void CpuLayer::RouterBackward(const CpuContext& ctx, const float* xf, const floa
                             lse.data() + b, idx_tmp.data() + b * k, p_tmp.data() + b * k);
     });
   }
-  // The aux terms enter only on the shard that owns expert 0, so shard gradients sum to one.
+  // The aux terms enter only on the shard that owns expert 0, so shard gradients sum to one;
+  // each times the caller's d loss / d aux (`aux_scale`).
   const bool aux_here = cfg_.expert_first == 0;
-  std::vector<double> aux_grad(ne, 0.0);  // d aux / d s[t,e] = coef * E * f_e / T
+  std::vector<double> aux_grad(ne, 0.0);  // d aux / d s[t,e] = scale * coef * E * f_e / T
   if (aux_here && cfg_.aux_loss_coef != 0.0) {
     for (int64_t i = 0; i < t * k; ++i) aux_grad[ctx.idx[i]] += 1.0;
     for (int64_t e = 0; e < ne; ++e)
-      aux_grad[e] = cfg_.aux_loss_coef * ne * (aux_grad[e] / (t * k)) / t;
+      aux_grad[e] = aux_scale * cfg_.aux_loss_coef * ne * (aux_grad[e] / (t * k)) / t;
   }
-  const double z_scale = (aux_here && cfg_.z_loss_coef != 0.0) ? 2.0 * cfg_.z_loss_coef / t : 0.0;
+  const double z_scale =
+      (aux_here && cfg_.z_loss_coef != 0.0) ? aux_scale * 2.0 * cfg_.z_loss_coef / t : 0.0;
   std::vector<float>& dl = logits;  // reuse: dlogits [T, E]
   ParallelChunks(pool_, t, 256, [&](int64_t b, int64_t e_end) {
     std::vector<double> ds(ne);
@@ -419,7 +422,9 @@ absl::StatusOr<BackwardResult> CpuLayer::BackwardImpl(std::unique_ptr<SavedConte
       }
     }
   });
-  if (cfg_.routing == RoutingMode::kServer) RouterBackward(*ctx, xf.data(), dp.data(), dxf.data());
+  if (cfg_.routing == RoutingMode::kServer) {
+    RouterBackward(*ctx, xf.data(), dp.data(), request.aux_grad_scale, dxf.data());
+  }
 
   for (int64_t l = 0; l < count; ++l) tokens_seen_[l] += counts[l];
   BackwardResult res;

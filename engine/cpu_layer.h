@@ -142,7 +142,8 @@ class CpuLayer : public Layer {
   absl::StatusOr<BackwardResult> BackwardImpl(std::unique_ptr<SavedContext> context,
                                               const BackwardRequest& request);
   void RouteServer(const float* xf, int64_t t, int32_t* idx, float* p, double* aux, double* z);
-  void RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, float* dxf);
+  void RouterBackward(const CpuContext& ctx, const float* xf, const float* dp, double aux_scale,
+                      float* dxf);
   // H [n, hw] = [X W1_l^T | X W3_l^T] for local expert l on the gathered rows xl [n, d],
   // rounded to bf16 with bf16 storage. Forward and recompute-mode Backward both call this, which
   // is what makes the two modes bitwise equal.

@@ -40,10 +40,10 @@
 //              aux = aux_loss_coef * E * sum_e f_e * P_e,
 //              f_e = (#(t,k) with idx[t,k]=e) / (T*K),  P_e = mean_t s[t,e];
 //            router z-loss  z = z_loss_coef * mean_t (logsumexp_e logits[t,e])^2.
-//            Both are added to the loss whose gradient the backward returns (they contribute
-//            to dWr). In a sharded layer every shard computes the full router; only the shard
-//            with expert_first == 0 adds the aux terms to dWr, so that a client summing shard
-//            gradients counts them once.
+//            Both are added to the loss whose gradient the backward returns, times
+//            BackwardRequest::aux_grad_scale (they contribute to dWr). In a sharded layer every
+//            shard computes the full router; only the shard with expert_first == 0 adds the aux
+//            terms to dWr, so that a client summing shard gradients counts them once.
 //   backward from dout [T,d]: dx [T,d] (with server routing dx also carries the path through
 //            the router: softmax/top-K/renormalise and the aux terms); dp [T,K] fp32 (client
 //            routing; 0 for k routed outside the shard); dW1, dW3, dW2 (and dWr for server routing)
@@ -129,6 +129,10 @@ struct BackwardRequest {
   MutableTensorView dx;        // [T, d], layer dtype
   MutableTensorView dweights;  // [T, K] fp32; client routing only (must be empty otherwise)
   StreamOrder order;
+  // d loss / d (aux + z): the weight of the Forward's aux terms in the caller's loss. The router
+  // backward adds their gradient times this (server routing; 1: loss = task + aux + z, 0: the
+  // aux terms are reported but not trained). Finite (the server checks it).
+  double aux_grad_scale = 1.0;
 };
 
 struct BackwardResult {

@@ -4,7 +4,9 @@
 // striped or given by reference, dout's room is reserved from the server's own numbers (the saved
 // context's tokens and the layer's d_model), never from the client's claim. With dx_ref or
 // dweights_ref the engine writes that result into the client's region and the response carries
-// its dtype, shape and reference only.
+// its dtype, shape and reference only. aux_loss_grad (absent: 1) scales the router's aux-loss
+// gradients.
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "server/micro_batch_reactor.h"
 #include "server/service.h"
@@ -31,7 +34,13 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
   }
 
  protected:
-  absl::Status ReadHeader(const v1::BackwardRequest&) override {
+  absl::Status ReadHeader(const v1::BackwardRequest& first) override {
+    // d loss / d aux: absent means 1, what every Backward meant before the field existed.
+    aux_loss_grad_ = first.has_aux_loss_grad() ? first.aux_loss_grad() : 1.0;
+    if (!std::isfinite(aux_loss_grad_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("aux_loss_grad: ", aux_loss_grad_, " is not a finite number"));
+    }
     // A striped stream's share is its own claim; a dout by reference needs no room.
     if (striped() || InputRef(0) != nullptr) return absl::OkStatus();
     // dout is [tokens, d_model] of the saved context: room for exactly that, from the server's
@@ -44,11 +53,19 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     }
     return absl::OkStatus();
   }
-  absl::Status CheckSame(const v1::BackwardRequest&) const override { return absl::OkStatus(); }
+  absl::Status CheckSame(const v1::BackwardRequest& c) const override {
+    if ((c.has_aux_loss_grad() ? c.aux_loss_grad() : 1.0) != aux_loss_grad_) {
+      return absl::InvalidArgumentError(
+          "aux_loss_grad: must be the same in every chunk of a micro-batch");
+    }
+    return absl::OkStatus();
+  }
   const v1::Tensor* InputOf(const v1::BackwardRequest& c, size_t) const override {
     return c.has_dout() ? &c.dout() : nullptr;
   }
-  std::pair<std::string, std::string> StripeHeader() const override { return {"", ""}; }
+  std::pair<std::string, std::string> StripeHeader() const override {
+    return {"aux_loss_grad", absl::StrFormat("%.17g", aux_loss_grad_)};
+  }
 
   absl::StatusOr<Computed<v1::BackwardResponse>> Compute(
       const std::vector<TensorView>& inputs,
@@ -82,6 +99,7 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
     request.dx = bound.destinations[0];
     request.dweights = bound.destinations[1];
     request.order = bound.order;
+    request.aux_grad_scale = aux_loss_grad_;
     MOE_RETURN_IF_ERROR(CheckTensor(request.dout, "dout", config.dtype, {tokens, config.d_model}));
     MOE_ASSIGN_OR_RETURN(MemoryLedger::RequestCharge working,
                          service_->AdmitEngineCall(*entry, tokens, EngineCall::kBackward));
@@ -109,6 +127,9 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
               has_dweights && !in_place[1] ? m->mutable_dweights() : nullptr};
         }};
   }
+
+ private:
+  double aux_loss_grad_ = 1.0;
 };
 
 }  // namespace

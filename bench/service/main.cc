@@ -1,11 +1,11 @@
 // moe-service-bench: throughput through a moe-server against the same engine in process.
 //
 // Starts a moe-server on loopback (or uses --server), creates one layer per case and measures
-// training steps (N Forwards in flight, N Backwards, Step) and inference rounds (N Forwards in
-// flight): tokens/s, bytes/s on the wire, per-call latency p50/p99, and the server's stage times
-// from its /metrics. Prints Markdown tables (and with --json appends one JSON object per case
-// and mode); exits 1 on any error or zero throughput, so the smoke test (tests/bench) can run it
-// as is. Every flag lives here and fills BenchOptions.
+// training steps (N Forwards in flight, N Backwards, Step unless --optimizer_step=false) and
+// inference rounds (N Forwards in flight): tokens/s, bytes/s on the wire, per-call latency
+// p50/p99, and the server's stage times from its /metrics. Prints Markdown tables (and with --json
+// appends one JSON object per case and mode); exits 1 on any error or zero throughput, so the smoke
+// test (tests/bench) can run it as is. Every flag lives here and fills BenchOptions.
 //
 // --transport=cuda_ipc moves the trainer's GPU tensors (--client_device) by CUDA IPC, which
 // cannot open a handle in the process that made it: without --server the bench forks a child
@@ -65,6 +65,9 @@ ABSL_FLAG(std::string, tls_ca_file, "",
           "Connect to --server over TLS, trusting this PEM CA (ClientOptions::tls.ca_file)");
 ABSL_FLAG(std::string, token_file, "",
           "File holding the bearer token, for a --server started with --tokens_file");
+ABSL_FLAG(bool, optimizer_step, true,
+          "End each training step with Step (the layer's optimizer); false: the step is N "
+          "Forwards and N Backwards alone");
 ABSL_FLAG(bool, hand_over, false,
           "the trainer hands its tensors over (the client's Tensor&& overloads, no copy) instead "
           "of lending views; each rep's copies are made before its clock starts");
@@ -121,6 +124,7 @@ int main(int argc, char** argv) {
   options.connections = absl::GetFlag(FLAGS_connections);
   options.stripe_bytes = absl::GetFlag(FLAGS_stripe_bytes);
   options.hand_over = absl::GetFlag(FLAGS_hand_over);
+  options.optimizer_step = absl::GetFlag(FLAGS_optimizer_step);
   options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca_file);
   if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
     absl::StatusOr<std::string> token = moe::client::ReadTokenFile(file, "token_file");
@@ -198,10 +202,11 @@ int main(int argc, char** argv) {
     }
   }
   std::printf(
-      "moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps, %d inference "
+      "moe-service-bench: %s; E=%lld K=%lld %s, %s routing, %s; %d steps (%s), %d inference "
       "rounds, %d warmup, chunk %lld bytes, %d connections, stripes of >= %lld bytes\n\n",
       where.c_str(), static_cast<long long>(layer.num_experts), static_cast<long long>(layer.top_k),
-      dtype.c_str(), routing.c_str(), act.c_str(), options.steps, options.inference_rounds,
+      dtype.c_str(), routing.c_str(), act.c_str(), options.steps,
+      options.optimizer_step ? "with Step" : "no Step", options.inference_rounds,
       options.warmup_steps, static_cast<long long>(options.chunk_bytes), options.connections,
       static_cast<long long>(options.stripe_bytes));
   std::printf("%s", moe::bench::FormatResults(*results).c_str());

@@ -459,8 +459,12 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       st = TimedPair(
           options.warmup_steps, options.steps, tokens_per_rep, metrics, &cr.service_train,
           &cr.inproc_train, prepare,
-          [&](ModeResult* r) { return ServiceTrainStep(**remote, service, mbs, r); },
-          [&](ModeResult* r) { return InprocTrainStep(**local, inproc, mbs.size(), r); });
+          [&](ModeResult* r) {
+            return ServiceTrainStep(**remote, service, mbs, options.optimizer_step, r);
+          },
+          [&](ModeResult* r) {
+            return InprocTrainStep(**local, inproc, mbs.size(), options.optimizer_step, r);
+          });
     }
     absl::Status del = (*conn)->DeleteLayer(name);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
@@ -500,6 +504,7 @@ absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptio
                                   std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
       nlohmann::json j;
       j["transport"] = BenchTransportName(options.transport);
+      j["optimizer_step"] = options.optimizer_step;
       j["tokens"] = r.c.tokens;
       j["d_model"] = r.c.d_model;
       j["d_hidden"] = r.c.d_hidden;

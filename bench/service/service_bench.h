@@ -59,6 +59,9 @@ struct BenchOptions {
   // lending views; each rep's copies are made before its clock starts, as a trainer's freshly
   // computed activations and gradients would be.
   bool hand_over = false;
+  // A training step ends with Step (the optimizer); false: N Forwards and N Backwards alone,
+  // what a trainer whose optimizer step is timed elsewhere pays per step.
+  bool optimizer_step = true;
   // The client's TLS settings (ClientOptions::tls), for a --server started with a certificate.
   wire::ClientTls tls;
   // The bearer token (ClientOptions::token), for a --server started with --tokens_file.

@@ -189,7 +189,8 @@ InprocTrainer DeviceInproc(const DeviceTensors& dev) {
 
 // --- the steps ------------------------------------------------------------------------------
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
-                              const std::vector<MicroBatch>& mbs, ModeResult* r) {
+                              const std::vector<MicroBatch>& mbs, bool optimizer_step,
+                              ModeResult* r) {
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
   for (size_t i = 0; i < mbs.size(); ++i) fwd.push_back(t.forward(i, true));
@@ -215,7 +216,7 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& 
     // dx is dout's size, dweights the routing weights' (float32 [T, K]).
     if (r) r->payload_bytes += 2 * Bytes(mbs[i].dout) + Bytes(mbs[i].weights);
   }
-  MOE_RETURN_IF_ERROR(layer.Step().status());
+  if (optimizer_step) MOE_RETURN_IF_ERROR(layer.Step().status());
   return t.finish();
 }
 
@@ -236,7 +237,8 @@ absl::Status ServiceInferRound(const ServiceTrainer& t, const std::vector<MicroB
   return t.finish();
 }
 
-absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, ModeResult* r) {
+absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, bool optimizer_step,
+                             ModeResult* r) {
   std::vector<std::unique_ptr<SavedContext>> ctx;
   for (size_t i = 0; i < n; ++i) {
     const Clock::time_point t0 = Clock::now();
@@ -251,7 +253,7 @@ absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, Mod
     if (r) r->backward_latency.push_back(Since(t0));
     if (!out.ok()) return out.status();
   }
-  MOE_RETURN_IF_ERROR(layer.Step().status());
+  if (optimizer_step) MOE_RETURN_IF_ERROR(layer.Step().status());
   return t.finish();
 }
 

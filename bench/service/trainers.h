@@ -1,9 +1,9 @@
 // moe-service-bench's two trainers, driving the same micro-batches through the service (a
 // RemoteLayer) and through the engine in process (a Layer), with the tensors in host memory or
 // on a GPU, and the steps both run: a training step is N Forwards in flight, then their N
-// Backwards in flight, then Step; an inference round is N inference Forwards in flight. In
-// process the N calls run one after the other, as the server's single per-device executor runs
-// them.
+// Backwards in flight, then Step (unless the bench says not); an inference round is N inference
+// Forwards in flight. In process the N calls run one after the other, as the server's single
+// per-device executor runs them.
 //
 // A trainer with its tensors on a GPU (DeviceTensors) keeps each micro-batch's inputs and
 // results in one cudaMalloc'd block, as a framework's caching allocator would, and orders
@@ -97,12 +97,14 @@ ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& de
 InprocTrainer DeviceInproc(const DeviceTensors& dev);
 
 // One training step / inference round of `mbs.size()` micro-batches. `r` (may be null: a warmup)
-// gets latencies and payload bytes.
+// gets latencies and payload bytes. A training step ends with Step when `optimizer_step`.
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
-                              const std::vector<MicroBatch>& mbs, ModeResult* r);
+                              const std::vector<MicroBatch>& mbs, bool optimizer_step,
+                              ModeResult* r);
 absl::Status ServiceInferRound(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
                                ModeResult* r);
-absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, ModeResult* r);
+absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, bool optimizer_step,
+                             ModeResult* r);
 absl::Status InprocInferRound(Layer& layer, const InprocTrainer& t, size_t n, ModeResult* r);
 
 }  // namespace moe::bench

@@ -121,7 +121,9 @@ class CudaLayer : public Layer {
   absl::Status ClientRoutingVerdict(const ForwardRequest& request, int64_t t);
   absl::Status RouterForward(const void* x, int64_t t, CudaContext* ctx, DeviceBuffer* ids,
                              DeviceBuffer* p);
-  absl::Status RouterBackward(const CudaContext& ctx, const float* dp, float* dx);
+  // `aux_scale`: the caller's d loss / d aux, which the aux and z-loss gradients are scaled by.
+  absl::Status RouterBackward(const CudaContext& ctx, const float* dp, double aux_scale,
+                              float* dx);
 
   LayerConfig cfg_;
   int device_;
@@ -394,18 +396,24 @@ absl::StatusOr<ForwardResult> CudaLayer::ForwardImpl(const ForwardRequest& reque
   return res;
 }
 
-absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, float* dx) {
+absl::Status CudaLayer::RouterBackward(const CudaContext& ctx, const float* dp, double aux_scale,
+                                       float* dx) {
   const int64_t t = ctx.t, d = cfg_.d_model, ne = cfg_.num_experts, k = cfg_.top_k;
   cudaStream_t s = stream_->get();
   DeviceBuffer aux;
   if (!ctx.aux_grad.empty()) {
-    MOE_RETURN_IF_ERROR(Upload(ctx.aux_grad.data(), ne * 4, &aux, "aux gradient"));
+    std::vector<float> scaled(ctx.aux_grad.size());
+    for (size_t e = 0; e < scaled.size(); ++e) {
+      scaled[e] = static_cast<float>(aux_scale * ctx.aux_grad[e]);
+    }
+    MOE_RETURN_IF_ERROR(Upload(scaled.data(), ne * 4, &aux, "aux gradient"));
   }
+  const float z_scale = static_cast<float>(aux_scale * ctx.z_scale);
   absl::StatusOr<DeviceBuffer> dl = Alloc(t * ne * 4, "router dlogits");
   if (!dl.ok()) return dl.status();
   MOE_CUDA_RETURN(kernels::LaunchRouterBackward(
       ctx.logits.as<float>(), ctx.lse.as<float>(), ctx.ids.as<int32_t>(), dp, aux.as<float>(),
-      ctx.z_scale, t, static_cast<int32_t>(ne), static_cast<int32_t>(k), cfg_.renormalize,
+      z_scale, t, static_cast<int32_t>(ne), static_cast<int32_t>(k), cfg_.renormalize,
       dl->as<float>(), s));
   // The router GEMMs of the backward run in fp32, as the CPU engine's: x and the stored
   // (bf16-rounded) router weights widened to fp32.
@@ -476,7 +484,8 @@ absl::StatusOr<BackwardResult> CudaLayer::BackwardImpl(std::unique_ptr<SavedCont
   BackwardResult res;
   bool synchronised = false, host_pending = false;
   if (server()) {
-    MOE_RETURN_IF_ERROR(RouterBackward(*ctx, dp, static_cast<float*>(dx_acc)));
+    MOE_RETURN_IF_ERROR(
+        RouterBackward(*ctx, dp, request.aux_grad_scale, static_cast<float*>(dx_acc)));
     if (dx_acc != dx) {
       MOE_CUDA_RETURN(kernels::LaunchFloatToBFloat16(static_cast<float*>(dx_acc), t * d, dx, s));
     }

@@ -11,10 +11,12 @@ Two implementations of the same operation:
     what torch.compile traces; the fake implementation gives output shapes without a server.
 
 With server routing the forward also returns ``aux``, the router's load-balancing and z losses
-(already times their coefficients). The server adds their gradient in the backward as if they
-were added to the loss with weight one (engine/layer.h), so a layer with a non-zero
-coefficient requires exactly that: ``loss = task_loss + aux``. Any other weight would make the
-gradients disagree with the loss, and raises instead.
+(already times their coefficients). Its incoming gradient ``grad_aux`` (d loss / d aux: 0.3 for
+``loss = task + 0.3 * aux``, none when aux is not in the loss) goes to the server with the
+backward (BackwardRequest.aux_loss_grad), which adds the aux terms' gradient times it. It is a
+number the request carries, so a CUDA ``grad_aux`` is read on the host, which waits for the
+stream; only a layer with a non-zero coefficient reads it (otherwise the aux terms have no
+gradient to scale).
 """
 
 import itertools
@@ -41,16 +43,12 @@ def _layer(handle: int):
     return layer
 
 
-def check_aux_grad(layer, grad_aux) -> None:
+def aux_loss_grad(layer, grad_aux) -> float:
+    """d loss / d aux for the server: 0 when aux is not in the loss (``grad_aux`` None), 1 (the
+    value that changes nothing) when the layer has no aux terms."""
     if layer.aux_loss_coef == 0 and layer.z_loss_coef == 0:
-        return
-    weight = 0.0 if grad_aux is None else float(grad_aux)
-    if abs(weight - 1.0) > 1e-6:
-        raise RuntimeError(
-            f"moe_offload: RemoteMoE '{layer.name}' has aux_loss_coef={layer.aux_loss_coef}, "
-            f"z_loss_coef={layer.z_loss_coef}, and the server adds the gradient of `aux` with "
-            f"weight 1, but the loss uses it with weight {weight:g}: add `aux` to the loss "
-            "unscaled (scale it through the coefficients), or set both coefficients to 0")
+        return 1.0
+    return 0.0 if grad_aux is None else float(grad_aux)
 
 
 def _zeros_if_none(grad, like_shape, dtype, device):
@@ -92,10 +90,10 @@ class ServerRouted(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_aux):
-        check_aux_grad(ctx.layer, grad_aux)
+        weight = aux_loss_grad(ctx.layer, grad_aux)
         context_id = _take_context(ctx)
         grad_out = _zeros_if_none(grad_out, *ctx.out_meta)
-        dx, _ = ctx.layer._run_backward(context_id, grad_out)
+        dx, _ = ctx.layer._run_backward(context_id, grad_out, weight)
         return None, None, dx
 
 
@@ -139,15 +137,18 @@ if HAVE_CUSTOM_OP:
 
     @torch.library.custom_op("moe_offload::backward", mutates_args=())
     def backward_op(grad_out: torch.Tensor, context: torch.Tensor,
-                    weights: Optional[torch.Tensor],
-                    handle: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        dx, dweights = _layer(handle)._run_backward(_id_from_tensor(context), grad_out)
+                    weights: Optional[torch.Tensor], handle: int,
+                    grad_aux: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        # grad_aux is read here, in the op, so that a traced backward never needs its value.
+        layer = _layer(handle)
+        weight = 1.0 if weights is not None else aux_loss_grad(layer, grad_aux)
+        dx, dweights = layer._run_backward(_id_from_tensor(context), grad_out, weight)
         if weights is None:
             return dx, grad_out.new_empty((0,), dtype=torch.float32)
         return dx, dweights.to(weights.dtype)
 
     @backward_op.register_fake
-    def _(grad_out, context, weights, handle):
+    def _(grad_out, context, weights, handle, grad_aux):
         if weights is None:
             return torch.empty_like(grad_out), grad_out.new_empty((0,), dtype=torch.float32)
         return torch.empty_like(grad_out), torch.empty_like(weights)
@@ -162,11 +163,10 @@ if HAVE_CUSTOM_OP:
 
     def _backward(ctx, grad_out, grad_aux, grad_context):
         context, weights = ctx.saved_tensors
-        if not ctx.has_weights:
-            check_aux_grad(_layer(ctx.handle), grad_aux)
         grad_out = _zeros_if_none(grad_out, *ctx.out_meta)
         dx, dweights = backward_op(grad_out.contiguous(), context,
-                                   weights if ctx.has_weights else None, ctx.handle)
+                                   weights if ctx.has_weights else None, ctx.handle,
+                                   None if ctx.has_weights else grad_aux)
         return dx, None, (dweights if ctx.has_weights else None), None, None
 
     forward_op.register_autograd(_backward, setup_context=_setup_context)

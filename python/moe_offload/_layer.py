@@ -24,6 +24,8 @@ _ACTIVATIONS = {
 }
 _ROUTINGS = {"client": _core.RoutingMode.CLIENT, "server": _core.RoutingMode.SERVER}
 _OPTIMIZERS = {"adamw": _core.OptimizerKind.ADAMW, "sgd": _core.OptimizerKind.SGD}
+# ClientOptions.transport: how Forward and Backward move their tensors.
+_TRANSPORTS = ("auto", "tcp", "shm")
 # Tensors split by expert over shards (dimension 0), with their optimizer state.
 _EXPERT_TENSORS = ("w1", "w3", "w2")
 
@@ -52,13 +54,22 @@ class RemoteMoE(torch.nn.Module):
     Client routing: ``out = layer(x, expert_ids, weights)`` with x [..., d_model], expert_ids
     [..., top_k] (global expert ids) and weights [..., top_k]; gradients flow to x and weights.
     Server routing: ``out, aux = layer(x)``; the router is part of the layer, and ``aux`` (a
-    scalar: load-balancing plus z loss, already times their coefficients) must be added to the
-    loss unscaled when either coefficient is non-zero (see _autograd.py).
+    scalar: load-balancing plus z loss, already times their coefficients) is trained with the
+    weight the loss gives it (``loss = task + 0.3 * aux`` trains it with 0.3; left out of the
+    loss, not at all).
+
+    CUDA tensors stay on their device: with the server on this host (``transport`` "auto" or
+    "shm") the server reads and writes them in place by CUDA IPC, ordered on the current CUDA
+    stream; otherwise the client copies them through host memory. ``layer.transport`` says
+    which, and why.
 
     ``create=True`` creates the layer, or attaches to one of that name with an identical
     config; ``create=False`` attaches to an existing one and takes its config from the server
     (the size arguments are then ignored). ``servers=[...]`` shards the experts over several
-    servers in contiguous ranges (client routing and float32 only); ``server`` is then unused.
+    servers in contiguous ranges (client routing and float32 only; host tensors, CUDA tensors
+    are staged through host memory); ``server`` is then unused. ``transport``: "auto" (shared
+    memory and CUDA IPC when the server is on this host, else TCP), "tcp", or "shm" (fails to
+    connect unless the server registers shared memory).
 
     Call ``step()`` after the backward passes of a batch (it applies the server's optimizer and
     clears the accumulated gradients) and ``zero_grad()`` to drop gradients without stepping;
@@ -81,7 +92,7 @@ class RemoteMoE(torch.nn.Module):
                  tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
                  tls_server_name: Optional[str] = None, connections: Optional[int] = None,
                  chunk_bytes: Optional[int] = None, stripe_bytes: Optional[int] = None,
-                 max_receive_bytes: Optional[int] = None):
+                 max_receive_bytes: Optional[int] = None, transport: str = "auto"):
         super().__init__()
         if dtype not in _tensors.LAYER_DTYPES:
             raise TypeError(f"dtype: {dtype} is not a layer dtype (torch.float32, torch.bfloat16)")
@@ -110,6 +121,9 @@ class RemoteMoE(torch.nn.Module):
         config.optimizer = opt
 
         options = _core.ClientOptions()
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport: {transport!r} is not one of {list(_TRANSPORTS)}")
+        options.transport = transport
         options.timeout_seconds = timeout
         for field, value in (("connections", connections), ("chunk_bytes", chunk_bytes),
                              ("stripe_bytes", stripe_bytes),
@@ -141,7 +155,24 @@ class RemoteMoE(torch.nn.Module):
         self.aux_loss_coef = c.aux_loss_coef
         self.z_loss_coef = c.z_loss_coef
         self.renormalize = bool(c.renormalize)
+        # CUDA tensors go to the client as they are: one server, a client built with CUDA.
+        self._device_calls = (self._core.num_shards == 1
+                              and self._core.transport(0)["device"] != "unavailable")
         self._handle = _autograd.register(self)
+
+    @property
+    def transport(self) -> Dict[str, str]:
+        """How the layer's connection moves tensors: {"host": "tcp" | "shm", "reason": why,
+        "device": "cuda ipc" | "staged" | "undecided" (until the first CUDA call of "auto") |
+        "unavailable" (a client built without CUDA: Python stages CUDA tensors)}. A sharded
+        layer reports its first server's connection."""
+        return self._core.transport(0)
+
+    def release_idle_device_regions(self) -> None:
+        """Unregisters the CUDA allocations the server has mapped that no call uses. The
+        connection keeps them mapped for reuse; call this after freeing device memory for good
+        (``torch.cuda.empty_cache()``), so the server lets go of it too."""
+        self._core.release_idle_device_regions()
 
     def extra_repr(self) -> str:
         where = self.servers[0] if len(self.servers) == 1 else self.servers
@@ -182,8 +213,15 @@ class RemoteMoE(torch.nn.Module):
             out, aux = _autograd.ServerRouted.apply(self, training, x)
         return (out.reshape(*lead, out.shape[-1]) if len(lead) > 1 else out), aux
 
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """Whether the client takes ``t`` where it is (a CUDA tensor, a client built with
+        CUDA, one server); else it goes through host memory."""
+        return self._device_calls and t.device.type == "cuda"
+
     def _run_forward(self, x, expert_ids, weights, training):
         """One Forward call: (out, context id or 0, aux + z as a 0-d float32 tensor)."""
+        if self._on_device(x):
+            return self._run_forward_device(x, expert_ids, weights, training)
         device = x.device
         x_host, x_spec = _tensors.host_spec(x, "x")
         ids_host = ids_spec = w_host = w_spec = None
@@ -195,26 +233,77 @@ class RemoteMoE(torch.nn.Module):
                                                                      training)
         del x_host, ids_host, w_host
         out = _tensors.unstage(_tensors.from_core(out), device)
-        aux = torch.tensor(aux_loss + z_loss, dtype=torch.float32, device=device)
+        aux = torch.full((), aux_loss + z_loss, dtype=torch.float32, device=device)
         return out, context_id, aux
 
-    def _run_backward(self, context_id: int, grad_out: torch.Tensor):
-        """One Backward call: (dx, dweights as float32; no elements with server routing)."""
+    def _run_forward_device(self, x, expert_ids, weights, training):
+        """_run_forward for CUDA tensors: out is written in place on x's device, ordered on the
+        current stream; nothing waits for the GPU."""
+        device = x.device
+        stream = torch.cuda.current_stream(device)
+        # Every tensor a spec points into (x's, ids' and weights' converted copies among them) is
+        # held until the call returns: freed before, its memory could go to `out` meanwhile.
+        # Once it returns, the stream is ordered after the server's reads and writes, so they
+        # may go (see README, "CUDA tensors").
+        x, x_spec = _tensors.device_input(x, "x", stream)
+        ids = ids_spec = w = w_spec = None
+        if expert_ids is not None:
+            ids, ids_spec = _tensors.device_input(
+                self._wire_ids(expert_ids.to(device)), "expert_ids", stream)
+        if weights is not None:
+            w, w_spec = _tensors.device_input(self._wire_weights(weights.to(device)), "weights",
+                                              stream)
+        out = torch.empty_like(x)
+        context_id, aux_loss, z_loss = self._core.forward_into(
+            x_spec, ids_spec, w_spec, _tensors.device_output(out, stream), stream.cuda_stream,
+            training)
+        del x, ids, w
+        # A fill kernel with the value as its argument: no copy, so no wait for the stream.
+        aux = torch.full((), aux_loss + z_loss, dtype=torch.float32, device=device)
+        return out, context_id, aux
+
+    def _run_backward(self, context_id: int, grad_out: torch.Tensor, aux_loss_grad: float = 1.0):
+        """One Backward call: (dx, dweights as float32; no elements with server routing).
+        ``aux_loss_grad``: d loss / d aux (server routing)."""
+        if self._on_device(grad_out):
+            return self._run_backward_device(context_id, grad_out, aux_loss_grad)
         device = grad_out.device
         g_host, g_spec = _tensors.host_spec(grad_out, "dout")
-        dx, dweights = self._core.backward(context_id, g_spec)
+        dx, dweights = self._core.backward(context_id, g_spec, aux_loss_grad)
         del g_host
         return (_tensors.unstage(_tensors.from_core(dx), device),
                 _tensors.unstage(_tensors.from_core(dweights), device))
 
+    def _run_backward_device(self, context_id, grad_out, aux_loss_grad):
+        """_run_backward for a CUDA grad_out: dx (and dweights) written in place on its device,
+        ordered on the current stream."""
+        device = grad_out.device
+        stream = torch.cuda.current_stream(device)
+        dout, dout_spec = _tensors.device_input(grad_out, "dout", stream)
+        dx = torch.empty_like(dout)
+        if self.routing == "client":
+            dweights = torch.empty((dout.shape[0], self.top_k), dtype=torch.float32,
+                                   device=device)
+            dw_spec = _tensors.device_output(dweights, stream)
+        else:
+            dweights = torch.empty((0,), dtype=torch.float32, device=device)
+            dw_spec = None
+        self._core.backward_into(context_id, dout_spec, _tensors.device_output(dx, stream),
+                                 dw_spec, stream.cuda_stream, aux_loss_grad)
+        return dx, dweights
+
     @staticmethod
     def _wire_ids(ids: torch.Tensor) -> torch.Tensor:
         """expert_ids as int32 (what the server takes), refusing values int32 cannot hold
-        rather than wrapping them into valid-looking ids."""
+        rather than wrapping them into valid-looking ids. On a device they are not read on the
+        host (that would wait for the stream): such values become -1 or 2^31 - 1, ids the server
+        refuses as out of range."""
         if ids.dtype == torch.int32:
             return ids
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"expert_ids: dtype {ids.dtype}, must be an integer dtype")
+        if ids.device.type != "cpu":
+            return ids.clamp(-1, (1 << 31) - 1).to(torch.int32)
         if ids.numel() and (int(ids.min()) < -(1 << 31) or int(ids.max()) >= (1 << 31)):
             raise ValueError("expert_ids: values outside the int32 range")
         return ids.to(torch.int32)

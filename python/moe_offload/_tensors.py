@@ -1,10 +1,13 @@
-"""torch tensors to and from moe_offload._core's host tensors.
+"""torch tensors to and from moe_offload._core.
 
-An input crosses as (data_ptr, nbytes, shape, dtype code) of a contiguous CPU tensor, which the
-C++ client reads in place; an output arrives as a HostBuffer owning the client's result, which
-torch.frombuffer wraps without copying. CUDA tensors take one detour through host memory, in
-``stage_on_host`` and ``unstage``: the only two places a device tensor is copied, so that a
-co-located GPU data plane can replace exactly these.
+A tensor crosses as (data_ptr, nbytes, shape, dtype code, device) of a contiguous tensor, device
+-1 for host memory and N for cuda:N, which the C++ client reads (or, as a destination, writes)
+in place; a host result arrives as a HostBuffer owning the client's result, which
+torch.frombuffer wraps without copying.
+
+CUDA tensors go to the client as they are (``device_spec``) when its build has CUDA: it moves
+them by CUDA IPC or stages them itself, ordered on the caller's stream. A client built without
+CUDA gets them through host memory instead (``stage_on_host`` / ``unstage``).
 """
 
 import torch
@@ -37,11 +40,8 @@ def torch_dtype(code: int) -> torch.dtype:
 
 
 def stage_on_host(t: torch.Tensor) -> torch.Tensor:
-    """The host tensor the client sends for ``t``: ``t`` itself on the CPU, else a copy.
-
-    A CUDA tensor is copied to host memory here (and its results back in ``unstage``), until
-    a data plane that moves device memory without the host takes over.
-    """
+    """The host tensor the client sends for ``t``: ``t`` itself on the CPU, else a copy (a
+    client built without CUDA takes host tensors only; results come back in ``unstage``)."""
     if t.device.type == "cpu":
         return t
     return t.to("cpu")
@@ -57,7 +57,36 @@ def host_spec(t: torch.Tensor, field: str):
     host tensor returned beside it, which the caller must hold until the call returns."""
     code = core_dtype(t.dtype, field)
     t = stage_on_host(t.detach()).contiguous()
-    return t, (t.data_ptr(), t.numel() * t.element_size(), list(t.shape), code)
+    return t, spec(t, code)
+
+
+def spec(t: torch.Tensor, code: int):
+    """_core's description of a contiguous tensor ``t`` whose dtype code is ``code``."""
+    device = t.device.index if t.device.type == "cuda" else -1
+    return (t.data_ptr(), t.numel() * t.element_size(), list(t.shape), code, device)
+
+
+# CUDA IPC names a tensor by its offset in its allocation, which must be a multiple of this
+# (client/client.h, ForwardInto); the caching allocator's blocks start at 512-byte multiples.
+_DEVICE_ALIGNMENT = 16
+
+
+def device_input(t: torch.Tensor, field: str, stream: "torch.cuda.Stream"):
+    """(tensor, spec) for a CUDA tensor the client reads on ``stream``: contiguous and aligned
+    (a copy otherwise), and recorded on ``stream`` so that its memory is not handed to other
+    work before the stream has passed the server's read (see README, "CUDA tensors")."""
+    code = core_dtype(t.dtype, field)
+    t = t.detach().contiguous()
+    if t.data_ptr() % _DEVICE_ALIGNMENT:
+        t = t.clone()
+    t.record_stream(stream)
+    return t, spec(t, code)
+
+
+def device_output(t: torch.Tensor, stream: "torch.cuda.Stream"):
+    """The spec of a fresh CUDA destination the client writes on ``stream``."""
+    t.record_stream(stream)
+    return spec(t, _TO_CORE[t.dtype])
 
 
 def from_core(out) -> torch.Tensor:

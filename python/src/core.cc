@@ -1,13 +1,17 @@
 // moe_offload._core: the Python binding of moe::client (client/client.h) that the moe_offload
 // package's RemoteMoE is built on. It binds only that header's public API.
 //
-// Tensors cross as raw host memory, not as torch objects, so the module links neither libtorch
-// nor numpy and works with whichever torch the interpreter has: an input is (data pointer, byte
-// count, shape, dtype code) of a contiguous host tensor, which the client reads in place (its
-// Forward and Backward copy what they send before returning, so nothing else copies it); an
-// output is a HostBuffer that owns the client's result tensor and exposes its bytes through the
-// buffer protocol, which torch.frombuffer wraps without a copy. Every call that can block
-// (connecting, RPCs, waiting on a future) runs with the GIL released. A failed call raises
+// Tensors cross as raw memory, not as torch objects, so the module links neither libtorch nor
+// numpy and works with whichever torch the interpreter has: a tensor is (data pointer, byte
+// count, shape, dtype code, device) of a contiguous tensor, device -1 for host memory or N for
+// cuda:N. Host inputs the client reads in place (its Forward and Backward copy what they send
+// before returning, so nothing else copies them); a host output is a HostBuffer that owns the
+// client's result tensor and exposes its bytes through the buffer protocol, which
+// torch.frombuffer wraps without a copy. Device tensors go through forward_into and
+// backward_into (the client's ForwardInto and BackwardInto): results are written into
+// destinations Python allocated, ordered on the caller's CUDA stream (a cudaStream_t passed as
+// an integer), with no host wait on the GPU. Every call that can block (connecting, RPCs,
+// waiting on a future) runs with the GIL released. A failed call raises
 // moe_offload.ServerError with the gRPC status code's name and the message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -57,18 +61,43 @@ struct HostBuffer {
   Tensor tensor;
 };
 
-// Python's description of an input tensor, (data_ptr, nbytes, shape, dtype code), or None for
-// an absent one. The memory must stay valid for the call: the Python side holds the tensor.
-TensorView ViewOf(const py::object& spec) {
+// Python's description of a tensor, (data_ptr, nbytes, shape, dtype code, device: -1 host,
+// N cuda:N), as a destination, or an empty one for None. The memory must stay valid for the
+// call (and, on a device, until the caller's stream passes it): the Python side holds it.
+MutableTensorView MutableViewOf(const py::object& spec) {
   if (spec.is_none()) return {};
   auto t = spec.cast<py::tuple>();
-  if (t.size() != 4) throw std::invalid_argument("tensor spec: (data_ptr, nbytes, shape, dtype)");
-  TensorView v;
-  v.data = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
+  if (t.size() != 5) {
+    throw std::invalid_argument("tensor spec: (data_ptr, nbytes, shape, dtype, device)");
+  }
+  MutableTensorView v;
+  v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
   v.size_bytes = t[1].cast<size_t>();
   v.shape = t[2].cast<std::vector<int64_t>>();
   v.dtype = static_cast<DType>(t[3].cast<int>());
+  const int device = t[4].cast<int>();
+  v.location = device < 0 ? MemoryLocation::Host() : MemoryLocation::Cuda(device);
   return v;
+}
+
+// The same as an input, or an absent one for None.
+TensorView ViewOf(const py::object& spec) {
+  if (spec.is_none()) return {};
+  return MutableViewOf(spec).view();
+}
+
+client::Transport TransportOf(const std::string& name) {
+  if (name == "auto") return client::Transport::kAuto;
+  if (name == "tcp") return client::Transport::kTcp;
+  if (name == "shm") return client::Transport::kSharedMemory;
+  throw std::invalid_argument(
+      absl::StrCat("transport: \"", name, "\" is not one of \"auto\", \"tcp\", \"shm\""));
+}
+
+const char* TransportKey(client::Transport transport) {
+  return transport == client::Transport::kSharedMemory ? "shm"
+         : transport == client::Transport::kTcp        ? "tcp"
+                                                       : "auto";
 }
 
 // An output tensor as Python receives it: (HostBuffer, shape, dtype code).
@@ -93,6 +122,18 @@ std::map<std::string, Tensor> StateFromPython(const py::dict& d) {
   return state;
 }
 
+// The client's transport decisions (ClientOptions::log) go to the "moe_offload" logger at INFO.
+// The client calls it from within a call (Connect, a first device call), on the calling thread
+// or one of gRPC's; it holds no Python object, so a connection may end on any thread.
+void LogToPython(const std::string& line) {
+  py::gil_scoped_acquire acquire;
+  try {
+    py::module_::import("logging").attr("getLogger")("moe_offload").attr("info")(line);
+  } catch (const std::exception&) {
+    // A log line that cannot be written is dropped; the call it describes goes on.
+  }
+}
+
 // One logical layer: a RemoteLayer on one server, or a ShardedLayer over several. Shard i is
 // the RemoteLayer holding the i-th contiguous range of experts (the only one, unsharded).
 class CoreLayer {
@@ -103,10 +144,12 @@ class CoreLayer {
                                          const std::vector<std::string>& shared_with) {
     if (targets.empty()) throw std::invalid_argument("servers: at least one server is needed");
     std::unique_ptr<CoreLayer> layer(new CoreLayer());
+    client::ClientOptions with_log = options;
+    with_log.log = LogToPython;
     py::gil_scoped_release release;
     std::vector<std::shared_ptr<client::Connection>> conns;
     for (const std::string& target : targets) {
-      conns.push_back(ValueOrThrow(client::Connection::Connect(target, options)));
+      conns.push_back(ValueOrThrow(client::Connection::Connect(target, with_log)));
     }
     if (!sharded) {
       layer->single_ = ValueOrThrow(
@@ -148,14 +191,52 @@ class CoreLayer {
                           Out(std::move(f.weights)), f.aux_loss, f.z_loss);
   }
 
-  // -> (dx, dweights); dweights has no elements with server routing.
-  py::tuple Backward(uint64_t context_id, const py::object& dout) {
+  // Forward into `out` (x's dtype and shape, on x's device), tensors host or device, ordered on
+  // `stream` (a cudaStream_t; 0: the legacy default stream) -> (context_id, aux_loss, z_loss).
+  // One server only (a sharded layer takes host tensors: forward).
+  py::tuple ForwardInto(const py::object& x, const py::object& ids, const py::object& weights,
+                        const py::object& out, uintptr_t stream, bool training) {
+    client::RemoteLayer& layer = Single("forward_into");
+    const TensorView xv = ViewOf(x), iv = ViewOf(ids), wv = ViewOf(weights);
+    const MutableTensorView ov = MutableViewOf(out);
+    absl::StatusOr<client::ForwardOutput> r;
+    {
+      py::gil_scoped_release release;
+      r = layer.ForwardInto(xv, iv, wv, ov, reinterpret_cast<void*>(stream), training).get();
+    }
+    client::ForwardOutput f = ValueOrThrow(std::move(r));
+    return py::make_tuple(f.context_id, f.aux_loss, f.z_loss);
+  }
+
+  // Backward into `dx` (dout's dtype and shape) and `dweights` ([T, K] float32, client routing;
+  // None under server routing), ordered on `stream` as ForwardInto.
+  void BackwardInto(uint64_t context_id, const py::object& dout, const py::object& dx,
+                    const py::object& dweights, uintptr_t stream, double aux_loss_grad) {
+    client::RemoteLayer& layer = Single("backward_into");
     const TensorView dv = ViewOf(dout);
+    const MutableTensorView dxv = MutableViewOf(dx), dwv = MutableViewOf(dweights);
+    client::BackwardOptions options;
+    options.aux_loss_grad = aux_loss_grad;
+    absl::StatusOr<client::BackwardOutput> r;
+    {
+      py::gil_scoped_release release;
+      r = layer.BackwardInto(context_id, dv, dxv, dwv, reinterpret_cast<void*>(stream), options)
+              .get();
+    }
+    ThrowIfError(r.status());
+  }
+
+  // -> (dx, dweights); dweights has no elements with server routing. `aux_loss_grad`: d loss /
+  // d aux (client::BackwardOptions; a sharded layer routes on the client and has no aux).
+  py::tuple Backward(uint64_t context_id, const py::object& dout, double aux_loss_grad) {
+    const TensorView dv = ViewOf(dout);
+    client::BackwardOptions options;
+    options.aux_loss_grad = aux_loss_grad;
     absl::StatusOr<client::BackwardOutput> r;
     {
       py::gil_scoped_release release;
       r = sharded_ ? sharded_->Backward(context_id, dv).get()
-                   : single_->Backward(context_id, dv).get();
+                   : single_->Backward(context_id, dv, options).get();
     }
     client::BackwardOutput b = ValueOrThrow(std::move(r));
     return py::make_tuple(Out(std::move(b.dx)), Out(std::move(b.dweights)));
@@ -220,6 +301,25 @@ class CoreLayer {
     ThrowIfError(shard.LoadCheckpoint(path));
   }
 
+  // Shard i's connection: how host tensors travel ("tcp" or "shm") and why, and how device
+  // tensors do (client::DeviceTransportName: "unavailable", "undecided", "cuda ipc", "staged").
+  py::dict TransportOfShard(int i) {
+    client::Connection& conn = Shard(i).connection();
+    py::dict d;
+    d["host"] = TransportKey(conn.transport());
+    d["reason"] = conn.transport_reason();
+    d["device"] = client::DeviceTransportName(conn.device_transport());
+    return d;
+  }
+
+  void ReleaseIdleDeviceRegions() {
+    for (int i = 0; i < num_shards(); ++i) {
+      client::Connection& conn = Shard(i).connection();
+      py::gil_scoped_release release;
+      ThrowIfError(conn.ReleaseIdleDeviceRegions());
+    }
+  }
+
  private:
   CoreLayer() = default;
   client::RemoteLayer& Shard(int i) {
@@ -227,6 +327,13 @@ class CoreLayer {
       throw std::out_of_range(absl::StrCat("shard ", i, " of ", num_shards()));
     }
     return sharded_ ? sharded_->shard(i) : *single_;
+  }
+  client::RemoteLayer& Single(const char* call) {
+    if (sharded_) {
+      throw std::invalid_argument(
+          absl::StrCat(call, ": a layer sharded over several servers takes host tensors"));
+    }
+    return *single_;
   }
   std::unique_ptr<client::RemoteLayer> single_;
   std::unique_ptr<client::ShardedLayer> sharded_;
@@ -322,6 +429,12 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("connections", &client::ClientOptions::connections)
       .def_readwrite("stripe_bytes", &client::ClientOptions::stripe_bytes)
       .def_readwrite("token", &client::ClientOptions::token)
+      .def_property(
+          "transport",
+          [](const client::ClientOptions& o) { return moe::python::TransportKey(o.transport); },
+          [](client::ClientOptions& o, const std::string& name) {
+            o.transport = moe::python::TransportOf(name);
+          })
       .def(
           "set_tls",
           [](client::ClientOptions& o, const std::string& ca_file, const std::string& cert_file,
@@ -352,7 +465,14 @@ PYBIND11_MODULE(_core, m) {
       .def("shard_target", &CoreLayer::shard_target)
       .def("forward", &CoreLayer::Forward, py::arg("x"), py::arg("expert_ids"),
            py::arg("weights"), py::arg("training"))
-      .def("backward", &CoreLayer::Backward, py::arg("context_id"), py::arg("dout"))
+      .def("backward", &CoreLayer::Backward, py::arg("context_id"), py::arg("dout"),
+           py::arg("aux_loss_grad"))
+      .def("forward_into", &CoreLayer::ForwardInto, py::arg("x"), py::arg("expert_ids"),
+           py::arg("weights"), py::arg("out"), py::arg("stream"), py::arg("training"))
+      .def("backward_into", &CoreLayer::BackwardInto, py::arg("context_id"), py::arg("dout"),
+           py::arg("dx"), py::arg("dweights"), py::arg("stream"), py::arg("aux_loss_grad"))
+      .def("transport", &CoreLayer::TransportOfShard, py::arg("shard"))
+      .def("release_idle_device_regions", &CoreLayer::ReleaseIdleDeviceRegions)
       .def("step", &CoreLayer::Step)
       .def("zero_grad", &CoreLayer::ZeroGrad, py::arg("shard"))
       .def("export_state", &CoreLayer::Export, py::arg("shard"), py::arg("include_optimizer"))

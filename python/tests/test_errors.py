@@ -106,22 +106,49 @@ def test_a_second_backward_is_refused(server, layer_name):
         out.sum().backward()
 
 
-def test_aux_must_enter_the_loss_unscaled(server, layer_name):
+def test_a_non_finite_aux_weight_is_refused_and_keeps_the_context(server, layer_name):
     layer = make(server.target, layer_name, routing="server", aux_loss_coef=0.01)
     x = torch.randn(6, D, requires_grad=True)
     out, aux = layer(x)
-    with pytest.raises(RuntimeError, match="weight 0.5"):
-        (out.sum() + 0.5 * aux).backward()
-    out, aux = layer(x)
-    with pytest.raises(RuntimeError, match="weight 0"):
-        out.sum().backward()
-    out, aux = layer(x)
-    (out.sum() + aux).backward()
-    assert x.grad is not None
-    # Without router losses the aux output may be ignored.
+    with pytest.raises(ServerError) as e:
+        (out.sum() + float("inf") * aux).backward(retain_graph=True)
+    assert e.value.code == "INVALID_ARGUMENT" and "aux_loss_grad" in e.value.message
+    # Without router losses the aux output may be left out of the loss.
     plain = make(server.target, layer_name + "_plain", routing="server")
     out, _ = plain(x)
     out.sum().backward()
+    assert x.grad is not None
+
+
+def test_a_bad_transport_is_a_value_error_naming_it(server, layer_name):
+    with pytest.raises(ValueError, match="transport: 'udp'"):
+        make(server.target, layer_name, transport="udp")
+    with pytest.raises(ValueError, match="transport"):
+        make(server.target, layer_name, transport=None)
+
+
+def test_the_transport_says_what_the_connection_took(server, layer_name):
+    tcp = make(server.target, layer_name + "_tcp", transport="tcp")
+    assert tcp.transport["host"] == "tcp" and tcp.transport["reason"] == "requested"
+    # The server is on loopback: "auto" and "shm" take shared memory.
+    auto = make(server.target, layer_name + "_auto")
+    assert auto.transport["host"] == "shm", auto.transport
+    assert "this host" in auto.transport["reason"]
+    shm = make(server.target, layer_name + "_shm", transport="shm")
+    assert shm.transport["host"] == "shm" and shm.transport["reason"] == "requested"
+    with pytest.raises(AttributeError):
+        shm.transport = "tcp"
+    # A client without CUDA has no device transport; with CUDA, "auto" decides at the first
+    # CUDA call and "tcp" stages through host memory.
+    device = {tcp.transport["device"], auto.transport["device"], shm.transport["device"]}
+    assert device <= {"unavailable", "undecided", "staged", "cuda ipc"}
+    if "unavailable" not in device:
+        assert tcp.transport["device"] == "staged"
+        assert auto.transport["device"] == "undecided"
+    ids, w = routing(3)
+    for layer in (tcp, auto, shm):
+        x = torch.randn(3, D)
+        assert torch.equal(layer(x, ids, w), tcp(x, ids, w))
 
 
 def test_bad_state_is_refused_and_changes_nothing(server, layer_name):

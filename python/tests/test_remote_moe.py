@@ -79,9 +79,13 @@ def test_client_routing_matches_the_reference(server, layer_name):
         assert_same_state(layer, ref, f"after step {step}")
 
 
-def test_server_routing_matches_the_reference(server, layer_name):
-    layer = make(server.target, layer_name, routing="server", aux_loss_coef=0.01,
-                 z_loss_coef=0.001)
+@pytest.mark.parametrize("aux_weight, coefs", [(1.0, (0.01, 0.001)), (0.3, (0.5, 0.1)),
+                                               (None, (0.5, 0.1))])
+def test_server_routing_matches_the_reference(server, layer_name, aux_weight, coefs):
+    """loss = task + w * aux trains the router's aux terms with weight w; a loss that leaves
+    aux out (None) does not train them."""
+    layer = make(server.target, layer_name, routing="server", aux_loss_coef=coefs[0],
+                 z_loss_coef=coefs[1])
     ref = TorchMoE.like(layer)
     assert set(ref.state_dict()) == {"w1", "w3", "w2", "router"}
     opt = adamw(ref)
@@ -91,9 +95,13 @@ def test_server_routing_matches_the_reference(server, layer_name):
         g = torch.randn(32, D, generator=gen)
         x, rx = x0.clone().requires_grad_(), x0.clone().requires_grad_()
         out, aux = layer(x)
-        ((out * g).sum() + aux).backward()
         rout, raux = ref(rx)
-        ((rout * g).sum() + raux).backward()
+        if aux_weight is None:
+            (out * g).sum().backward()
+            (rout * g).sum().backward()
+        else:
+            ((out * g).sum() + aux_weight * aux).backward()
+            ((rout * g).sum() + aux_weight * raux).backward()
         assert_close(out, rout, f"step {step} out")
         assert aux.item() == pytest.approx(raux.item(), rel=1e-5)
         assert aux.item() > 0
@@ -336,3 +344,38 @@ def test_torch_compile_traces_the_custom_op(server, layer_name):
     (ref(rx * 2, b.ids, rw).relu() * b.g).sum().backward()
     assert_close(x.grad, rx.grad, "compiled x.grad")
     assert_close(w.grad, rw.grad, "compiled weights.grad")
+
+
+@pytest.mark.parametrize("routing", ["client", "server"])
+def test_the_binding_writes_into_destinations_as_the_cuda_path_does(server, layer_name, routing):
+    """forward_into / backward_into, the calls CUDA tensors take, here with host destinations:
+    the same bits as the calls that return their results, for both routings."""
+    from moe_offload import _tensors
+
+    layer = make(server.target, layer_name, routing=routing,
+                 aux_loss_coef=0.0 if routing == "client" else 0.1)
+    gen = torch.Generator().manual_seed(17)
+    b = ClientBatch(gen, tokens=20)
+    client = routing == "client"
+
+    def spec(t):
+        return _tensors.spec(t, _tensors.core_dtype(t.dtype, "t"))
+
+    core = layer._core
+    ids = b.ids.to(torch.int32)
+    args = (spec(b.x), spec(ids), spec(b.w)) if client else (spec(b.x), None, None)
+    context, returned, _, _, aux, z = core.forward(*args, True)
+    out = torch.full_like(b.x, float("nan"))
+    context_into, aux_into, z_into = core.forward_into(*args, spec(out), 0, True)
+    assert torch.equal(out, _tensors.from_core(returned)) and (aux_into, z_into) == (aux, z)
+
+    dx_ret, dw_ret = core.backward(context, spec(b.g), 0.3)
+    dx = torch.full_like(b.g, float("nan"))
+    dw = torch.full((20, K), float("nan")) if client else None
+    core.backward_into(context_into, spec(b.g), spec(dx), None if dw is None else spec(dw), 0,
+                       0.3)
+    assert torch.equal(dx, _tensors.from_core(dx_ret))
+    if client:
+        assert torch.equal(dw, _tensors.from_core(dw_ret))
+    with pytest.raises(ValueError, match="tensor spec"):
+        core.forward_into(spec(b.x)[:4], None, None, spec(out), 0, False)

@@ -1,8 +1,11 @@
 // moe::client's Connection and RemoteLayer against a loopback server: errors carry the
 // server's code and message, tokens are checked at connect, every call has a deadline, health
-// checks, create/attach semantics, and micro-batches take the connections in turn.
+// checks, create/attach semantics, micro-batches take the connections in turn, and a Backward's
+// aux-loss weight reaches the engine.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <future>
 #include <random>
@@ -183,6 +186,76 @@ TEST(ClientTest, MicroBatchesTakeTheConnectionsInTurn) {
   bad.connections = 0;
   EXPECT_EQ(client::Connection::Connect("127.0.0.1:1", bad).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// BackwardOptions::aux_loss_grad reaches the engine over every way a Backward travels (TCP
+// whole, TCP striped, shared memory): the router-path gradient in dx is affine in it, an absent
+// one means 1, and a non-finite one is refused naming the field without consuming the context.
+TEST(ClientTest, AuxLossGradScalesTheAuxGradientAcrossTheWire) {
+  auto s = StartServer();
+  ASSERT_TRUE(s);
+  LayerConfig config = Config();
+  config.aux_loss_coef = 0.5;
+  config.z_loss_coef = 0.2;
+  std::mt19937 rng(9);
+  const Tensor x = RandomFloat(rng, {48, config.d_model});
+  const Tensor dout = RandomFloat(rng, {48, config.d_model});
+  struct Way {
+    const char* name;
+    client::Transport transport;
+    int64_t stripe_bytes;
+  };
+  for (const Way& way :
+       {Way{"tcp", client::Transport::kTcp, 0}, Way{"tcp striped", client::Transport::kTcp, 4096},
+        Way{"shared memory", client::Transport::kSharedMemory, 0}}) {
+    SCOPED_TRACE(way.name);
+    client::ClientOptions options;
+    options.transport = way.transport;
+    options.stripe_bytes = way.stripe_bytes;
+    options.log = [](const std::string&) {};
+    auto c = client::Connection::Connect(Target(*s), options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto layer = client::RemoteLayer::Create(*c, "aux", config);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    // dx of one training Forward + Backward; the weights do not change (no Step).
+    auto dx = [&](const client::BackwardOptions* options) -> std::vector<float> {
+      auto fwd = (*layer)->Forward(x.view()).get();
+      EXPECT_TRUE(fwd.ok()) << fwd.status();
+      if (!fwd.ok()) return {};
+      auto bwd = options ? (*layer)->Backward(fwd->context_id, dout.view(), *options).get()
+                         : (*layer)->Backward(fwd->context_id, dout.view()).get();
+      EXPECT_TRUE(bwd.ok()) << bwd.status();
+      if (!bwd.ok()) return {};
+      return std::vector<float>(bwd->dx.as<float>(), bwd->dx.as<float>() + bwd->dx.num_elements());
+    };
+    client::BackwardOptions zero{0.0}, one{1.0}, scaled{0.3};
+    const std::vector<float> d0 = dx(&zero), d1 = dx(&one), d3 = dx(&scaled), dd = dx(nullptr);
+    ASSERT_EQ(d0.size(), x.num_elements());
+    ASSERT_EQ(d1.size(), d0.size());
+    ASSERT_EQ(d3.size(), d0.size());
+    EXPECT_TRUE(dd == d1) << "an absent aux_loss_grad must mean 1";
+    double aux = 0, scale = 0;
+    for (size_t i = 0; i < d0.size(); ++i) {
+      aux = std::max(aux, std::abs(static_cast<double>(d1[i]) - d0[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(d1[i])));
+    }
+    EXPECT_GT(aux, 1e-4 * scale) << "the aux terms add nothing to check";
+    for (size_t i = 0; i < d0.size(); ++i) {
+      ASSERT_NEAR(d3[i], d0[i] + 0.3 * (static_cast<double>(d1[i]) - d0[i]), 1e-5 * scale) << i;
+    }
+
+    auto fwd = (*layer)->Forward(x.view()).get();
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    client::BackwardOptions bad{std::nan("")};
+    auto refused = (*layer)->Backward(fwd->context_id, dout.view(), bad).get();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_NE(refused.status().message().find("aux_loss_grad"), std::string::npos)
+        << refused.status();
+    auto retried = (*layer)->Backward(fwd->context_id, dout.view(), scaled).get();
+    ASSERT_TRUE(retried.ok()) << retried.status();
+    EXPECT_TRUE(std::equal(d3.begin(), d3.end(), retried->dx.as<float>()));
+    ASSERT_TRUE((*c)->DeleteLayer("aux").ok());
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Tests of moe-service-bench's measurement core (bench/service/service_bench.h): a tiny sweep
 // against a real server started on loopback gives positive throughput, latencies, wire bytes and
-// server stage times for both modes, also through a TLS server; bad options and cases fail
-// naming the field; percentiles are nearest-rank.
+// server stage times for both modes, also through a TLS server; a training step without the
+// optimizer step; bad options and cases fail naming the field; percentiles are nearest-rank.
 #include "bench/service/service_bench.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/metrics.h"
 #include "server/server.h"
 
 namespace moe::bench {
@@ -112,6 +113,40 @@ TEST(ServiceBenchTest, MeasuresThroughATlsServer) {
   auto r = RunServiceBench(o, &where);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find("tls"), std::string::npos) << r.status();
+}
+
+// BenchOptions::optimizer_step = false: a training step is its Forwards and Backwards alone, so
+// the server sees no optimizer step; with it, each service training step steps once.
+TEST(ServiceBenchTest, TheOptimizerStepCanBeLeftOut) {
+  for (bool optimizer_step : {true, false}) {
+    server::ServerOptions so;
+    so.host = "127.0.0.1";
+    so.port = 0;
+    so.metrics_port = 0;
+    so.device = "cpu";
+    auto s = server::Server::Start(so);
+    ASSERT_TRUE(s.ok()) << s.status();
+    BenchOptions o = Tiny();
+    o.server = absl::StrCat("127.0.0.1:", (*s)->port());
+    o.metrics = absl::StrCat("127.0.0.1:", (*s)->metrics_port());
+    o.optimizer_step = optimizer_step;
+    std::string where;
+    auto results = RunServiceBench(o, &where);
+    ASSERT_TRUE(results.ok()) << results.status() << " optimizer_step " << optimizer_step;
+    EXPECT_GT((*results)[0].service_train.tokens_per_second, 0);
+    // Step calls the server finished (moe_requests_total{method="Step"}, every code).
+    double steps = 0;
+    for (const prometheus::MetricFamily& family : (*s)->metrics().registry()->Collect()) {
+      if (family.name != "moe_requests_total") continue;
+      for (const prometheus::ClientMetric& m : family.metric) {
+        for (const prometheus::ClientMetric::Label& l : m.label) {
+          if (l.name == "method" && l.value == "Step") steps += m.counter.value;
+        }
+      }
+    }
+    EXPECT_EQ(steps, optimizer_step ? o.warmup_steps + o.steps : 0)
+        << "optimizer_step " << optimizer_step;
+  }
 }
 
 TEST(ServiceBenchTest, ParseCases) {

@@ -216,6 +216,54 @@ TEST(CpuLayerTest, RouterLossGradientsAloneMatchFiniteDifferences) {
   CheckGradients(c, b);
 }
 
+// BackwardRequest::aux_grad_scale (d loss / d aux) scales the aux and z-loss gradients alone:
+// the router gradient and dx are affine in it, and the aux terms make a difference.
+TEST(CpuLayerTest, AuxGradScaleScalesTheRouterLossGradientsLinearly) {
+  LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
+  c.aux_loss_coef = 0.5;
+  c.z_loss_coef = 0.2;
+  const Batch b = MakeBatch(c, 12, 350);
+  // The gradients (dx, dWr) of one Forward + Backward with `scale`.
+  auto run = [&](double scale) {
+    std::vector<std::vector<double>> grads;
+    auto layer = MakeLayer(c);
+    const RefParams before = ParamsOf(*layer);
+    Tensor x, ids, w;
+    auto fwd = layer->Forward(Request(c, b, &x, &ids, &w));
+    EXPECT_TRUE(fwd.ok()) << fwd.status();
+    if (!fwd.ok()) return grads;
+    const Tensor dout = MakeTensor(b.dout, c.dtype, {b.t, c.d_model});
+    BackwardRequest request;
+    request.dout = dout.view();
+    request.aux_grad_scale = scale;
+    auto bwd = layer->Backward(std::move(fwd->context), request);
+    EXPECT_TRUE(bwd.ok()) << bwd.status();
+    if (!bwd.ok() || !layer->Step().ok()) return grads;
+    grads.push_back(ToDouble(bwd->dx));
+    grads.push_back(Deltas(before, *layer).at("router"));
+    return grads;
+  };
+  const auto g0 = run(0.0), g1 = run(1.0), g3 = run(0.3), gn = run(-2.5);
+  ASSERT_EQ(g0.size(), 2u);
+  ASSERT_EQ(g1.size(), 2u);
+  ASSERT_EQ(g3.size(), 2u);
+  ASSERT_EQ(gn.size(), 2u);
+  for (int which = 0; which < 2; ++which) {
+    const char* name = which == 0 ? "dx" : "dWr";
+    double aux_part = 0.0, scale = 0.0;
+    for (size_t i = 0; i < g0[which].size(); ++i) {
+      aux_part = std::max(aux_part, std::abs(g1[which][i] - g0[which][i]));
+      scale = std::max(scale, std::abs(g1[which][i]));
+    }
+    EXPECT_GT(aux_part, 1e-3 * scale) << name << ": the aux terms add nothing to check";
+    for (size_t i = 0; i < g0[which].size(); ++i) {
+      const double aux = g1[which][i] - g0[which][i];
+      EXPECT_NEAR(g3[which][i], g0[which][i] + 0.3 * aux, 1e-5 * scale) << name << "[" << i << "]";
+      EXPECT_NEAR(gn[which][i], g0[which][i] - 2.5 * aux, 1e-5 * scale) << name << "[" << i << "]";
+    }
+  }
+}
+
 TEST(CpuLayerTest, ServerRoutingWithoutRenormalisation) {
   LayerConfig c = SmallConfig(Activation::kSwiGLU, RoutingMode::kServer);
   c.top_k = 3;
