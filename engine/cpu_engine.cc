@@ -147,10 +147,11 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
   ToFloatParallel(pool_, request.x, xf.data());
 
   ForwardResult res;
-  res.expert_ids = Tensor::Zeros(DType::kInt32, {t, k});
-  res.weights = Tensor::Zeros(DType::kFloat32, {t, k});
-  int32_t* idx = res.expert_ids.as<int32_t>();
-  float* p = res.weights.as<float>();
+  // The routing used: the caller's, or the router's (the only one the result returns).
+  std::vector<int32_t> routed_ids(t * k);
+  std::vector<float> routed_p(t * k);
+  int32_t* idx = routed_ids.data();
+  float* p = routed_p.data();
   if (cfg_.routing == RoutingMode::kClient) {
     std::memcpy(idx, request.expert_ids.data, t * k * sizeof(int32_t));
     ToFloat(request.weights, p);
@@ -227,23 +228,24 @@ absl::StatusOr<ForwardResult> CpuLayer::ForwardImpl(const ForwardRequest& reques
     }
   });
   EmitOutput(pool_, out.data(), cfg_.dtype, {t, d}, request.out, &res.out);
+  if (cfg_.routing == RoutingMode::kServer) {
+    res.expert_ids = Tensor::Uninitialized(DType::kInt32, {t, k});
+    std::memcpy(res.expert_ids.bytes.data(), idx, t * k * sizeof(int32_t));
+    res.weights = Tensor::Uninitialized(DType::kFloat32, {t, k});
+    std::memcpy(res.weights.bytes.data(), p, t * k * sizeof(float));
+  }
 
   if (ctx) {
     const auto* xb = static_cast<const std::byte*>(request.x.data);
     ctx->x.assign(xb, xb + request.x.size_bytes);
     ctx->x_dtype = request.x.dtype;
-    ctx->idx.assign(idx, idx + t * k);
-    ctx->p.assign(p, p + t * k);
+    ctx->idx = std::move(routed_ids);
+    ctx->p = std::move(routed_p);
     ctx->counts = std::move(counts);
     ctx->offsets = std::move(offsets);
     ctx->entries = std::move(entries);
     ctx->slot_of = std::move(slot_of);
     res.context = std::move(ctx);
-  }
-  if (cfg_.routing == RoutingMode::kClient) {
-    // The routing used is the caller's own: nothing to return (engine/layer.h).
-    res.expert_ids = Tensor();
-    res.weights = Tensor();
   }
   return res;
 }

@@ -5,9 +5,10 @@ A tensor crosses as (data_ptr, nbytes, shape, dtype code, device) of a contiguou
 in place; a host result arrives as a HostBuffer owning the client's result, which
 torch.frombuffer wraps without copying.
 
-CUDA tensors go to the client as they are (``device_spec``) when its build has CUDA: it moves
-them by CUDA IPC or stages them itself, ordered on the caller's stream. A client built without
-CUDA gets them through host memory instead (``stage_on_host`` / ``unstage``).
+CUDA tensors go to the client as they are (``device_input``, ``device_output``) when its build
+has CUDA: it moves them by CUDA IPC or stages them itself, ordered on the caller's stream. A
+client built without CUDA gets them through host memory instead (``stage_on_host`` /
+``unstage``).
 """
 
 import torch
