@@ -72,6 +72,7 @@
 #include "common/tensor.h"
 #include "engine/engine_options.h"
 #include "engine/ipc.h"
+#include "engine/nccl.h"
 
 namespace moe {
 
@@ -241,6 +242,11 @@ class Engine {
   virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle);
   // A new interprocess event on the engine's device and its handle bytes, for a peer to open.
   virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent();
+
+  // NCCL (engine/nccl.h): a link to a peer process's GPU whose unique ids the server hands the
+  // peer, started without waiting for it. An engine without CUDA, or built without NCCL, refuses
+  // with FailedPrecondition saying so (engine/nccl.cc).
+  virtual absl::StatusOr<std::unique_ptr<NcclLink>> StartNcclLink();
 };
 
 // "auto" picks cuda:0 when a GPU is present (and the CUDA engine was built), else cpu.

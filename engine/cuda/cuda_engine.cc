@@ -16,6 +16,9 @@
 #include "engine/cuda/cuda_layer.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/ipc.h"
+#ifdef MOE_HAVE_NCCL
+#include "engine/cuda/nccl_link.h"
+#endif
 #include "engine/cuda/pinned_pool.h"
 #include "engine/state.h"
 
@@ -85,6 +88,11 @@ class CudaEngine : public Engine {
       override {
     return cuda::CreateIpcEvent(device_);
   }
+#ifdef MOE_HAVE_NCCL
+  absl::StatusOr<std::unique_ptr<NcclLink>> StartNcclLink() override {
+    return cuda::StartNcclLink(device_);
+  }
+#endif
   int64_t memory_total_bytes() const override {
     size_t free_b = 0, total_b = 0;
     if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {

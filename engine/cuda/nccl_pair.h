@@ -1,0 +1,91 @@
+// Two two-rank NCCL communicators between this process's GPU and a peer's, one per direction:
+// what the server's NCCL links (engine/nccl.h) and the client's NCCL channels are made of
+// (docs/decisions/0017-nccl-transport.md).
+//
+// Each communicator carries one direction only, so its transfers match in the order each side
+// posts them and a send never waits behind a receive of the other direction. Both are
+// non-blocking (ncclConfig_t.blocking = 0): creating them returns at once and Poll says when
+// they are ready, and a post that NCCL answers "in progress" is polled to its end under a
+// deadline, so no thread waits on the peer without bound. Each direction has its own
+// non-blocking CUDA stream (no implicit ordering with the legacy default stream, whose
+// synchronisation with a receive waiting for its peer could otherwise stall unrelated work).
+// Thread-safe; Abort may come from any thread. No CUDA or NCCL type in this header.
+#ifndef MOE_ENGINE_CUDA_NCCL_PAIR_H_
+#define MOE_ENGINE_CUDA_NCCL_PAIR_H_
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "engine/nccl.h"
+
+namespace moe::cuda {
+
+// A fresh ncclUniqueId (kNcclUniqueIdBytes bytes).
+absl::StatusOr<std::string> NewNcclUniqueId();
+
+// Transfers posted together: an event recorded on their stream after them.
+class StreamCompletion final : public NcclCompletion {
+ public:
+  ~StreamCompletion() override;
+  absl::Status Query() const override;
+  void* event() const { return event_; }  // the cudaEvent_t, for a stream to wait on
+
+ private:
+  friend class NcclPair;
+  StreamCompletion() = default;
+  void* event_ = nullptr;
+};
+
+class NcclPair {
+ public:
+  // Starts both communicators on `device` as `rank` (0 or 1) of two: this side sends on
+  // `send_id`'s and receives on `recv_id`'s (ncclUniqueId bytes). InvalidArgument for ids of the
+  // wrong length; the CUDA or NCCL error otherwise.
+  static absl::StatusOr<std::unique_ptr<NcclPair>> Start(int device, int rank,
+                                                         absl::string_view send_id,
+                                                         absl::string_view recv_id);
+  ~NcclPair();  // aborts the communicators unless already aborted; destroys the streams
+  NcclPair(const NcclPair&) = delete;
+  NcclPair& operator=(const NcclPair&) = delete;
+
+  int device() const { return device_; }
+  // OK once both communicators are ready, Unavailable while they bootstrap, their error once one
+  // failed (sticky, as is an abort).
+  absl::Status Poll();
+  // Posts sends of `buffers` (receives into them), in order, on this direction's stream, after
+  // `wait_event` (a cudaEvent_t; null: none) and, for Send with `zero`, after filling them with
+  // zeros. FailedPrecondition before the communicators are ready or after an abort.
+  absl::StatusOr<std::unique_ptr<StreamCompletion>> Send(absl::Span<const NcclBuffer> buffers,
+                                                         void* wait_event, bool zero);
+  absl::StatusOr<std::unique_ptr<StreamCompletion>> Receive(absl::Span<const NcclBuffer> buffers,
+                                                            void* wait_event);
+  // ncclCommAbort on both: transfers in flight end (their buffers then hold anything).
+  void Abort();
+
+ private:
+  NcclPair() = default;
+  absl::StatusOr<std::unique_ptr<StreamCompletion>> Post(bool send,
+                                                         absl::Span<const NcclBuffer> buffers,
+                                                         void* wait_event, bool zero);
+  // Polls a communicator whose last call answered "in progress" until it is not.
+  absl::Status Settle(void* comm);
+
+  int device_ = -1;
+  int peer_ = 0;
+  std::mutex mu_;  // every NCCL call on the communicators
+  void* send_comm_ = nullptr;  // ncclComm_t
+  void* recv_comm_ = nullptr;
+  void* send_stream_ = nullptr;  // cudaStream_t
+  void* recv_stream_ = nullptr;
+  bool ready_ = false;
+  absl::Status failed_;  // sticky
+};
+
+}  // namespace moe::cuda
+
+#endif  // MOE_ENGINE_CUDA_NCCL_PAIR_H_
