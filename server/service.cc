@@ -80,6 +80,8 @@ ExpertServiceImpl::ExpertServiceImpl(const ServerOptions& options, MemoryBudget 
   };
   regions_ =
       std::make_unique<RegionRegistry>(std::move(regions), EngineRegionMapper(engine_.get()));
+  nccl_ = std::make_unique<NcclChannels>(NcclChannelsOptions{},
+                                         [this] { return engine_->StartNcclLink(); });
   metrics_->Layers(0);
   metrics_->Regions(0, 0, 0);
   executor_.Submit([this](double) { SampleMemory(); });

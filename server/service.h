@@ -34,6 +34,7 @@
 #include "server/executor.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
+#include "server/nccl_channels.h"
 #include "server/options.h"
 #include "server/region_registry.h"
 #include "server/request_validation.h"
@@ -76,6 +77,12 @@ using RegionMethods = v1::ExpertService::WithCallbackMethod_RegisterRegion<
     v1::ExpertService::WithCallbackMethod_UnregisterRegion<
         v1::ExpertService::WithCallbackMethod_RegisterEvents<
             v1::ExpertService::WithCallbackMethod_UnregisterEvents<Base>>>>;
+// The NCCL calls (nccl_handlers.cc), the last four of the generated service.
+template <class Base>
+using NcclMethods = v1::ExpertService::WithCallbackMethod_OpenNcclChannel<
+    v1::ExpertService::WithCallbackMethod_CloseNcclChannel<
+        v1::ExpertService::WithCallbackMethod_NcclForward<
+            v1::ExpertService::WithCallbackMethod_NcclBackward<Base>>>>;
 // The callback service with Forward and Backward taking raw buffers: their tensors' bytes are
 // decoded and encoded by reference (wire/raw_message.h) instead of through protobuf's copies.
 // The wire format is unchanged. Same order of methods as the generated CallbackService.
@@ -92,8 +99,8 @@ using ExpertServiceBase = v1::ExpertService::WithCallbackMethod_CreateLayer<
                                         v1::ExpertService::WithCallbackMethod_LoadCheckpoint<
                                             v1::ExpertService::WithCallbackMethod_GetStats<
                                                 v1::ExpertService::WithCallbackMethod_OpenSession<
-                                                    RegionMethods<
-                                                        v1::ExpertService::Service>>>>>>>>>>>>>>>;
+                                                    RegionMethods<NcclMethods<
+                                                        v1::ExpertService::Service>>>>>>>>>>>>>>>>;
 
 class ExpertServiceImpl final : public ExpertServiceBase {
  public:
@@ -160,6 +167,19 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   grpc::ServerUnaryReactor* UnregisterEvents(grpc::CallbackServerContext* ctx,
                                              const v1::UnregisterEventsRequest* req,
                                              v1::UnregisterEventsResponse* resp) override;
+  // nccl_handlers.cc
+  grpc::ServerUnaryReactor* OpenNcclChannel(grpc::CallbackServerContext* ctx,
+                                            const v1::OpenNcclChannelRequest* req,
+                                            v1::OpenNcclChannelResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseNcclChannel(grpc::CallbackServerContext* ctx,
+                                             const v1::CloseNcclChannelRequest* req,
+                                             v1::CloseNcclChannelResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclForward(grpc::CallbackServerContext* ctx,
+                                        const v1::ForwardRequest* req,
+                                        v1::ForwardResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclBackward(grpc::CallbackServerContext* ctx,
+                                         const v1::BackwardRequest* req,
+                                         v1::BackwardResponse* resp) override;
 
   // For the reactors and handlers (the files named above).
   Metrics& metrics() { return *metrics_; }
@@ -170,6 +190,8 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // The regions and event pairs clients registered (region_handlers.cc); the session reactor
   // opens and drops sessions in it as it does in contexts().
   RegionRegistry& regions() { return *regions_; }
+  // The NCCL channels clients opened (nccl_handlers.cc); sessions opened and dropped as above.
+  NcclChannels& nccl() { return *nccl_; }
   const ServerOptions& options() const { return options_; }
   // NotFound naming the layer.
   absl::StatusOr<std::shared_ptr<LayerEntry>> FindLayer(const std::string& name) const;
@@ -221,6 +243,13 @@ class ExpertServiceImpl final : public ExpertServiceBase {
                            std::set<std::string> shared_with, std::shared_ptr<LayerEntry>* out);
   // The layers `caller` may read (all for admins), in name order.
   std::vector<std::shared_ptr<LayerEntry>> VisibleLayers(const Caller& caller) const;
+  // An NCCL micro-batch (nccl_handlers.cc): authenticates, queues `plan`'s transfers on the
+  // request's channel, and once the inputs are in runs `compute(caller, inputs, outputs)` on the
+  // executor over the received device buffers, sends the outputs and finishes the call.
+  template <typename Req, typename Resp, typename Compute>
+  grpc::ServerUnaryReactor* RunNccl(grpc::CallbackServerContext* ctx, const char* method,
+                                    const Req* req, Resp* resp, absl::StatusOr<NcclPlan> plan,
+                                    Compute compute);
   void SampleMemory();  // executor only
   void SweepLoop();
 
@@ -236,6 +265,8 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   StripeJoins stripes_;
   // After engine_, whose IPC calls map its regions: destroyed, and so unmapped, before it.
   std::unique_ptr<RegionRegistry> regions_;
+  // After engine_, whose links its channels hold; its pump stops before the executors go.
+  std::unique_ptr<NcclChannels> nccl_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<LayerEntry>> layers_;  // written on the executor only
   // Last members: destroyed first, so no task or sweep runs once the rest starts going away.

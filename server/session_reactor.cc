@@ -30,6 +30,7 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
     id_ = absl::StrFormat("%016x%016x", gen(), gen());
     service_->contexts().OpenSession(id_, caller->principal);
     service_->regions().OpenSession(id_, caller->principal);
+    service_->nccl().OpenSession(id_, caller->principal);
     event_.set_session_id(id_);
     StartWrite(&event_);
   }
@@ -39,6 +40,7 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
     // The client cancelled, exited or lost its connection: its contexts and regions go now.
     service_->contexts().CloseSession(id_);
     service_->regions().DropSession(id_);
+    service_->nccl().DropSession(id_);
     service_->metrics().Request("OpenSession", "CANCELLED");
     Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session closed"));
   }
@@ -46,6 +48,7 @@ class SessionReactor final : public grpc::ServerWriteReactor<v1::SessionEvent> {
     if (!id_.empty()) {  // both idempotent
       service_->contexts().CloseSession(id_);
       service_->regions().DropSession(id_);
+      service_->nccl().DropSession(id_);
     }
     service_->metrics().StreamClosed("OpenSession");
     delete this;
