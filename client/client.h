@@ -78,14 +78,25 @@ enum class Transport {
 // "auto", "tcp", "shared memory".
 const char* TransportName(Transport transport);
 
+// Whether device tensors may go over NCCL (ClientOptions::device_transport).
+enum class DeviceTransportRequest {
+  // NCCL when the server is on another host (a target that is not loopback or unix:) and this
+  // client was built with NCCL; otherwise as `transport` decides.
+  kAuto,
+  // NCCL whatever the target (a server on this host with another GPU, say).
+  kNccl,
+  kNever,  // as `transport` decides: CUDA IPC or staged through host memory
+};
+
 // How a connection moves device tensors (TensorView::location cuda:N).
 enum class DeviceTransport {
   kUnavailable,  // the client was built without CUDA: device tensors are InvalidArgument
   kUndecided,    // kAuto, until the first call with a device tensor tries CUDA IPC
   kCudaIpc,      // in place by CUDA IPC, ordered on the caller's stream by event pairs
   kStaged,       // copied through host memory on the caller's stream (the host transport)
+  kNccl,         // GPU to GPU over the connection's NCCL channel (docs/PROTOCOL.md, "NCCL channels")
 };
-// "unavailable", "undecided", "cuda ipc", "staged".
+// "unavailable", "undecided", "cuda ipc", "staged", "nccl".
 const char* DeviceTransportName(DeviceTransport transport);
 
 struct ClientOptions {
@@ -113,6 +124,12 @@ struct ClientOptions {
   std::string token;
   // How Forward and Backward move tensors (Transport). Registered regions need the session.
   Transport transport = Transport::kTcp;
+  // Whether ForwardInto / BackwardInto calls whose tensors and destinations (out, dx) are all on
+  // one CUDA device move them over an NCCL channel to the server's GPU (gRPC carrying control
+  // only). The first such call opens the channel; if that fails, device tensors are staged
+  // through host memory from then on, and the connection logs one line saying why. A failed
+  // NCCL call ends the channel, and the next call opens a new one.
+  DeviceTransportRequest device_transport = DeviceTransportRequest::kAuto;
   // Where the connection's one-line transport decisions go (kAuto and kSharedMemory); null:
   // standard error.
   std::function<void(const std::string&)> log;

@@ -82,6 +82,8 @@ const char* DeviceTransportName(DeviceTransport transport) {
       return "cuda ipc";
     case DeviceTransport::kStaged:
       return "staged";
+    case DeviceTransport::kNccl:
+      return "nccl";
   }
   return "unknown";
 }

@@ -112,7 +112,17 @@ absl::Status DataPlane::Open(Connection& conn) {
 
 DeviceTransport DataPlane::device_transport() const {
   std::lock_guard<std::mutex> lock(mu_);
+  if (nccl_route_ != nullptr && nccl_route_->chosen()) return DeviceTransport::kNccl;
   return device_transport_;
+}
+
+std::shared_ptr<NcclRoute> DataPlane::nccl_route(const Connection& conn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (nccl_route_ == nullptr) {
+    nccl_route_ = std::make_shared<NcclRoute>(conn.options().device_transport,
+                                              IsLocalTarget(conn.target()), log_);
+  }
+  return nccl_route_;
 }
 
 DeviceTransport DataPlane::DecideDevice(const std::function<absl::Status()>& probe) {

@@ -36,6 +36,7 @@
 #include "absl/strings/string_view.h"
 #include "client/client.h"
 #include "client/device.h"
+#include "client/nccl_channel.h"
 #include "client/shared_memory_region.h"
 
 namespace moe::client {
@@ -85,6 +86,10 @@ class DataPlane {
   // memory from then on, and is logged with its reason. Returns the transport decided.
   DeviceTransport DecideDevice(const std::function<absl::Status()>& probe);
 
+  // Whether device calls go over NCCL, and the connection's channel (nccl_channel.h); made at
+  // the first call that asks, from the connection's options and target.
+  std::shared_ptr<NcclRoute> nccl_route(const Connection& conn);
+
   // A slot of at least `bytes`, for the caller's use alone until ReleaseSlot.
   absl::StatusOr<std::unique_ptr<Slot>> AcquireSlot(Connection& conn, int64_t bytes);
   // `reuse` false: the call failed; the slot is dropped.
@@ -132,6 +137,7 @@ class DataPlane {
   std::map<int, std::vector<std::unique_ptr<EventPair>>> free_events_;  // by device
   std::vector<uint64_t> retired_regions_;
   std::vector<uint64_t> retired_events_;
+  std::shared_ptr<NcclRoute> nccl_route_;
 };
 
 }  // namespace moe::client

@@ -27,6 +27,7 @@
 #include "client/client.h"
 #include "client/data_plane.h"
 #include "client/device.h"
+#include "client/nccl_channel.h"
 #include "client/requests.h"
 #include "client/stream_call.h"
 #include "common/host_memory.h"
@@ -398,6 +399,10 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::ForwardInto(
     p.set_value(st);
     return p.get_future();
   }
+  if (auto nccl = NcclForwardInto(*this, plane_->nccl_route(*this), layer, context_id, training,
+                                  x, ids, weights, out, stream)) {
+    return std::move(*nccl);
+  }
   c->dests = {Destination(out, "out", x.dtype, x.shape, /*known_shape=*/true)};
   c->results = {&ForwardOutput::out};
   const ForwardCall call{layer, context_id, training, nullptr};
@@ -436,6 +441,10 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::BackwardInto(
     std::promise<absl::StatusOr<BackwardOutput>> p;
     p.set_value(st);
     return p.get_future();
+  }
+  if (auto nccl = NcclBackwardInto(*this, plane_->nccl_route(*this), layer, context_id, dout, dx,
+                                   dweights, stream, options)) {
+    return std::move(*nccl);
   }
   // dweights is [T, K]: K is the layer's, which a Backward does not name, so a dweights the
   // caller gave no destination for comes back in the response.
