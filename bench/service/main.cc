@@ -45,7 +45,8 @@ ABSL_FLAG(std::string, client_device, "cpu",
           "on one stream; the baseline is the engine on the same device tensors)");
 ABSL_FLAG(std::string, transport, "tcp",
           "tcp | shm (host tensors through POSIX shared memory regions) | cuda_ipc (device "
-          "tensors in place; the server runs in a child process)");
+          "tensors in place; the server runs in a child process) | nccl (device tensors over "
+          "an NCCL channel to the server's GPU)");
 ABSL_FLAG(std::string, json, "", "Also append one JSON object per case and mode to this file");
 ABSL_FLAG(bool, server_process, false,
           "Run the bench's own server in a child process instead of this one (always so for "
@@ -114,8 +115,10 @@ int main(int argc, char** argv) {
     options.transport = moe::bench::BenchTransport::kSharedMemory;
   } else if (transport == "cuda_ipc") {
     options.transport = moe::bench::BenchTransport::kCudaIpc;
+  } else if (transport == "nccl") {
+    options.transport = moe::bench::BenchTransport::kNccl;
   } else {
-    return Fail(absl::StrCat("transport: \"", transport, "\" is not tcp, shm or cuda_ipc"));
+    return Fail(absl::StrCat("transport: \"", transport, "\" is not tcp, shm, cuda_ipc or nccl"));
   }
   options.steps = absl::GetFlag(FLAGS_steps);
   options.inference_rounds = absl::GetFlag(FLAGS_inference_rounds);

@@ -378,8 +378,17 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   co.stripe_bytes = options.stripe_bytes;
   co.tls = options.tls;
   co.token = options.token;
-  co.transport = options.transport == BenchTransport::kTcp ? client::Transport::kTcp
-                                                           : client::Transport::kSharedMemory;
+  co.transport = options.transport == BenchTransport::kTcp ||
+                         options.transport == BenchTransport::kNccl
+                     ? client::Transport::kTcp
+                     : client::Transport::kSharedMemory;
+  co.device_transport = options.transport == BenchTransport::kNccl
+                            ? client::DeviceTransportRequest::kNccl
+                            : client::DeviceTransportRequest::kNever;
+  if (options.transport == BenchTransport::kNccl && client_gpu < 0) {
+    return absl::InvalidArgumentError(
+        "client_device: transport nccl moves the trainer's device tensors; name its GPU (cuda:N)");
+  }
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(options.device);
@@ -475,6 +484,14 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
                            std::pair{&cr.inproc_train, "in-process training"}}) {
       if (auto s = CheckThroughput(*r, absl::StrCat(what, " ", mode)); !s.ok()) return s;
     }
+    // A connection that could not open its NCCL channel staged the tensors instead (and logged
+    // why): its numbers are not NCCL's.
+    if (options.transport == BenchTransport::kNccl &&
+        (*conn)->device_transport() != client::DeviceTransport::kNccl) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport nccl: the connection moved device tensors ",
+          client::DeviceTransportName((*conn)->device_transport()), ", not over NCCL"));
+    }
     results.push_back(std::move(cr));
   }
   return results;
@@ -488,6 +505,8 @@ const char* BenchTransportName(BenchTransport transport) {
       return "shm";
     case BenchTransport::kCudaIpc:
       return "cuda_ipc";
+    case BenchTransport::kNccl:
+      return "nccl";
   }
   return "unknown";
 }

@@ -31,9 +31,11 @@ namespace moe::bench {
 
 // How the client moves the tensors (client::ClientOptions::transport): TCP; POSIX shared memory
 // regions (kSharedMemory, host tensors); CUDA IPC (kSharedMemory with the trainer's tensors on a
-// GPU and the server in another process).
-enum class BenchTransport { kTcp, kSharedMemory, kCudaIpc };
-const char* BenchTransportName(BenchTransport transport);  // "tcp", "shm", "cuda_ipc"
+// GPU and the server in another process); NCCL (the trainer's GPU tensors over an NCCL channel,
+// ClientOptions::device_transport kNccl, host tensors over TCP).
+enum class BenchTransport { kTcp, kSharedMemory, kCudaIpc, kNccl };
+// "tcp", "shm", "cuda_ipc", "nccl"
+const char* BenchTransportName(BenchTransport transport);
 
 // One point of the sweep; the rest of the layer config is shared (BenchOptions::layer).
 struct BenchCase {
