@@ -27,159 +27,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "tests/client/cuda_test_util.h"
 
 namespace moe {
 namespace {
 
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-std::string ServerBinary() {
-  if (const char* env = std::getenv("MOE_SERVER")) return env;
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n > 0) {
-    std::string dir(self, static_cast<size_t>(n));
-    dir = dir.substr(0, dir.rfind('/'));
-    if (access((dir + "/moe-server").c_str(), X_OK) == 0) return dir + "/moe-server";
-  }
-  return MOE_SERVER_PATH;
-}
-
-// moe-server --device=cuda:0 on loopback with a free port, its stdout in a file; stopped with
-// the object.
-class ServerProcess {
- public:
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (!log_.empty()) unlink(log_.c_str());
-  }
-  // The target once it serves, or "" (the log says why).
-  std::string Start() {
-    log_ = absl::StrCat(::testing::TempDir(), "/moe_server_", getpid(), ".log");
-    const std::string binary = ServerBinary();
-    pid_ = fork();
-    if (pid_ == 0) {
-      if (!std::freopen(log_.c_str(), "w", stdout)) _exit(127);
-      dup2(fileno(stdout), 2);
-      execl(binary.c_str(), binary.c_str(), "--device=cuda:0", "--host=127.0.0.1", "--port=0",
-            "--metrics_port=-1", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    for (int i = 0; i < 600; ++i) {
-      std::ifstream in(log_);
-      std::stringstream text;
-      text << in.rdbuf();
-      const std::string s = text.str();
-      const size_t at = s.find("gRPC on ");
-      if (at != std::string::npos && s.find('\n', at) != std::string::npos) {
-        const size_t colon = s.find(':', at + 8);
-        return absl::StrCat("127.0.0.1:", std::atoi(s.c_str() + colon + 1));
-      }
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
-        pid_ = -1;
-        ADD_FAILURE() << binary << " exited: " << s;
-        return "";
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ADD_FAILURE() << binary << " did not start";
-    return "";
-  }
-
- private:
-  pid_t pid_ = -1;
-  std::string log_;
-};
-
-LayerConfig Config() {
-  LayerConfig c;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.d_model = 256;
-  c.d_hidden = 128;
-  c.dtype = DType::kBFloat16;
-  c.routing = RoutingMode::kClient;
-  c.seed = 11;
-  return c;
-}
-
-// One micro-batch in host memory (page-locked, so copies on the stream are truly asynchronous)
-// and its tensors in one device block, as a caching allocator lays them out.
-struct MicroBatch {
-  static constexpr int kTensors = 7;  // x, ids, weights, dout | out, dx, dweights
-  DType dtypes[kTensors];
-  std::vector<int64_t> shape[kTensors];
-  size_t bytes[kTensors] = {};
-  size_t offset[kTensors] = {};
-  char* host = nullptr;
-  char* device = nullptr;
-
-  ~MicroBatch() {
-    cudaFreeHost(host);
-    cudaFree(device);
-  }
-  void* h(int k) const { return host + offset[k]; }
-  void* d(int k) const { return device + offset[k]; }
-  TensorView DeviceIn(int k) const {
-    return {dtypes[k], shape[k], d(k), bytes[k], MemoryLocation::Cuda(0)};
-  }
-  MutableTensorView DeviceOut(int k) const {
-    return {dtypes[k], shape[k], d(k), bytes[k], MemoryLocation::Cuda(0)};
-  }
-  TensorView HostIn(int k) const { return {dtypes[k], shape[k], h(k), bytes[k], {}}; }
-  std::string HostBytes(int k) const {
-    return std::string(static_cast<const char*>(h(k)), bytes[k]);
-  }
-};
-
-std::unique_ptr<MicroBatch> MakeMicroBatch(const LayerConfig& c, int64_t tokens,
-                                           std::mt19937& rng) {
-  auto mb = std::make_unique<MicroBatch>();
-  const DType dt[] = {c.dtype, DType::kInt32, DType::kFloat32, c.dtype,
-                      c.dtype, c.dtype,       DType::kFloat32};
-  const std::vector<int64_t> shapes[] = {{tokens, c.d_model}, {tokens, c.top_k},
-                                         {tokens, c.top_k},   {tokens, c.d_model},
-                                         {tokens, c.d_model}, {tokens, c.d_model},
-                                         {tokens, c.top_k}};
-  size_t total = 0;
-  for (int k = 0; k < MicroBatch::kTensors; ++k) {
-    mb->dtypes[k] = dt[k];
-    mb->shape[k] = shapes[k];
-    mb->bytes[k] = static_cast<size_t>(NumElements(shapes[k])) * DTypeSize(dt[k]);
-    mb->offset[k] = total;
-    total += (mb->bytes[k] + 255) / 256 * 256;
-  }
-  void* host = nullptr;
-  void* device = nullptr;
-  if (cudaMallocHost(&host, total) != cudaSuccess) return nullptr;
-  mb->host = static_cast<char*>(host);
-  if (cudaMalloc(&device, total) != cudaSuccess) return nullptr;
-  mb->device = static_cast<char*>(device);
-  std::normal_distribution<float> n(0.f, 1.f);
-  for (int k : {0, 3}) {
-    auto* p = static_cast<uint16_t*>(mb->h(k));
-    for (size_t i = 0; i < mb->bytes[k] / 2; ++i) p[i] = FloatToBFloat16(n(rng));
-  }
-  auto* ids = static_cast<int32_t*>(mb->h(1));
-  auto* w = static_cast<float*>(mb->h(2));
-  std::uniform_real_distribution<float> u(0.1f, 1.f);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t first = static_cast<int32_t>(rng() % c.num_experts);
-    for (int64_t j = 0; j < c.top_k; ++j) {
-      ids[t * c.top_k + j] = static_cast<int32_t>((first + j) % c.num_experts);
-      w[t * c.top_k + j] = u(rng);
-    }
-  }
-  return mb;
-}
+using cuda_test::Config;
+using cuda_test::HaveGpu;
+using cuda_test::MakeMicroBatch;
+using cuda_test::MicroBatch;
+using cuda_test::ServerProcess;
 
 class CudaIpcTest : public ::testing::Test {
  protected:

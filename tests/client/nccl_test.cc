@@ -1,0 +1,236 @@
+// moe::client with device tensors over an NCCL channel (docs/PROTOCOL.md, "NCCL channels")
+// against a moe-server on the CUDA engine of another GPU in another process: the trainer on
+// cuda:0, the server on cuda:1 (NCCL refuses two ranks on one device). Needs two GPUs (label
+// gpu): skipped with fewer.
+//
+// - Training with three Forwards in flight (their sends and receives pipelined on the channel)
+//   and their Backwards one at a time gives bitwise what the same bytes give as host tensors
+//   over TCP, and so does the Step after; the connection reports NCCL and logged why.
+// - A trainer killed while the server waits for its bytes costs the server nothing: its
+//   channel is aborted when its session ends, and the server goes on serving another trainer
+//   over NCCL. The killed trainer is this binary again (--nccl-victim=<target>), so it starts
+//   CUDA in a fresh process.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/nccl_channel.h"
+#include "tests/client/cuda_test_util.h"
+
+namespace moe {
+namespace {
+
+using cuda_test::Config;
+using cuda_test::MakeMicroBatch;
+using cuda_test::MicroBatch;
+using cuda_test::ServerProcess;
+
+bool HaveTwoGpus() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n >= 2;
+}
+
+std::string Bytes(const Tensor& t) {
+  return std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+}
+
+absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
+    const std::string& target, client::DeviceTransportRequest device,
+    std::vector<std::string>* log = nullptr) {
+  client::ClientOptions o;
+  o.transport = client::Transport::kTcp;
+  o.device_transport = device;
+  o.timeout = std::chrono::seconds(60);
+  o.log = [log](const std::string& line) {
+    if (log) log->push_back(line);
+  };
+  return client::Connection::Connect(target, o);
+}
+
+class NcclTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveTwoGpus()) GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one device)";
+    target_ = server_.Start("cuda:1");
+    ASSERT_FALSE(target_.empty());
+    ASSERT_CUDA(cudaSetDevice(0));
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // Two training steps of three micro-batches in flight over NCCL, and the same bytes as host
+  // tensors over TCP: every result bitwise equal.
+  void ExpectSameTraining(const std::shared_ptr<client::Connection>& nccl_conn,
+                          const std::string& tag) {
+    auto host_conn = Connect(target_, client::DeviceTransportRequest::kNever);
+    ASSERT_TRUE(host_conn.ok()) << host_conn.status();
+    auto host_layer = client::RemoteLayer::Create(*host_conn, "host" + tag, Config());
+    auto nccl_layer = client::RemoteLayer::Create(nccl_conn, "nccl" + tag, Config());
+    ASSERT_TRUE(host_layer.ok() && nccl_layer.ok())
+        << host_layer.status() << nccl_layer.status();
+    std::mt19937 rng(7);
+    for (int step = 0; step < 2; ++step) {
+      SCOPED_TRACE(testing::Message() << tag << " step " << step);
+      std::vector<std::unique_ptr<MicroBatch>> mbs;
+      std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> df;
+      for (int i = 0; i < 3; ++i) {
+        mbs.push_back(MakeMicroBatch(Config(), 300 + 100 * i, rng));
+        ASSERT_TRUE(mbs.back());
+        MicroBatch& mb = *mbs.back();
+        for (int k = 0; k < 4; ++k) {
+          ASSERT_CUDA(cudaMemcpyAsync(mb.d(k), mb.h(k), mb.bytes[k], cudaMemcpyHostToDevice,
+                                      stream_));
+        }
+        for (int k = 4; k < 7; ++k) {
+          ASSERT_CUDA(cudaMemsetAsync(mb.d(k), 0xff, mb.bytes[k], stream_));
+        }
+        df.push_back((*nccl_layer)
+                         ->ForwardInto(mb.DeviceIn(0), mb.DeviceIn(1), mb.DeviceIn(2),
+                                       mb.DeviceOut(4), stream_));
+      }
+      std::vector<uint64_t> nccl_ctx, host_ctx;
+      for (int i = 0; i < 3; ++i) {
+        MicroBatch& mb = *mbs[i];
+        auto d = df[i].get();
+        ASSERT_TRUE(d.ok()) << d.status();
+        EXPECT_TRUE(d->out.empty());
+        ASSERT_CUDA(cudaMemcpyAsync(mb.h(4), mb.d(4), mb.bytes[4], cudaMemcpyDeviceToHost,
+                                    stream_));
+        ASSERT_CUDA(cudaStreamSynchronize(stream_));
+        auto h = (*host_layer)->Forward(mb.HostIn(0), mb.HostIn(1), mb.HostIn(2)).get();
+        ASSERT_TRUE(h.ok()) << h.status();
+        EXPECT_TRUE(mb.HostBytes(4) == Bytes(h->out)) << "micro-batch " << i;
+        nccl_ctx.push_back(d->context_id);
+        host_ctx.push_back(h->context_id);
+      }
+      for (int i = 0; i < 3; ++i) {  // one at a time: gradients sum in the order they run
+        MicroBatch& mb = *mbs[i];
+        auto d = (*nccl_layer)
+                     ->BackwardInto(nccl_ctx[i], mb.DeviceIn(3), mb.DeviceOut(5),
+                                    mb.DeviceOut(6), stream_)
+                     .get();
+        ASSERT_TRUE(d.ok()) << d.status();
+        for (int k : {5, 6}) {
+          ASSERT_CUDA(cudaMemcpyAsync(mb.h(k), mb.d(k), mb.bytes[k], cudaMemcpyDeviceToHost,
+                                      stream_));
+        }
+        ASSERT_CUDA(cudaStreamSynchronize(stream_));
+        auto h = (*host_layer)->Backward(host_ctx[i], mb.HostIn(3)).get();
+        ASSERT_TRUE(h.ok()) << h.status();
+        EXPECT_TRUE(mb.HostBytes(5) == Bytes(h->dx)) << "micro-batch " << i;
+        EXPECT_TRUE(mb.HostBytes(6) == Bytes(h->dweights)) << "micro-batch " << i;
+      }
+      auto hs = (*host_layer)->Step(), ds = (*nccl_layer)->Step();
+      ASSERT_TRUE(hs.ok() && ds.ok()) << hs.status() << ds.status();
+      EXPECT_EQ(ds->grad_norm, hs->grad_norm);
+    }
+  }
+
+  ServerProcess server_;
+  std::string target_;
+  cudaStream_t stream_ = nullptr;
+};
+
+TEST_F(NcclTest, DeviceTensorsOverNcclGiveTheBitsOfHostTensors) {
+  std::vector<std::string> log;
+  auto conn = Connect(target_, client::DeviceTransportRequest::kNccl, &log);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  ExpectSameTraining(*conn, "-nccl");
+  EXPECT_EQ((*conn)->device_transport(), client::DeviceTransport::kNccl);
+  ASSERT_FALSE(log.empty());
+  EXPECT_TRUE(absl::StrContains(log.back(), "over NCCL")) << log.back();
+}
+
+TEST_F(NcclTest, AKilledTrainerLeavesTheServerServing) {
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t victim = fork();
+  if (victim == 0) {
+    dup2(ready[1], 1);
+    close(ready[0]);
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (n <= 0) _exit(127);
+    self[n] = '\0';
+    const std::string flag = "--nccl-victim=" + target_;
+    execl(self, self, flag.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(ready[1]);
+  char line[64] = {};
+  const ssize_t got = read(ready[0], line, sizeof(line) - 1);
+  close(ready[0]);
+  ASSERT_GT(got, 0) << "the victim trainer died before it was ready";
+  ASSERT_TRUE(absl::StartsWith(line, "ready")) << line;
+  // The server has posted the receive the victim will never match; now the victim dies.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  kill(victim, SIGKILL);
+  waitpid(victim, nullptr, 0);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto conn = Connect(target_, client::DeviceTransportRequest::kNccl);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto stats = (*conn)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ExpectSameTraining(*conn, "-after-kill");
+  EXPECT_EQ((*conn)->device_transport(), client::DeviceTransport::kNccl);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+}
+
+// The killed trainer: opens a channel and sends an NCCL Forward whose bytes it never posts, so
+// the server waits on a receive; says "ready" and waits to be killed.
+int RunVictim(const std::string& target) {
+  if (cudaSetDevice(0) != cudaSuccess) return 2;
+  auto conn = Connect(target, client::DeviceTransportRequest::kNccl);
+  if (!conn.ok()) return 3;
+  if (!client::RemoteLayer::Create(*conn, "victim", Config()).ok()) return 4;
+  auto channel = client::NcclChannel::Open(**conn, 0);
+  if (!channel.ok()) return 5;
+  v1::ForwardRequest req;
+  req.set_layer("victim");
+  req.set_training(true);
+  req.set_context_id(1);
+  req.set_last_chunk(true);
+  req.mutable_x()->set_dtype(v1::DTYPE_BFLOAT16);
+  req.mutable_x()->add_shape(4096);
+  req.mutable_x()->add_shape(Config().d_model);
+  req.mutable_nccl()->set_channel_id((*channel)->id());
+  req.mutable_nccl()->set_seq(1);
+  grpc::ClientContext ctx;
+  (*conn)->Prepare(&ctx);
+  v1::ForwardResponse resp;
+  (*conn)->stub()->async()->NcclForward(&ctx, &req, &resp, [](grpc::Status) {});
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (absl::StartsWith(argv[i], "--nccl-victim=")) {
+      return moe::RunVictim(std::string(argv[i]).substr(14));
+    }
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
