@@ -35,6 +35,9 @@ class BackwardReactor final : public MicroBatchReactor<v1::BackwardRequest, v1::
 
  protected:
   absl::Status ReadHeader(const v1::BackwardRequest& first) override {
+    if (first.has_nccl()) {
+      return absl::InvalidArgumentError("nccl: only NcclBackward moves tensors over a channel");
+    }
     // d loss / d aux: absent means 1, what every Backward meant before the field existed.
     aux_loss_grad_ = first.has_aux_loss_grad() ? first.aux_loss_grad() : 1.0;
     if (!std::isfinite(aux_loss_grad_)) {

@@ -59,6 +59,9 @@ class ForwardReactor final : public MicroBatchReactor<v1::ForwardRequest, v1::Fo
 
  protected:
   absl::Status ReadHeader(const v1::ForwardRequest& first) override {
+    if (first.has_nccl()) {
+      return absl::InvalidArgumentError("nccl: only NcclForward moves tensors over a channel");
+    }
     training_ = first.training();
     return absl::OkStatus();
   }

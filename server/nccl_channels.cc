@@ -287,6 +287,16 @@ void NcclChannels::EndChannel(std::shared_ptr<Channel> c, const absl::Status& wh
   for (Batch& b : failed) {
     if (b.failed) b.failed(why);
   }
+  // Freeing the link's buffers synchronises the device, which waits for every other channel's
+  // receives: never on the pump (which is what aborts a channel whose peer died) nor on a
+  // reaction. The last holder frees it (an executor task that still has it, or this thread).
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping = stopping_;
+  }
+  if (stopping) return;
+  std::thread([link = std::move(c->link)]() mutable { link.reset(); }).detach();
 }
 
 absl::Status NcclChannels::PumpChannel(Channel& c,

@@ -88,6 +88,21 @@ TEST(NcclServiceTest, BadMicroBatchesNameTheirFieldAndLoseNothing) {
   ref.ExpectServingAndUnchanged("an NCCL backward with a negative dweights_k");
 }
 
+TEST(NcclServiceTest, PlainForwardAndBackwardRefuseAChannel) {
+  Loopback lb = StartLoopback();
+  ASSERT_TRUE(lb.conn);
+  v1::ForwardRequest f;
+  f.set_layer("any");
+  f.set_last_chunk(true);
+  f.mutable_nccl()->set_channel_id(1);
+  ExpectStatus(SendForward(*lb.conn, {f}).status, StatusCode::INVALID_ARGUMENT, "nccl");
+  v1::BackwardRequest b;
+  b.set_layer("any");
+  b.set_last_chunk(true);
+  b.mutable_nccl()->set_channel_id(1);
+  ExpectStatus(SendBackward(*lb.conn, {b}).status, StatusCode::INVALID_ARGUMENT, "nccl");
+}
+
 TEST(NcclServiceTest, ClosingAnUnknownChannelIsNotFound) {
   Loopback lb = StartLoopback();
   ASSERT_TRUE(lb.conn);
