@@ -30,7 +30,9 @@
 // striped over the connections), region_calls.cc (Forward and Backward through registered
 // regions, device tensors, destinations), data_plane.cc (the regions and event pairs a
 // connection registered), device_cuda.cc / device_none.cc (the client's CUDA calls, with and
-// without CUDA), stream_call.cc (one Forward or Backward stream), requests.cc (the one place that
+// without CUDA), nccl_channel.cc and nccl_calls.cc (device tensors over an NCCL channel), and
+// nccl_link_cuda.cc / nccl_link_none.cc (its communicators, with and without NCCL),
+// stream_call.cc (one Forward or Backward stream), requests.cc (the one place that
 // fills Forward and Backward requests), remote_layer.cc (RemoteLayer and the session that holds
 // its contexts), sharded_layer.cc (ShardedLayer); the headers beside those are internal.
 #ifndef MOE_CLIENT_CLIENT_H_
