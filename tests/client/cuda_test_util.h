@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <future>
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 
@@ -176,6 +177,83 @@ inline std::unique_ptr<MicroBatch> MakeMicroBatch(const LayerConfig& c, int64_t 
   return mb;
 }
 
+
+// Two training steps of `in_flight` micro-batches in flight through `device_conn` on device
+// tensors (cuda:0, written and read on `stream`), and through `host_conn` on the same bytes in
+// host memory: every result bitwise equal. The Backwards run one at a time, as weight gradients
+// sum in the order they run.
+inline void ExpectSameTraining(const std::shared_ptr<client::Connection>& host_conn,
+                             const std::shared_ptr<client::Connection>& device_conn,
+                             cudaStream_t stream, int in_flight, const std::string& tag) {
+  ASSERT_TRUE(host_conn && device_conn);
+  auto host_layer = client::RemoteLayer::Create(host_conn, "host" + tag, Config());
+  auto device_layer = client::RemoteLayer::Create(device_conn, "device" + tag, Config());
+  ASSERT_TRUE(host_layer.ok() && device_layer.ok())
+      << host_layer.status() << device_layer.status();
+  std::mt19937 rng(7);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(testing::Message() << tag << " step " << step);
+    std::vector<std::unique_ptr<MicroBatch>> mbs;
+    std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> df;
+    for (int i = 0; i < in_flight; ++i) {
+      mbs.push_back(MakeMicroBatch(Config(), 300 + 100 * i, rng));
+      ASSERT_TRUE(mbs.back());
+      MicroBatch& mb = *mbs.back();
+      // The inputs land on the stream just before the call; the destinations are poisoned.
+      for (int k = 0; k < 4; ++k) {
+        ASSERT_CUDA(cudaMemcpyAsync(mb.d(k), mb.h(k), mb.bytes[k], cudaMemcpyHostToDevice,
+                                    stream));
+      }
+      for (int k = 4; k < 7; ++k) {
+        ASSERT_CUDA(cudaMemsetAsync(mb.d(k), 0xff, mb.bytes[k], stream));
+      }
+      df.push_back((*device_layer)
+                       ->ForwardInto(mb.DeviceIn(0), mb.DeviceIn(1), mb.DeviceIn(2),
+                                     mb.DeviceOut(4), stream));
+    }
+    std::vector<uint64_t> device_ctx, host_ctx;
+    for (int i = 0; i < in_flight; ++i) {
+      MicroBatch& mb = *mbs[i];
+      auto d = df[i].get();
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_TRUE(d->out.empty());
+      ASSERT_CUDA(cudaMemcpyAsync(mb.h(4), mb.d(4), mb.bytes[4], cudaMemcpyDeviceToHost,
+                                  stream));
+      ASSERT_CUDA(cudaStreamSynchronize(stream));
+      auto h = (*host_layer)->Forward(mb.HostIn(0), mb.HostIn(1), mb.HostIn(2)).get();
+      ASSERT_TRUE(h.ok()) << h.status();
+      EXPECT_TRUE(mb.HostBytes(4) == std::string(reinterpret_cast<const char*>(
+                                                      h->out.bytes.data()),
+                                                  h->out.bytes.size()))
+          << "micro-batch " << i;
+      device_ctx.push_back(d->context_id);
+      host_ctx.push_back(h->context_id);
+    }
+    for (int i = 0; i < in_flight; ++i) {
+      MicroBatch& mb = *mbs[i];
+      auto d = (*device_layer)
+                   ->BackwardInto(device_ctx[i], mb.DeviceIn(3), mb.DeviceOut(5),
+                                  mb.DeviceOut(6), stream)
+                   .get();
+      ASSERT_TRUE(d.ok()) << d.status();
+      for (int k : {5, 6}) {
+        ASSERT_CUDA(cudaMemcpyAsync(mb.h(k), mb.d(k), mb.bytes[k], cudaMemcpyDeviceToHost,
+                                    stream));
+      }
+      ASSERT_CUDA(cudaStreamSynchronize(stream));
+      auto h = (*host_layer)->Backward(host_ctx[i], mb.HostIn(3)).get();
+      ASSERT_TRUE(h.ok()) << h.status();
+      auto bytes = [](const Tensor& t) {
+        return std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+      };
+      EXPECT_TRUE(mb.HostBytes(5) == bytes(h->dx)) << "micro-batch " << i;
+      EXPECT_TRUE(mb.HostBytes(6) == bytes(h->dweights)) << "micro-batch " << i;
+    }
+    auto hs = (*host_layer)->Step(), ds = (*device_layer)->Step();
+    ASSERT_TRUE(hs.ok() && ds.ok()) << hs.status() << ds.status();
+    EXPECT_EQ(ds->grad_norm, hs->grad_norm);
+  }
+}
 
 }  // namespace moe::cuda_test
 

@@ -35,17 +35,11 @@ namespace moe {
 namespace {
 
 using cuda_test::Config;
-using cuda_test::MakeMicroBatch;
-using cuda_test::MicroBatch;
 using cuda_test::ServerProcess;
 
 bool HaveTwoGpus() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n >= 2;
-}
-
-std::string Bytes(const Tensor& t) {
-  return std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
 }
 
 absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
@@ -74,72 +68,11 @@ class NcclTest : public ::testing::Test {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  // Two training steps of three micro-batches in flight over NCCL, and the same bytes as host
-  // tensors over TCP: every result bitwise equal.
   void ExpectSameTraining(const std::shared_ptr<client::Connection>& nccl_conn,
                           const std::string& tag) {
     auto host_conn = Connect(target_, client::DeviceTransportRequest::kNever);
     ASSERT_TRUE(host_conn.ok()) << host_conn.status();
-    auto host_layer = client::RemoteLayer::Create(*host_conn, "host" + tag, Config());
-    auto nccl_layer = client::RemoteLayer::Create(nccl_conn, "nccl" + tag, Config());
-    ASSERT_TRUE(host_layer.ok() && nccl_layer.ok())
-        << host_layer.status() << nccl_layer.status();
-    std::mt19937 rng(7);
-    for (int step = 0; step < 2; ++step) {
-      SCOPED_TRACE(testing::Message() << tag << " step " << step);
-      std::vector<std::unique_ptr<MicroBatch>> mbs;
-      std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> df;
-      for (int i = 0; i < 3; ++i) {
-        mbs.push_back(MakeMicroBatch(Config(), 300 + 100 * i, rng));
-        ASSERT_TRUE(mbs.back());
-        MicroBatch& mb = *mbs.back();
-        for (int k = 0; k < 4; ++k) {
-          ASSERT_CUDA(cudaMemcpyAsync(mb.d(k), mb.h(k), mb.bytes[k], cudaMemcpyHostToDevice,
-                                      stream_));
-        }
-        for (int k = 4; k < 7; ++k) {
-          ASSERT_CUDA(cudaMemsetAsync(mb.d(k), 0xff, mb.bytes[k], stream_));
-        }
-        df.push_back((*nccl_layer)
-                         ->ForwardInto(mb.DeviceIn(0), mb.DeviceIn(1), mb.DeviceIn(2),
-                                       mb.DeviceOut(4), stream_));
-      }
-      std::vector<uint64_t> nccl_ctx, host_ctx;
-      for (int i = 0; i < 3; ++i) {
-        MicroBatch& mb = *mbs[i];
-        auto d = df[i].get();
-        ASSERT_TRUE(d.ok()) << d.status();
-        EXPECT_TRUE(d->out.empty());
-        ASSERT_CUDA(cudaMemcpyAsync(mb.h(4), mb.d(4), mb.bytes[4], cudaMemcpyDeviceToHost,
-                                    stream_));
-        ASSERT_CUDA(cudaStreamSynchronize(stream_));
-        auto h = (*host_layer)->Forward(mb.HostIn(0), mb.HostIn(1), mb.HostIn(2)).get();
-        ASSERT_TRUE(h.ok()) << h.status();
-        EXPECT_TRUE(mb.HostBytes(4) == Bytes(h->out)) << "micro-batch " << i;
-        nccl_ctx.push_back(d->context_id);
-        host_ctx.push_back(h->context_id);
-      }
-      for (int i = 0; i < 3; ++i) {  // one at a time: gradients sum in the order they run
-        MicroBatch& mb = *mbs[i];
-        auto d = (*nccl_layer)
-                     ->BackwardInto(nccl_ctx[i], mb.DeviceIn(3), mb.DeviceOut(5),
-                                    mb.DeviceOut(6), stream_)
-                     .get();
-        ASSERT_TRUE(d.ok()) << d.status();
-        for (int k : {5, 6}) {
-          ASSERT_CUDA(cudaMemcpyAsync(mb.h(k), mb.d(k), mb.bytes[k], cudaMemcpyDeviceToHost,
-                                      stream_));
-        }
-        ASSERT_CUDA(cudaStreamSynchronize(stream_));
-        auto h = (*host_layer)->Backward(host_ctx[i], mb.HostIn(3)).get();
-        ASSERT_TRUE(h.ok()) << h.status();
-        EXPECT_TRUE(mb.HostBytes(5) == Bytes(h->dx)) << "micro-batch " << i;
-        EXPECT_TRUE(mb.HostBytes(6) == Bytes(h->dweights)) << "micro-batch " << i;
-      }
-      auto hs = (*host_layer)->Step(), ds = (*nccl_layer)->Step();
-      ASSERT_TRUE(hs.ok() && ds.ok()) << hs.status() << ds.status();
-      EXPECT_EQ(ds->grad_norm, hs->grad_norm);
-    }
+    cuda_test::ExpectSameTraining(*host_conn, nccl_conn, stream_, /*in_flight=*/3, tag);
   }
 
   ServerProcess server_;
