@@ -132,7 +132,7 @@ Metrics::Metrics(std::string device)
                           .Name("moe_transport_calls_total")
                           .Help(
                               "Forward and Backward micro-batches answered, by method and the "
-                              "transport of their tensors (tcp, shared_memory, cuda_ipc)")
+                              "transport of their tensors (tcp, shared_memory, cuda_ipc, nccl)")
                           .Register(r);
   transport_bytes_ = &prometheus::BuildCounter()
                           .Name("moe_transport_bytes_total")

@@ -121,7 +121,15 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunNccl(grpc::CallbackServerContext
         for (const NcclBuffer& b : held) r.link->Release(b);
         if (st.ok()) st = absl::UnavailableError(sent.status().message());
       }
-      if (st.ok()) metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
+      if (st.ok()) {
+        metrics_->BytesOut(method, static_cast<int64_t>(resp->ByteSizeLong()));
+        int64_t in = 0, out = 0;
+        for (const NcclPlan::Part& p : plan.inputs) in += p.present ? p.bytes : 0;
+        for (const NcclPlan::Part& p : plan.outputs) out += p.present ? p.bytes : 0;
+        metrics_->TransportCall(method, "nccl");
+        metrics_->TransportBytes("in", "nccl", in);
+        metrics_->TransportBytes("out", "nccl", out);
+      }
       FinishUnary(reactor, method, st);
     });
   };
