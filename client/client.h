@@ -7,11 +7,13 @@
 //   auto bwd = (*layer)->Backward(fwd->context_id, dout).get();
 //   auto step = (*layer)->Step();
 //
-// Every call carries a deadline (ClientOptions::timeout). Errors are absl::Status with the
-// server's code and message. Tensors larger than ClientOptions::chunk_bytes are split into
-// several messages (docs/PROTOCOL.md, "Chunking") and responses reassembled. Each Forward or
-// Backward is its own bidirectional stream, so micro-batches in flight do not wait on each
-// other; a Connection also holds one OpenSession stream, so the server frees this client's
+// Every call carries a deadline (ClientOptions::timeout; a whole Forward or Backward gets between
+// one and two timeouts, see StreamLink). Errors are absl::Status with the server's code and
+// message. Tensors larger than ClientOptions::chunk_bytes are split into several messages
+// (docs/PROTOCOL.md, "Chunking") and responses reassembled. Each Forward or Backward in flight
+// has a bidirectional stream to itself, so micro-batches in flight do not wait on each other;
+// the streams of whole micro-batches stay open for the next ones (stream_call.h); a Connection
+// also holds one OpenSession stream, so the server frees this client's
 // saved contexts when the client goes away.
 //
 // A trainer on the server's host can skip TCP for the tensors (ClientOptions::transport): host
@@ -62,6 +64,7 @@
 namespace moe::client {
 
 class DataPlane;     // data_plane.h
+class StreamLink;    // stream_call.h
 struct ForwardCall;  // requests.h
 struct BackwardCall;
 
@@ -102,7 +105,7 @@ enum class DeviceTransport {
 const char* DeviceTransportName(DeviceTransport transport);
 
 struct ClientOptions {
-  std::chrono::milliseconds timeout{30000};  // deadline of every call
+  std::chrono::milliseconds timeout{30000};  // deadline of every call (see above)
   int64_t chunk_bytes = int64_t{1} << 20;    // tensor payload per request message
   int64_t max_receive_bytes = int64_t{256} << 20;
   bool open_session = true;  // tie saved contexts to this connection
@@ -294,9 +297,8 @@ class Connection {
   void CloseSession();
   // The token metadata alone (Prepare's; the session's stream has no deadline).
   void AddToken(grpc::ClientContext* ctx) const;
-  // The raw-buffer stub (wire/raw_message.h) of the connection next in turn, for a Forward or
-  // Backward stream (client/stream_call.h).
-  grpc::GenericStub& NextRawStub() { return *raw_stubs_[next_raw_stub_++ % raw_stubs_.size()]; }
+  // The TCP connection next in turn, for a Forward or Backward (client/stream_call.h).
+  StreamLink& NextLink() { return *links_[next_link_++ % links_.size()]; }
   // A Forward or Backward over TCP, whole or striped, its result handed to `done` (striping.cc).
   void StartTcpForward(const ForwardCall& call, Tensor&& x, Tensor&& ids, Tensor&& weights,
                        std::function<void(absl::StatusOr<ForwardOutput>)> done);
@@ -307,11 +309,11 @@ class Connection {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
-  // Forward and Backward as raw buffers, one stub per connection (the first on channel_), taken
-  // in turn.
-  std::vector<std::unique_ptr<grpc::GenericStub>> raw_stubs_;
+  // Forward and Backward as raw buffers (wire/raw_message.h), one link per TCP connection (the
+  // first on channel_), taken in turn; each holds its long-lived streams.
+  std::vector<std::shared_ptr<StreamLink>> links_;
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
-  std::atomic<uint64_t> next_raw_stub_{0};
+  std::atomic<uint64_t> next_link_{0};
   std::string session_id_;
   SessionCall* session_ = nullptr;
   // The regions and event pairs registered for Forward and Backward; shared with their calls in

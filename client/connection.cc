@@ -18,6 +18,7 @@
 #include "client/client.h"
 #include "client/data_plane.h"
 #include "client/requests.h"
+#include "client/stream_call.h"
 #include "common/host_memory.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -144,7 +145,7 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
             : " (plaintext: does the server require TLS?)"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
-  c->raw_stubs_.push_back(std::make_unique<grpc::GenericStub>(c->channel_));
+  c->links_.push_back(std::make_shared<StreamLink>(c->channel_));
   // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
   // further channel gets a pool of its own, hence its own connection.
   grpc::ChannelArguments own_pool = args;
@@ -156,7 +157,7 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
                                                  options.connections, " to ", target, " within ",
                                                  options.timeout.count(), " ms"));
     }
-    c->raw_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
+    c->links_.push_back(std::make_shared<StreamLink>(channel));
     c->extra_channels_.push_back(std::move(channel));
   }
   std::random_device rd;
@@ -169,9 +170,15 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
   return c;
 }
 
-// The session goes first: the server then drops every region and event pair of it, and the
-// plane's memory goes once no call in flight holds it.
-Connection::~Connection() { CloseSession(); }
+// The idle long-lived streams end first (each busy one once answered), then the session: the
+// server then drops every region and event pair of it, and the plane's memory goes once no call
+// in flight holds it.
+Connection::~Connection() {
+  for (const std::shared_ptr<StreamLink>& link : links_) {
+    link->ShutDown(std::chrono::milliseconds(2000));
+  }
+  CloseSession();
+}
 
 Transport Connection::transport() const { return plane_->transport(); }
 const std::string& Connection::transport_reason() const { return plane_->reason(); }

@@ -1,7 +1,7 @@
 // The client's NCCL channels (internal to the library; client.h does not include it): when a
 // connection sends device tensors over NCCL, the channel it opened, the order it posts in, and
 // the decision whether to use one at all (docs/PROTOCOL.md, "NCCL channels";
-// docs/decisions/0017-nccl-transport.md).
+// docs/decisions/0018-nccl-transport.md).
 //
 // NcclChannel: OpenNcclChannel, then the client's side of the two communicators (nccl_link.h) on
 // the trainer's device. Post takes the channel's next sequence number and posts the call's sends

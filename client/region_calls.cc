@@ -412,7 +412,7 @@ std::future<absl::StatusOr<ForwardOutput>> Connection::ForwardInto(
                    std::shared_ptr<ResponseTensors> responses, auto done) {
         ForwardCall with_refs = call;
         with_refs.refs = std::move(refs);
-        StartForwardStream(*this, NextRawStub(), with_refs,
+        StartForwardStream(*this, NextLink(), with_refs,
                            std::make_shared<const std::vector<Tensor>>(std::move(tensors)),
                            StreamRows(), std::move(responses), std::move(done));
       },
@@ -458,7 +458,7 @@ std::future<absl::StatusOr<BackwardOutput>> Connection::BackwardInto(
                    std::shared_ptr<ResponseTensors> responses, auto done) {
         BackwardCall with_refs = call;
         with_refs.refs = std::move(refs);
-        StartBackwardStream(*this, NextRawStub(), with_refs,
+        StartBackwardStream(*this, NextLink(), with_refs,
                             std::make_shared<const std::vector<Tensor>>(std::move(tensors)),
                             StreamRows(), std::move(responses), std::move(done));
       },

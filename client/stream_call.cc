@@ -3,8 +3,13 @@
 // arrives, into the assembled outputs, and reports the result just before it deletes itself.
 #include "client/stream_call.h"
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -16,25 +21,62 @@ namespace {
 constexpr char kForwardMethod[] = "/moe.v1.ExpertService/Forward";
 constexpr char kBackwardMethod[] = "/moe.v1.ExpertService/Backward";
 
-// One micro-batch (or one stream of a striped one) on its own bidi stream, on raw buffers
-// (wire/raw_message.h): the requests are encoded by reference to the call's own copy of the
-// caller's tensors, one message at a time as it is written; each response's tensor bytes are
-// copied once, as it arrives, by `accept` into the assembled outputs, `finish` makes the result
-// from the first response's small fields, and `done` receives it (or the call's error) just
-// before the call deletes itself.
+// What one micro-batch (or one stream of a striped one) sends and how its answer is taken:
+// the requests are encoded by reference to the call's own copy of the caller's tensors, one
+// message at a time as it is written; each response's tensor bytes are copied once, as it
+// arrives, by `accept` into the assembled outputs; `finish` makes the result from the first
+// response's small fields, and `done` receives it (or the call's error).
+template <typename Req, typename Resp, typename Out>
+struct MicroBatch {
+  wire::ChunkedMessages<Req> requests;
+  std::function<absl::Status(const Resp&, const wire::IncomingMessage&)> accept;
+  std::function<absl::StatusOr<Out>(const Resp& first)> finish;
+  std::function<void(absl::StatusOr<Out>)> done;
+};
+
+// The responses of one micro-batch as they are read: decoded, handed to `accept`, the first
+// kept for `finish`.
+template <typename Req, typename Resp, typename Out>
+class ResponseReader {
+ public:
+  explicit ResponseReader(std::vector<int> tensor_fields)
+      : tensor_fields_(std::move(tensor_fields)) {}
+  void Reset() {
+    responses_ = 0;
+    last_seen_ = false;
+  }
+  // Takes `buffer` as the next response of `batch`; an error when this client cannot use it.
+  absl::Status Take(grpc::ByteBuffer* buffer, MicroBatch<Req, Resp, Out>& batch) {
+    Resp response;
+    MOE_RETURN_IF_ERROR(
+        incoming_.Decode(buffer, tensor_fields_, &response, Resp::descriptor()->full_name()));
+    MOE_RETURN_IF_ERROR(batch.accept(response, incoming_));
+    last_seen_ = response.last_chunk();
+    if (responses_ == 0) first_ = std::move(response);
+    ++responses_;
+    return absl::OkStatus();
+  }
+  bool complete() const { return responses_ != 0 && last_seen_; }
+  absl::StatusOr<Out> Finish(MicroBatch<Req, Resp, Out>& batch) const {
+    return batch.finish(first_);
+  }
+
+ private:
+  const std::vector<int> tensor_fields_;
+  wire::IncomingMessage incoming_;
+  Resp first_;
+  size_t responses_ = 0;
+  bool last_seen_ = false;
+};
+
+// One stream of a striped micro-batch on its own bidi stream, on raw buffers
+// (wire/raw_message.h); `done` is called once the last response has arrived, and the call deletes
+// itself when gRPC ends it.
 template <typename Req, typename Resp, typename Out>
 class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  using Accept = std::function<absl::Status(const Resp&, const wire::IncomingMessage&)>;
-  using Finish = std::function<absl::StatusOr<Out>(const Resp& first)>;
-  using Done = std::function<void(absl::StatusOr<Out>)>;
-  StreamCall(wire::ChunkedMessages<Req> requests, std::vector<int> response_tensor_fields,
-             Accept accept, Finish finish, Done done)
-      : requests_(std::move(requests)),
-        response_tensor_fields_(std::move(response_tensor_fields)),
-        accept_(std::move(accept)),
-        finish_(std::move(finish)),
-        done_(std::move(done)) {}
+  StreamCall(MicroBatch<Req, Resp, Out> batch, std::vector<int> response_tensor_fields)
+      : batch_(std::move(batch)), reader_(std::move(response_tensor_fields)) {}
 
   // Sets `conn`'s deadline and metadata, shows the context to `track`, and starts the call on
   // `method` of `stub`.
@@ -43,15 +85,15 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
     conn.Prepare(&ctx_);
     if (track) track(&ctx_);
     stub.PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
-    message_ = requests_.Build(0);
+    message_ = batch_.requests.Build(0);
     StartWrite(&message_);
     StartRead(&read_);
     StartCall();
   }
   void OnWriteDone(bool ok) override {
     if (!ok) return;  // the call failed; OnDone reports why
-    if (++next_ < requests_.size()) {
-      message_ = requests_.Build(next_);
+    if (++next_ < batch_.requests.size()) {
+      message_ = batch_.requests.Build(next_);
       StartWrite(&message_);
     } else {
       message_.Clear();
@@ -60,49 +102,310 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   }
   void OnReadDone(bool ok) override {
     if (!ok) return;
-    Resp response;
-    absl::Status st = incoming_.Decode(&read_, response_tensor_fields_, &response,
-                                       Resp::descriptor()->full_name());
-    if (st.ok()) st = accept_(response, incoming_);
-    if (!st.ok()) {
+    if (absl::Status st = reader_.Take(&read_, batch_); !st.ok()) {
       // A response this client cannot use: end the call (OnDone reports `st`).
       error_ = st;
       ctx_.TryCancel();
       return;
     }
-    if (responses_ == 0) first_ = response;
-    ++responses_;
-    last_seen_ = response.last_chunk();
+    if (reader_.complete() && !reported_) {
+      // Answered: the caller need not wait for the stream's end as well.
+      reported_ = true;
+      batch_.done(reader_.Finish(batch_));
+    }
     StartRead(&read_);
   }
   void OnDone(const grpc::Status& status) override {
-    if (!error_.ok()) {
-      done_(error_);
-    } else if (!status.ok()) {
-      done_(FromGrpcStatus(status));
-    } else if (responses_ == 0 || !last_seen_) {
-      done_(absl::DataLossError("the server ended the stream without a complete response"));
-    } else {
-      done_(finish_(first_));
+    if (!reported_) {
+      if (!error_.ok()) {
+        batch_.done(error_);
+      } else if (!status.ok()) {
+        batch_.done(FromGrpcStatus(status));
+      } else {
+        batch_.done(absl::DataLossError("the server ended the stream without a complete response"));
+      }
     }
     delete this;
   }
 
  private:
   grpc::ClientContext ctx_;
-  wire::ChunkedMessages<Req> requests_;
-  const std::vector<int> response_tensor_fields_;
-  grpc::ByteBuffer message_;  // the request being written: requests_'s message next_
+  MicroBatch<Req, Resp, Out> batch_;
+  ResponseReader<Req, Resp, Out> reader_;
+  grpc::ByteBuffer message_;  // the request being written: batch_.requests's message next_
   size_t next_ = 0;
   grpc::ByteBuffer read_;
-  wire::IncomingMessage incoming_;
-  Resp first_;
-  size_t responses_ = 0;
-  bool last_seen_ = false;
+  bool reported_ = false;
   absl::Status error_;
-  Accept accept_;
-  Finish finish_;
-  Done done_;
+};
+
+using SteadyClock = std::chrono::steady_clock;
+
+// A long-lived stream as its link sees it (kinds: Forward, Backward).
+enum StreamKind { kForwardStreams = 0, kBackwardStreams = 1 };
+class LongLivedStream {
+ public:
+  virtual ~LongLivedStream() = default;
+  // Under the link's lock, on a stream just taken out of the idle list: it will be ended.
+  virtual void TakeForEndingLocked() = 0;
+  // Ends the stream so taken (outside the link's lock).
+  virtual void End() = 0;
+};
+
+}  // namespace
+
+struct StreamLink::Streams {
+  std::mutex mu;
+  std::condition_variable gone;  // a stream ended
+  bool shut_down = false;
+  int live = 0;
+  std::vector<LongLivedStream*> idle[2];  // by StreamKind
+};
+
+namespace {
+
+// One long-lived Forward or Backward stream (see StreamLink): micro-batches one at a time, each
+// its request messages then its responses; the next response read is always outstanding, so a
+// stream that dies while idle leaves the idle list at once. A hold (gRPC's AddHold) keeps the
+// call open while the link may hand it a micro-batch from another thread; exactly one party
+// releases it, decided under the link's lock: the reaction that finds the stream broken, or
+// whoever ends it.
+template <typename Req, typename Resp, typename Out>
+class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                           public LongLivedStream {
+ public:
+  using Batch = MicroBatch<Req, Resp, Out>;
+
+  // Runs `batch` on an idle stream of `link`, or on a new one.
+  static void Run(const Connection& conn, StreamLink& link, StreamKind kind, const char* method,
+                  const std::vector<int>& response_tensor_fields, Batch batch) {
+    StreamLink::Streams& streams = link.streams();
+    std::vector<PooledStream*> retired;
+    PooledStream* taken = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(streams.mu);
+      std::vector<LongLivedStream*>& idle = streams.idle[kind];
+      const SteadyClock::time_point now = SteadyClock::now();
+      while (taken == nullptr && !idle.empty()) {
+        auto* s = static_cast<PooledStream*>(idle.back());
+        idle.pop_back();
+        if (now >= s->retire_at_) {
+          s->TakeForEndingLocked();
+          retired.push_back(s);
+        } else {
+          s->TakeLocked(std::move(batch));
+          taken = s;
+        }
+      }
+      if (taken == nullptr) ++streams.live;
+    }
+    for (PooledStream* s : retired) s->End();
+    if (taken != nullptr) {
+      taken->Begin();
+      return;
+    }
+    auto* s = new PooledStream(link.shared_from_this(), kind, response_tensor_fields,
+                               conn.options().timeout);
+    s->Open(conn, method, std::move(batch));
+  }
+
+  void TakeForEndingLocked() override { state_ = State::kEnding; }
+  void End() override {
+    StartWritesDone();
+    RemoveHold();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (ok && ++next_ < batch_.requests.size()) {
+      message_ = batch_.requests.Build(next_);
+      StartWrite(&message_);
+      return;
+    }
+    message_.Clear();
+    bool complete = false;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      writing_ = false;
+      if (!ok) broken_ = true;
+      complete = answered_ && !broken_;
+    }
+    if (complete) {
+      Complete();
+    } else {
+      ReleaseIfBroken();
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      ReadFailed();
+      return;
+    }
+    bool expected;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      expected = state_ == State::kBusy && !answered_;
+    }
+    absl::Status st = expected ? reader_.Take(&read_, batch_)
+                               : absl::DataLossError("the server answered no micro-batch");
+    if (!st.ok()) {
+      // A response this client cannot use: end the stream; OnDone reports `st`.
+      error_ = st;
+      context_.TryCancel();
+      ReadFailed();
+      return;
+    }
+    if (!reader_.complete()) {
+      StartRead(&read_);
+      return;
+    }
+    StartRead(&read_);  // the next micro-batch's first response, or the stream's end
+    bool complete = false;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      answered_ = true;
+      complete = !writing_ && !broken_;
+    }
+    if (complete) Complete();
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    std::function<void(absl::StatusOr<Out>)> done;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      if (state_ == State::kBusy) done = std::move(batch_.done);
+      state_ = State::kGone;
+      --streams().live;
+    }
+    streams().gone.notify_all();
+    if (done) {
+      if (!error_.ok()) {
+        done(error_);
+      } else if (!status.ok()) {
+        done(FromGrpcStatus(status));
+      } else {
+        done(absl::DataLossError("the server ended the stream before answering the micro-batch"));
+      }
+    }
+    delete this;
+  }
+
+ private:
+  enum class State { kIdle, kBusy, kEnding, kGone };
+
+  PooledStream(std::shared_ptr<StreamLink> link, StreamKind kind,
+               std::vector<int> response_tensor_fields, std::chrono::milliseconds timeout)
+      : link_(std::move(link)), kind_(kind), reader_(std::move(response_tensor_fields)) {
+    retire_at_ = SteadyClock::now() + timeout;
+    // Twice the timeout, saturating: a micro-batch taken just before retirement gets a whole one.
+    const auto now = std::chrono::system_clock::now();
+    const auto max = std::chrono::system_clock::time_point::max();
+    deadline_ = timeout > std::chrono::duration_cast<std::chrono::milliseconds>(max - now) / 2
+                    ? max
+                    : now + 2 * timeout;
+  }
+
+  StreamLink::Streams& streams() { return link_->streams(); }
+
+  // Opens the stream with `batch` as its first micro-batch.
+  void Open(const Connection& conn, const char* method, Batch batch) {
+    conn.Prepare(&context_);
+    context_.set_deadline(deadline_);
+    link_->stub().PrepareBidiStreamingCall(&context_, method, grpc::StubOptions(), this);
+    AddHold();
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      TakeLocked(std::move(batch));
+    }
+    Begin();
+    StartRead(&read_);
+    StartCall();
+  }
+
+  // Under the link's lock: the stream carries `batch` next.
+  void TakeLocked(Batch batch) {
+    state_ = State::kBusy;
+    batch_ = std::move(batch);
+    writing_ = true;
+    answered_ = false;
+  }
+  // Starts writing the micro-batch taken.
+  void Begin() {
+    reader_.Reset();
+    next_ = 0;
+    message_ = batch_.requests.Build(0);
+    StartWrite(&message_);
+  }
+
+  // The micro-batch is answered and its requests written: back to the idle list, or ended when
+  // the link shuts down or the stream is past its retirement; then the caller hears.
+  void Complete() {
+    absl::StatusOr<Out> result = reader_.Finish(batch_);
+    std::function<void(absl::StatusOr<Out>)> done = std::move(batch_.done);
+    batch_ = Batch();  // lets go of the call's tensors
+    bool end = false;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      if (streams().shut_down || SteadyClock::now() >= retire_at_) {
+        state_ = State::kEnding;
+        end = true;
+      } else {
+        state_ = State::kIdle;
+        streams().idle[kind_].push_back(this);
+      }
+    }
+    if (end) End();
+    done(std::move(result));
+  }
+
+  void ReadFailed() {
+    bool release = false;
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      if (state_ == State::kIdle) {
+        std::vector<LongLivedStream*>& idle = streams().idle[kind_];
+        idle.erase(std::remove(idle.begin(), idle.end(), this), idle.end());
+        state_ = State::kGone;
+        release = true;
+      } else if (state_ == State::kBusy) {
+        broken_ = true;
+      }
+    }
+    if (release) {
+      RemoveHold();
+    } else {
+      ReleaseIfBroken();
+    }
+  }
+
+  // A busy stream that broke lets go of its hold once no write of ours is outstanding; OnDone
+  // then reports the micro-batch's error.
+  void ReleaseIfBroken() {
+    {
+      std::lock_guard<std::mutex> lock(streams().mu);
+      if (state_ != State::kBusy || !broken_ || writing_ || released_) return;
+      released_ = true;
+    }
+    RemoveHold();
+  }
+
+  const std::shared_ptr<StreamLink> link_;
+  const StreamKind kind_;
+  SteadyClock::time_point retire_at_;
+  std::chrono::system_clock::time_point deadline_;
+  grpc::ClientContext context_;
+  Batch batch_;
+  ResponseReader<Req, Resp, Out> reader_;
+  grpc::ByteBuffer message_;  // the request being written: batch_.requests's message next_
+  size_t next_ = 0;
+  grpc::ByteBuffer read_;
+  absl::Status error_;
+  // Under the link's lock.
+  State state_ = State::kIdle;
+  bool writing_ = false;   // a request message of ours is being written
+  bool answered_ = false;  // the micro-batch's last response has arrived
+  bool broken_ = false;    // a read or write failed: the stream takes nothing more
+  bool released_ = false;
 };
 
 // Moves the tensor `assembler` collected into `*out`. A tensor no response carried is an error
@@ -187,59 +490,109 @@ absl::Status ResponseTensors::FinishInto(size_t i, bool required, Tensor* out) {
   return client::FinishInto(whole[i], required, out);
 }
 
-void StartForwardStream(const Connection& conn, grpc::GenericStub& stub, const ForwardCall& call,
+StreamLink::StreamLink(std::shared_ptr<grpc::Channel> channel)
+    : stub_(std::move(channel)), streams_(std::make_unique<Streams>()) {}
+
+StreamLink::~StreamLink() = default;
+
+void StreamLink::ShutDown(std::chrono::milliseconds wait) {
+  std::vector<LongLivedStream*> idle;
+  {
+    std::lock_guard<std::mutex> lock(streams_->mu);
+    streams_->shut_down = true;
+    for (std::vector<LongLivedStream*>& kind : streams_->idle) {
+      for (LongLivedStream* s : kind) {
+        s->TakeForEndingLocked();
+        idle.push_back(s);
+      }
+      kind.clear();
+    }
+  }
+  for (LongLivedStream* s : idle) s->End();
+  std::unique_lock<std::mutex> lock(streams_->mu);
+  streams_->gone.wait_for(lock, wait, [this] { return streams_->live == 0; });
+}
+
+namespace {
+
+// Runs `batch` on a long-lived stream of `link` when it is a whole micro-batch nobody tracks,
+// else on a stream of its own.
+template <typename Req, typename Resp, typename Out>
+void RunMicroBatch(const Connection& conn, StreamLink& link, StreamKind kind, const char* method,
+                   const std::vector<int>& response_tensor_fields, bool whole,
+                   MicroBatch<Req, Resp, Out> batch, const TrackContext& track) {
+  if (whole && !track) {
+    PooledStream<Req, Resp, Out>::Run(conn, link, kind, method, response_tensor_fields,
+                                      std::move(batch));
+    return;
+  }
+  auto* stream = new StreamCall<Req, Resp, Out>(std::move(batch), response_tensor_fields);
+  stream->Start(conn, link.stub(), method, track);
+}
+
+bool Whole(const StreamRows& rows) { return rows.stripe.count() == 0; }
+
+}  // namespace
+
+void StartForwardStream(const Connection& conn, StreamLink& link, const ForwardCall& call,
                         std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
                         std::shared_ptr<ResponseTensors> outputs,
                         std::function<void(absl::StatusOr<ForwardOutput>)> done,
                         TrackContext track) {
-  auto* stream = new StreamCall<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput>(
-      ForwardRequests(call, std::move(tensors), rows, conn.options()),
-      {v1::ForwardResponse::kOutFieldNumber, v1::ForwardResponse::kExpertIdsFieldNumber,
-       v1::ForwardResponse::kWeightsFieldNumber},
-      [outputs](const v1::ForwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
-        MOE_RETURN_IF_ERROR(outputs->AddIfPresent(0, r.has_out(), r.out(),
-                                                  v1::ForwardResponse::kOutFieldNumber, in));
-        MOE_RETURN_IF_ERROR(outputs->AddIfPresent(1, r.has_expert_ids(), r.expert_ids(),
-                                                  v1::ForwardResponse::kExpertIdsFieldNumber, in));
-        return outputs->AddIfPresent(2, r.has_weights(), r.weights(),
-                                     v1::ForwardResponse::kWeightsFieldNumber, in);
-      },
-      [outputs](const v1::ForwardResponse& first) -> absl::StatusOr<ForwardOutput> {
-        ForwardOutput o;
-        o.context_id = first.context_id();
-        o.aux_loss = first.aux_loss();
-        o.z_loss = first.z_loss();
-        MOE_RETURN_IF_ERROR(outputs->FinishInto(0, /*required=*/true, &o.out));
-        MOE_RETURN_IF_ERROR(outputs->FinishInto(1, /*required=*/false, &o.expert_ids));
-        MOE_RETURN_IF_ERROR(outputs->FinishInto(2, /*required=*/false, &o.weights));
-        return o;
-      },
-      std::move(done));
-  stream->Start(conn, stub, kForwardMethod, track);
+  static const std::vector<int> kFields = {v1::ForwardResponse::kOutFieldNumber,
+                                           v1::ForwardResponse::kExpertIdsFieldNumber,
+                                           v1::ForwardResponse::kWeightsFieldNumber};
+  MicroBatch<v1::ForwardRequest, v1::ForwardResponse, ForwardOutput> batch;
+  batch.requests = ForwardRequests(call, std::move(tensors), rows, conn.options());
+  batch.accept = [outputs](const v1::ForwardResponse& r,
+                           const wire::IncomingMessage& in) -> absl::Status {
+    MOE_RETURN_IF_ERROR(
+        outputs->AddIfPresent(0, r.has_out(), r.out(), v1::ForwardResponse::kOutFieldNumber, in));
+    MOE_RETURN_IF_ERROR(outputs->AddIfPresent(1, r.has_expert_ids(), r.expert_ids(),
+                                              v1::ForwardResponse::kExpertIdsFieldNumber, in));
+    return outputs->AddIfPresent(2, r.has_weights(), r.weights(),
+                                 v1::ForwardResponse::kWeightsFieldNumber, in);
+  };
+  batch.finish = [outputs](const v1::ForwardResponse& first) -> absl::StatusOr<ForwardOutput> {
+    ForwardOutput o;
+    o.context_id = first.context_id();
+    o.aux_loss = first.aux_loss();
+    o.z_loss = first.z_loss();
+    MOE_RETURN_IF_ERROR(outputs->FinishInto(0, /*required=*/true, &o.out));
+    MOE_RETURN_IF_ERROR(outputs->FinishInto(1, /*required=*/false, &o.expert_ids));
+    MOE_RETURN_IF_ERROR(outputs->FinishInto(2, /*required=*/false, &o.weights));
+    return o;
+  };
+  batch.done = std::move(done);
+  RunMicroBatch(conn, link, kForwardStreams, kForwardMethod, kFields, Whole(rows),
+                std::move(batch), track);
 }
 
-void StartBackwardStream(const Connection& conn, grpc::GenericStub& stub, const BackwardCall& call,
+void StartBackwardStream(const Connection& conn, StreamLink& link, const BackwardCall& call,
                          std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
                          std::shared_ptr<ResponseTensors> outputs,
                          std::function<void(absl::StatusOr<BackwardOutput>)> done,
                          TrackContext track) {
-  auto* stream = new StreamCall<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput>(
-      BackwardRequests(call, std::move(tensors), rows, conn.options()),
-      {v1::BackwardResponse::kDxFieldNumber, v1::BackwardResponse::kDweightsFieldNumber},
-      [outputs](const v1::BackwardResponse& r, const wire::IncomingMessage& in) -> absl::Status {
-        MOE_RETURN_IF_ERROR(
-            outputs->AddIfPresent(0, r.has_dx(), r.dx(), v1::BackwardResponse::kDxFieldNumber, in));
-        return outputs->AddIfPresent(1, r.has_dweights(), r.dweights(),
-                                     v1::BackwardResponse::kDweightsFieldNumber, in);
-      },
-      [outputs](const v1::BackwardResponse&) -> absl::StatusOr<BackwardOutput> {
-        BackwardOutput o;
-        MOE_RETURN_IF_ERROR(outputs->FinishInto(0, /*required=*/true, &o.dx));
-        MOE_RETURN_IF_ERROR(outputs->FinishInto(1, /*required=*/false, &o.dweights));
-        return o;
-      },
-      std::move(done));
-  stream->Start(conn, stub, kBackwardMethod, track);
+  static const std::vector<int> kFields = {v1::BackwardResponse::kDxFieldNumber,
+                                           v1::BackwardResponse::kDweightsFieldNumber};
+  MicroBatch<v1::BackwardRequest, v1::BackwardResponse, BackwardOutput> batch;
+  batch.requests = BackwardRequests(call, std::move(tensors), rows, conn.options());
+  batch.accept = [outputs](const v1::BackwardResponse& r,
+                           const wire::IncomingMessage& in) -> absl::Status {
+    MOE_RETURN_IF_ERROR(
+        outputs->AddIfPresent(0, r.has_dx(), r.dx(), v1::BackwardResponse::kDxFieldNumber, in));
+    return outputs->AddIfPresent(1, r.has_dweights(), r.dweights(),
+                                 v1::BackwardResponse::kDweightsFieldNumber, in);
+  };
+  batch.finish = [outputs](const v1::BackwardResponse&) -> absl::StatusOr<BackwardOutput> {
+    BackwardOutput o;
+    MOE_RETURN_IF_ERROR(outputs->FinishInto(0, /*required=*/true, &o.dx));
+    MOE_RETURN_IF_ERROR(outputs->FinishInto(1, /*required=*/false, &o.dweights));
+    return o;
+  };
+  batch.done = std::move(done);
+  RunMicroBatch(conn, link, kBackwardStreams, kBackwardMethod, kFields, Whole(rows),
+                std::move(batch), track);
 }
 
 }  // namespace moe::client

@@ -4,14 +4,20 @@
 //
 // Each stream is a heap-allocated gRPC callback reactor (ClientBidiReactor) that deletes itself
 // when the call ends, so the caller's thread never waits unless it asks the future it was given.
-// A whole micro-batch is one stream; a striped one is several, which share their outputs
-// (striping.cc).
+// A whole micro-batch goes on a long-lived stream of its connection (StreamLink), which carries
+// the connection's micro-batches one after another; a striped one is several streams of its own,
+// which share their outputs (striping.cc).
+//
+// Why long-lived: opening a stream and ending it cost two extra round trips between client and
+// server threads per micro-batch; where the tensors go by reference that was most of a call's
+// time outside the engine (docs/decisions/0017-long-lived-streams.md).
 #ifndef MOE_CLIENT_STREAM_CALL_H_
 #define MOE_CLIENT_STREAM_CALL_H_
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -81,19 +87,47 @@ struct ResponseTensors {
 inline constexpr const char* kForwardResponseTensors[] = {"out", "expert_ids", "weights"};
 inline constexpr const char* kBackwardResponseTensors[] = {"dx", "dweights"};
 
+// One of a connection's TCP connections (ClientOptions::connections): the raw-buffer stub of its
+// Forward and Backward streams, and the long-lived streams open on it. A stream carries one
+// micro-batch at a time (the server answers a stream's micro-batches in order, so a failure
+// would also fail those queued behind it); a micro-batch takes an idle stream or opens one, so
+// a link has as many as it had micro-batches in flight at once. Deadline: a stream is opened
+// with twice ClientOptions::timeout and takes no micro-batch after the first timeout, so each
+// micro-batch gets at least the timeout. Thread-safe; the streams hold the link.
+class StreamLink : public std::enable_shared_from_this<StreamLink> {
+ public:
+  explicit StreamLink(std::shared_ptr<grpc::Channel> channel);
+  ~StreamLink();
+  StreamLink(const StreamLink&) = delete;
+  StreamLink& operator=(const StreamLink&) = delete;
+
+  grpc::GenericStub& stub() { return stub_; }
+  // The connection is going away: ends the idle streams at once and each busy one once its
+  // micro-batch is answered, waiting up to `wait` for them to go.
+  void ShutDown(std::chrono::milliseconds wait);
+
+  struct Streams;  // the streams' bookkeeping (stream_call.cc)
+  Streams& streams() { return *streams_; }
+
+ private:
+  grpc::GenericStub stub_;
+  std::unique_ptr<Streams> streams_;
+};
+
 // Sees a stream's context before the stream starts (a striped call cancels the other streams
 // when one fails).
 using TrackContext = std::function<void(grpc::ClientContext*)>;
 
-// Starts one stream of a Forward or Backward on `stub` with `conn`'s deadline and metadata: it
-// sends `rows` of `tensors` by reference to them, puts the response's tensors into `outputs`
-// and reports the result to `done`.
-void StartForwardStream(const Connection& conn, grpc::GenericStub& stub, const ForwardCall& call,
+// Runs a Forward or Backward on `link` with `conn`'s deadline and metadata: it sends `rows` of
+// `tensors` by reference to them, puts the response's tensors into `outputs` and reports the
+// result to `done`. A whole micro-batch without `track` goes on a long-lived stream; anything
+// else on a stream of its own.
+void StartForwardStream(const Connection& conn, StreamLink& link, const ForwardCall& call,
                         std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
                         std::shared_ptr<ResponseTensors> outputs,
                         std::function<void(absl::StatusOr<ForwardOutput>)> done,
                         TrackContext track = nullptr);
-void StartBackwardStream(const Connection& conn, grpc::GenericStub& stub, const BackwardCall& call,
+void StartBackwardStream(const Connection& conn, StreamLink& link, const BackwardCall& call,
                          std::shared_ptr<const std::vector<Tensor>> tensors, const StreamRows& rows,
                          std::shared_ptr<ResponseTensors> outputs,
                          std::function<void(absl::StatusOr<BackwardOutput>)> done,

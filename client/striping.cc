@@ -190,7 +190,7 @@ void Connection::StartTcpForward(const ForwardCall& whole, Tensor&& x, Tensor&& 
   tensors->push_back(std::move(ids));
   tensors->push_back(std::move(weights));
   if (stripes == 1) {
-    StartForwardStream(*this, NextRawStub(), whole, tensors, StreamRows(),
+    StartForwardStream(*this, NextLink(), whole, tensors, StreamRows(),
                        ResponseTensors::Whole(kForwardResponseTensors), std::move(done));
     return;
   }
@@ -217,7 +217,7 @@ void Connection::StartTcpForward(const ForwardCall& whole, Tensor&& x, Tensor&& 
   StartStripes(stripes, rows, striped, outputs,
                [&](const StreamRows& stripe, std::shared_ptr<ResponseTensors> mine, auto done,
                    TrackContext track) {
-                 StartForwardStream(*this, NextRawStub(), call, tensors, stripe, std::move(mine),
+                 StartForwardStream(*this, NextLink(), call, tensors, stripe, std::move(mine),
                                     std::move(done), std::move(track));
                });
 }
@@ -255,7 +255,7 @@ void Connection::StartTcpBackward(const BackwardCall& call, Tensor&& dout,
   auto tensors = std::make_shared<std::vector<Tensor>>();
   tensors->push_back(std::move(dout));
   if (stripes == 1) {
-    StartBackwardStream(*this, NextRawStub(), call, tensors, StreamRows(),
+    StartBackwardStream(*this, NextLink(), call, tensors, StreamRows(),
                         ResponseTensors::Whole(kBackwardResponseTensors), std::move(done));
     return;
   }
@@ -273,7 +273,7 @@ void Connection::StartTcpBackward(const BackwardCall& call, Tensor&& dout,
   StartStripes(stripes, rows, striped, outputs,
                [&](const StreamRows& stripe, std::shared_ptr<ResponseTensors> mine, auto done,
                    TrackContext track) {
-                 StartBackwardStream(*this, NextRawStub(), call, tensors, stripe, std::move(mine),
+                 StartBackwardStream(*this, NextLink(), call, tensors, stripe, std::move(mine),
                                      std::move(done), std::move(track));
                });
 }

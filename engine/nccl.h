@@ -1,6 +1,6 @@
 // NCCL links between the engine's device and a peer process's GPU, as the engine interface
 // (engine/layer.h: Engine::StartNcclLink) hands them to the server (docs/PROTOCOL.md, "NCCL
-// channels"; docs/decisions/0017-nccl-transport.md).
+// channels"; docs/decisions/0018-nccl-transport.md).
 //
 // A link is two two-rank NCCL communicators, one per direction, so each carries its transfers in
 // one order on both ranks. The engine makes both unique ids, starts its side as rank 1 without

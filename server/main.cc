@@ -2,7 +2,8 @@
 // Prometheus metrics on --metrics_port, both on loopback unless --host/--metrics_host say
 // otherwise. Every flag lives here and fills ServerOptions; the rest of the server never reads
 // flags. SIGINT/SIGTERM shut down cleanly (open sessions end, their contexts are freed); SIGHUP
-// reads --tokens_file again, as does a change to it seen within --tokens_reload_seconds.
+// reads --tokens_file again, as does a change to it seen within --tokens_reload_seconds. A fatal
+// signal prints a symbolized backtrace to stderr first.
 #include <csignal>
 #include <cstdio>
 #include <limits>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/crash_trace.h"
 #include "common/host_memory.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -101,6 +103,7 @@ void OnHangup(int) { g_reload = 1; }
 }  // namespace
 
 int main(int argc, char** argv) {
+  moe::InstallCrashBacktrace(argv[0]);  // a crash prints where (common/crash_trace.h)
   // --help lists this file's flags: absl's default lists only those of a file named after the
   // binary (it compares with its name normalized, which drops the leading '/').
   absl::FlagsUsageConfig usage_config;

@@ -1,6 +1,6 @@
 // NcclChannels: the NCCL channels clients opened (OpenNcclChannel), the order their micro-batches'
 // transfers are posted in, and the watchdog that ends a channel whose peer is gone
-// (docs/PROTOCOL.md, "NCCL channels"; docs/decisions/0017-nccl-transport.md).
+// (docs/PROTOCOL.md, "NCCL channels"; docs/decisions/0018-nccl-transport.md).
 //
 // Ownership as for regions (region_registry.h): a channel belongs to the session of the opening
 // call and to its principal. Another principal's id, or one never issued, is NotFound; the same

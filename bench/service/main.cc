@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/service/server_process.h"
 #include "bench/service/service_bench.h"
+#include "common/crash_trace.h"
 
 // The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
 // sized so the CPU engine on two cores finishes it in about a minute. The last two cases have
@@ -88,6 +89,8 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A crash prints where (common/crash_trace.h); the forked server child inherits it.
+  moe::InstallCrashBacktrace(argv[0]);
   // --help lists this file's flags: absl's default lists only those of a file named after the
   // binary (it compares with its name normalized, which drops the leading '/').
   absl::FlagsUsageConfig usage_config;

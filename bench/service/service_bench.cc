@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -423,6 +424,13 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       if (hand_over) owned = mbs;
     };
     std::unique_ptr<DeviceTensors> dev;
+    // Runs before `dev` is freed, on every way out of the case: the server maps each device
+    // block while its region is registered, and CUDA leaves freeing memory that another process
+    // still has open undefined, so the case's regions are unregistered first (no call is in
+    // flight then: a failed step waits for the rest, trainers.cc).
+    absl::Cleanup unregister_regions = [&] {
+      if (dev) (*conn)->ReleaseIdleDeviceRegions().IgnoreError();
+    };
     ServiceTrainer service;
     InprocTrainer inproc;
     if (client_gpu >= 0) {

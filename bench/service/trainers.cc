@@ -34,6 +34,19 @@ Tensor RandomActivations(DType dtype, int64_t rows, int64_t cols, std::mt19937_6
 // Device blocks place each tensor at a multiple of this (CUDA IPC references need 16).
 constexpr int64_t kDeviceAlignment = 256;
 
+// A step that failed returns `failure` only once every call it started is complete and the
+// trainer's stream is idle: the caller frees the trainer's tensors and its stream next, which a
+// call still in flight reads and writes (by CUDA IPC) and orders its results on when it ends.
+template <typename T>
+absl::Status AfterTheRest(std::vector<std::future<T>>& calls, const ServiceTrainer& t,
+                          absl::Status failure) {
+  for (std::future<T>& f : calls) {
+    if (f.valid()) f.wait();
+  }
+  t.finish().IgnoreError();
+  return failure;
+}
+
 }  // namespace
 
 MicroBatch MakeMicroBatch(const LayerConfig& cfg, int64_t tokens, std::mt19937_64& rng) {
@@ -198,7 +211,7 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& 
   for (size_t i = 0; i < fwd.size(); ++i) {
     auto out = fwd[i].get();  // in issue order: a later call's latency is seen no earlier
     if (r) r->forward_latency.push_back(Since(t0));
-    if (!out.ok()) return out.status();
+    if (!out.ok()) return AfterTheRest(fwd, t, out.status());
     if (r) {
       // out is x's size, whether it came back or went to a destination.
       r->payload_bytes += 2 * Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
@@ -212,7 +225,7 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& 
   for (size_t i = 0; i < bwd.size(); ++i) {
     auto out = bwd[i].get();
     if (r) r->backward_latency.push_back(Since(t1));
-    if (!out.ok()) return out.status();
+    if (!out.ok()) return AfterTheRest(bwd, t, out.status());
     // dx is dout's size, dweights the routing weights' (float32 [T, K]).
     if (r) r->payload_bytes += 2 * Bytes(mbs[i].dout) + Bytes(mbs[i].weights);
   }
@@ -228,7 +241,7 @@ absl::Status ServiceInferRound(const ServiceTrainer& t, const std::vector<MicroB
   for (size_t i = 0; i < fwd.size(); ++i) {
     auto out = fwd[i].get();
     if (r) r->forward_latency.push_back(Since(t0));
-    if (!out.ok()) return out.status();
+    if (!out.ok()) return AfterTheRest(fwd, t, out.status());
     if (r) {
       r->payload_bytes += 2 * Bytes(mbs[i].x) + Bytes(mbs[i].ids) + Bytes(mbs[i].weights) +
                           Bytes(out->expert_ids) + Bytes(out->weights);

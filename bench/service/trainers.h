@@ -97,7 +97,9 @@ ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& de
 InprocTrainer DeviceInproc(const DeviceTensors& dev);
 
 // One training step / inference round of `mbs.size()` micro-batches. `r` (may be null: a warmup)
-// gets latencies and payload bytes. A training step ends with Step when `optimizer_step`.
+// gets latencies and payload bytes. A training step ends with Step when `optimizer_step`. A
+// service step that fails returns its first error only once every call it started is complete
+// and `finish` has run, so that the caller may free the tensors and the stream at once.
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
                               const std::vector<MicroBatch>& mbs, bool optimizer_step,
                               ModeResult* r);

@@ -41,11 +41,10 @@ class HandleTable {
       ++it->second.mappings;
       return it->second;
     }
-    if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
-      cudaGetLastError();
-      return absl::InternalError(
-          absl::StrCat("cuda:", device, ": cudaSetDevice failed: ", cudaGetErrorString(err)));
-    }
+    // Opened with the memory's device current, which the calling thread gets back afterwards
+    // (a gRPC thread: whatever it runs next must not inherit this device).
+    DeviceScope scope(device);
+    if (!scope.ok()) return absl::InternalError(absl::StrCat("cannot use ", scope.error()));
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof(h));
     void* p = nullptr;
@@ -75,10 +74,18 @@ class HandleTable {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(handle);
     if (it == open_.end() || --it->second.mappings > 0) return;
-    // A call ordered by a done_event returns while its kernels may still read or write the
+    // A call ordered by a done_event returns while its copies may still read or write the
     // mapping: closing it under them would fault the device. Rare (unregistration, session end).
-    if (cudaSetDevice(it->second.used_on) == cudaSuccess) cudaDeviceSynchronize();
-    cudaIpcCloseMemHandle(it->second.base);
+    {
+      DeviceScope engine(it->second.used_on);
+      if (engine.ok()) cudaDeviceSynchronize();
+    }
+    // Closed with the device it was opened on current (the memory's, not the engine's): the
+    // mapping belongs to that device's context.
+    {
+      DeviceScope opened(it->second.device);
+      if (opened.ok()) cudaIpcCloseMemHandle(it->second.base);
+    }
     cudaGetLastError();  // the exporter may be gone; closing then is all that is left to do
     open_.erase(it);
   }

@@ -1,6 +1,6 @@
 // Two two-rank NCCL communicators between this process's GPU and a peer's, one per direction:
 // what the server's NCCL links (engine/nccl.h) and the client's NCCL channels are made of
-// (docs/decisions/0017-nccl-transport.md).
+// (docs/decisions/0018-nccl-transport.md).
 //
 // Each communicator carries one direction only, so its transfers match in the order each side
 // posts them and a send never waits behind a receive of the other direction. Both are

@@ -6,7 +6,8 @@
 // training Forward and Backward on the mapped memory, writing out and dx into the child's memory.
 // The child waits for "done" on its own stream and sends out and dx back: they must be the bits a
 // layer on host tensors gives. Bad handles, offsets, sizes and devices are refused naming the
-// field, and never crash. GPU only (ctest label "gpu"); scripts/gpu-check runs this binary.
+// field, and never crash. With two GPUs the layer runs on cuda:1 as well, the child's memory on
+// cuda:0. GPU only (ctest label "gpu"); scripts/gpu-check runs this binary.
 #include "engine/cuda/ipc.h"
 
 #include <cuda_runtime.h>
@@ -205,8 +206,11 @@ class ExportChild {
   int to_ = -1, from_ = -1;
 };
 
-TEST(CudaIpcTest, AnotherProcessesMemoryAndEventsDriveALayer) {
-  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+// The trainer child's memory and events on cuda:0 drive a layer on `engine_device`: the same
+// device (read in place), or another one (peer copies in and out, the events waited on and
+// recorded across devices), as a server on one GPU serves a trainer on another.
+void DriveALayerFromAnotherProcess(int engine_device) {
+  SCOPED_TRACE("engine on cuda:" + std::to_string(engine_device));
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -221,7 +225,8 @@ TEST(CudaIpcTest, AnotherProcessesMemoryAndEventsDriveALayer) {
   const testing::Round in = testing::RandomRounds(1, c.dtype, kT, kD, kK, kE, rng)[0];
   cuda::PipelineOptions pipeline;
   pipeline.poison_allocations = true;
-  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(0, {}, pipeline);
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      CreateCudaEngine(engine_device, {}, pipeline);
   ASSERT_TRUE(engine.ok()) << engine.status();
   auto ref = (*engine)->CreateLayer(c), ipc = (*engine)->CreateLayer(c);
   ASSERT_TRUE(ref.ok() && ipc.ok());
@@ -340,8 +345,30 @@ TEST(CudaIpcTest, AnotherProcessesMemoryAndEventsDriveALayer) {
   EXPECT_EQ(cuda::OpenIpcAllocations(), 1);  // dx's mapping still holds it
   mdx->reset();
   EXPECT_EQ(cuda::OpenIpcAllocations(), 0);
+  // Closed for real: the same allocation maps again (a handle left open would be refused), and
+  // the calling thread's device is the one it had.
+  int before = -1, after = -2;
+  ASSERT_EQ(cudaSetDevice(engine_device), cudaSuccess);
+  ASSERT_EQ(cudaGetDevice(&before), cudaSuccess);
+  auto again = eng.MapCudaIpcMemory(e.mem_handle, dev, l.x_off, l.x_bytes);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(cuda::OpenIpcAllocations(), 1);
+  again->reset();
+  EXPECT_EQ(cuda::OpenIpcAllocations(), 0);
+  ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
+  EXPECT_EQ(after, before);
   ASSERT_TRUE(Send(child.to(), "bye"));
   EXPECT_EQ(child.Wait(), 0);
+}
+
+TEST(CudaIpcTest, AnotherProcessesMemoryAndEventsDriveALayer) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  DriveALayerFromAnotherProcess(0);
+}
+
+TEST(CudaIpcTest, AnotherGpusMemoryAndEventsDriveALayer) {
+  if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  DriveALayerFromAnotherProcess(1);
 }
 
 TEST(CudaIpcExportTest, ExportsNameTheAllocationAndTheOffsetInIt) {
