@@ -247,7 +247,10 @@ class Connection {
   // (kStaged), the inputs are copied to host memory on `stream` before the call returns and the
   // results onto `stream` before the future is ready. Host destinations are written before the
   // future is ready. With TCP for host tensors, a call that also names device tensors by CUDA
-  // IPC is one message, so its host tensors must fit the server's message size.
+  // IPC is one message, so its host tensors must fit the server's message size. Over NCCL
+  // (ClientOptions::device_transport; a call whose tensors and destinations out, dx and any
+  // dweights are all on one device) the ordering on `stream` is CUDA IPC's, with no alignment or
+  // allocator rule; a failed call may have written the destinations (they then hold zeros).
   std::future<absl::StatusOr<ForwardOutput>> ForwardInto(
       const std::string& layer, uint64_t context_id, bool training, const TensorView& x,
       const TensorView& ids, const TensorView& weights, const MutableTensorView& out,

@@ -91,17 +91,16 @@ TEST_F(NcclTest, DeviceTensorsOverNcclGiveTheBitsOfHostTensors) {
 }
 
 TEST_F(NcclTest, AKilledTrainerLeavesTheServerServing) {
+  // Everything the child needs is made before the fork: it only execs.
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const std::string flag = "--nccl-victim=" + target_;
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
   const pid_t victim = fork();
   if (victim == 0) {
     dup2(ready[1], 1);
     close(ready[0]);
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (n <= 0) _exit(127);
-    self[n] = '\0';
-    const std::string flag = "--nccl-victim=" + target_;
     execl(self, self, flag.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
