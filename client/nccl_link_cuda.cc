@@ -56,7 +56,11 @@ class CudaLink final : public Link {
   absl::Status WaitReady(std::chrono::milliseconds timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      const absl::Status st = pair_->Poll();
+      // Ready, then warm (NcclPair::StartWarmUp): the server warms its side up as soon as its
+      // communicators are ready.
+      absl::Status st = pair_->Poll();
+      if (st.ok()) st = pair_->StartWarmUp();
+      if (st.ok()) st = pair_->PollWarmUp();
       if (!absl::IsUnavailable(st)) return st;
       if (std::chrono::steady_clock::now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(

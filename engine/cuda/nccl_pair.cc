@@ -109,6 +109,84 @@ NcclPair::~NcclPair() {
   for (void* s : {send_stream_, recv_stream_}) {
     if (s != nullptr) cudaStreamDestroy(Stream(s));
   }
+  for (void* e : warm_events_) {
+    if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  }
+  if (warm_buffer_ != nullptr) cudaFree(warm_buffer_);
+}
+
+absl::Status NcclPair::StartWarmUp() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_.ok()) return failed_;
+  if (!ready_) return absl::FailedPreconditionError("nccl: communicators not ready");
+  if (warm_started_) return absl::OkStatus();
+  DeviceScope scope(device_);
+  if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
+  if (cudaError_t e = cudaMalloc(&warm_buffer_, 2); e != cudaSuccess) {
+    failed_ = CudaError(e, "cudaMalloc");
+    return failed_;
+  }
+  // One operation per communicator, each its own implicit group; neither waits here.
+  char* bytes = static_cast<char*>(warm_buffer_);
+  ncclResult_t r = ncclSend(bytes, 1, ncclUint8, peer_, Comm(send_comm_), Stream(send_stream_));
+  if (r == ncclSuccess || r == ncclInProgress) {
+    r = ncclRecv(bytes + 1, 1, ncclUint8, peer_, Comm(recv_comm_), Stream(recv_stream_));
+  }
+  if (r != ncclSuccess && r != ncclInProgress) {
+    failed_ = NcclError(r, "warming up");
+    return failed_;
+  }
+  warm_started_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status NcclPair::PollWarmUp() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_.ok()) return failed_;
+  if (!warm_started_) return absl::FailedPreconditionError("nccl: warm-up not started");
+  if (warm_) return absl::OkStatus();
+  bool pending = false;
+  void* comms[2] = {send_comm_, recv_comm_};
+  void* streams[2] = {send_stream_, recv_stream_};
+  for (int i = 0; i < 2; ++i) {
+    if (warm_events_[i] == nullptr) {
+      // Enqueued on the stream once the communicator is no longer "in progress".
+      ncclResult_t state = ncclSuccess;
+      if (ncclResult_t r = ncclCommGetAsyncError(Comm(comms[i]), &state); r != ncclSuccess) {
+        state = r;
+      }
+      if (state == ncclInProgress) {
+        pending = true;
+        continue;
+      }
+      if (state != ncclSuccess) {
+        failed_ = NcclError(state, "warming up");
+        return failed_;
+      }
+      DeviceScope scope(device_);
+      cudaEvent_t event = nullptr;
+      if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+          e != cudaSuccess) {
+        failed_ = CudaError(e, "cudaEventCreateWithFlags");
+        return failed_;
+      }
+      warm_events_[i] = event;
+      if (cudaError_t e = cudaEventRecord(event, Stream(streams[i])); e != cudaSuccess) {
+        failed_ = CudaError(e, "cudaEventRecord");
+        return failed_;
+      }
+    }
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(warm_events_[i]));
+    if (q == cudaErrorNotReady) {
+      pending = true;
+    } else if (q != cudaSuccess) {
+      failed_ = CudaError(q, "warming up");
+      return failed_;
+    }
+  }
+  if (pending) return absl::UnavailableError("nccl: warming up");
+  warm_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status NcclPair::Poll() {
@@ -158,7 +236,7 @@ absl::StatusOr<std::unique_ptr<StreamCompletion>> NcclPair::Post(
     bool send, absl::Span<const NcclBuffer> buffers, void* wait_event, bool zero) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.ok()) return absl::FailedPreconditionError(failed_.message());
-  if (!ready_) return absl::FailedPreconditionError("nccl: communicators not ready");
+  if (!warm_) return absl::FailedPreconditionError("nccl: communicators not warmed up");
   DeviceScope scope(device_);
   if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
   void* comm = send ? send_comm_ : recv_comm_;

@@ -57,9 +57,17 @@ class NcclPair {
   // OK once both communicators are ready, Unavailable while they bootstrap, their error once one
   // failed (sticky, as is an abort).
   absl::Status Poll();
+  // The first transfer on each communicator, one byte each way. NCCL connects two ranks at their
+  // first send and receive, and connecting needs both sides at once; a post waiting for that
+  // could wait on a peer that only posts once the post's call reaches it. So each side warms its
+  // communicators up once, right after they are ready, and Send / Receive refuse before.
+  // StartWarmUp posts without waiting (once; later calls do nothing); PollWarmUp is OK once both
+  // transfers are complete, Unavailable while they are not, the error once one failed.
+  absl::Status StartWarmUp();
+  absl::Status PollWarmUp();
   // Posts sends of `buffers` (receives into them), in order, on this direction's stream, after
   // `wait_event` (a cudaEvent_t; null: none) and, for Send with `zero`, after filling them with
-  // zeros. FailedPrecondition before the communicators are ready or after an abort.
+  // zeros. FailedPrecondition before the communicators are warm or after an abort.
   absl::StatusOr<std::unique_ptr<StreamCompletion>> Send(absl::Span<const NcclBuffer> buffers,
                                                          void* wait_event, bool zero);
   absl::StatusOr<std::unique_ptr<StreamCompletion>> Receive(absl::Span<const NcclBuffer> buffers,
@@ -83,6 +91,10 @@ class NcclPair {
   void* send_stream_ = nullptr;  // cudaStream_t
   void* recv_stream_ = nullptr;
   bool ready_ = false;
+  void* warm_buffer_ = nullptr;  // two bytes of device memory: one sent, one received
+  bool warm_started_ = false;
+  bool warm_ = false;
+  void* warm_events_[2] = {nullptr, nullptr};  // cudaEvent_t after each warm-up transfer
   absl::Status failed_;  // sticky
 };
 
