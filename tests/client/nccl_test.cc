@@ -10,6 +10,8 @@
 //   channel is aborted when its session ends, and the server goes on serving another trainer
 //   over NCCL. The killed trainer is this binary again (--nccl-victim=<target>), so it starts
 //   CUDA in a fresh process.
+// - A server without NCCL (the CPU engine) gets the device tensors staged, and the connection's
+//   log says why (one GPU is enough for that one).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -123,6 +125,39 @@ TEST_F(NcclTest, AKilledTrainerLeavesTheServerServing) {
   ExpectSameTraining(*conn, "-after-kill");
   EXPECT_EQ((*conn)->device_transport(), client::DeviceTransport::kNccl);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+}
+
+// A connection that asks for NCCL from a server that has none (the CPU engine) stages its device
+// tensors through host memory instead, and says why in one line. One GPU is enough.
+TEST(NcclFallbackTest, AServerWithoutNcclGetsStagedTensorsAndTheLogSaysWhy) {
+  if (!cuda_test::HaveGpu()) GTEST_SKIP() << "no GPU";
+  ServerProcess server;
+  const std::string target = server.Start("cpu");
+  ASSERT_FALSE(target.empty());
+  ASSERT_CUDA(cudaSetDevice(0));
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<std::string> log;
+  auto conn = Connect(target, client::DeviceTransportRequest::kNccl, &log);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto layer = client::RemoteLayer::Create(*conn, "fallback", Config());
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::mt19937 rng(3);
+  auto mb = cuda_test::MakeMicroBatch(Config(), 64, rng);
+  ASSERT_TRUE(mb);
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_CUDA(cudaMemcpy(mb->d(k), mb->h(k), mb->bytes[k], cudaMemcpyHostToDevice));
+  }
+  auto r = (*layer)
+               ->ForwardInto(mb->DeviceIn(0), mb->DeviceIn(1), mb->DeviceIn(2), mb->DeviceOut(4),
+                             stream)
+               .get();
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*conn)->device_transport(), client::DeviceTransport::kStaged);
+  bool said = false;
+  for (const std::string& line : log) said = said || absl::StrContains(line, "NCCL refused");
+  EXPECT_TRUE(said) << "log: " << (log.empty() ? "(empty)" : log.back());
+  cudaStreamDestroy(stream);
 }
 
 // The killed trainer: opens a channel and sends an NCCL Forward whose bytes it never posts, so
