@@ -2,9 +2,11 @@
 // (CUDA IPC cannot open a handle in the process that made it): by CUDA IPC (kSharedMemory, and
 // kAuto deciding so at the first device call) and staged through host memory (kTcp), training
 // with two Forwards in flight (their Backwards one at a time, as gradients sum in the order they
-// run) into device destinations on a non-default stream gives the bits of host tensors over TCP; the inputs are written on that stream just before each call and
-// the results read on it just after, so a missing order shows; a misaligned tensor is refused
-// naming its field. Needs a GPU (label gpu): skipped without one.
+// run) into device destinations on a non-default stream gives the bits of host tensors over
+// TCP; the inputs are written on that stream just before each call and the results read on it
+// just after, so a missing order shows; a misaligned tensor is refused naming its field. With
+// two GPUs the same holds for a server on the other GPU (peer copies, events across devices).
+// Needs a GPU (label gpu): skipped without one.
 //
 // The server is the moe-server binary: $MOE_SERVER, else the one next to this test (a prebuilt
 // directory), else the build tree's.
@@ -33,10 +35,11 @@ namespace {
 
 #define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
 
-bool HaveGpu() {
+int GpuCount() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+bool HaveGpu() { return GpuCount() > 0; }
 
 std::string ServerBinary() {
   if (const char* env = std::getenv("MOE_SERVER")) return env;
@@ -50,7 +53,7 @@ std::string ServerBinary() {
   return MOE_SERVER_PATH;
 }
 
-// moe-server --device=cuda:0 on loopback with a free port, its stdout in a file; stopped with
+// moe-server --device=`device` on loopback with a free port, its stdout in a file; stopped with
 // the object.
 class ServerProcess {
  public:
@@ -62,14 +65,15 @@ class ServerProcess {
     if (!log_.empty()) unlink(log_.c_str());
   }
   // The target once it serves, or "" (the log says why).
-  std::string Start() {
+  std::string Start(const std::string& device) {
     log_ = absl::StrCat(::testing::TempDir(), "/moe_server_", getpid(), ".log");
+    const std::string device_flag = "--device=" + device;
     const std::string binary = ServerBinary();
     pid_ = fork();
     if (pid_ == 0) {
       if (!std::freopen(log_.c_str(), "w", stdout)) _exit(127);
       dup2(fileno(stdout), 2);
-      execl(binary.c_str(), binary.c_str(), "--device=cuda:0", "--host=127.0.0.1", "--port=0",
+      execl(binary.c_str(), binary.c_str(), device_flag.c_str(), "--host=127.0.0.1", "--port=0",
             "--metrics_port=-1", static_cast<char*>(nullptr));
       _exit(127);
     }
@@ -185,7 +189,9 @@ class CudaIpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-    target_ = server_.Start();
+    if (server_device_ != "cuda:0" && GpuCount() < 2) GTEST_SKIP() << "needs two GPUs";
+    ASSERT_CUDA(cudaSetDevice(0));
+    target_ = server_.Start(server_device_);
     ASSERT_FALSE(target_.empty());
     ASSERT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
@@ -281,9 +287,16 @@ class CudaIpcTest : public ::testing::Test {
     }
   }
 
+  std::string server_device_ = "cuda:0";
   ServerProcess server_;
   std::string target_;
   cudaStream_t stream_ = nullptr;
+};
+
+// The trainer's tensors on cuda:0, the server on cuda:1 (gpu-check runs it where there are two).
+class CudaIpcOnAnotherGpuTest : public CudaIpcTest {
+ protected:
+  CudaIpcOnAnotherGpuTest() { server_device_ = "cuda:1"; }
 };
 
 TEST_F(CudaIpcTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
@@ -291,6 +304,13 @@ TEST_F(CudaIpcTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
   ASSERT_TRUE(conn);
   EXPECT_EQ(conn->device_transport(), client::DeviceTransport::kCudaIpc);
   ExpectSameTraining(conn, "-ipc");
+}
+
+TEST_F(CudaIpcOnAnotherGpuTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
+  auto conn = Connect(client::Transport::kSharedMemory);
+  ASSERT_TRUE(conn);
+  EXPECT_EQ(conn->device_transport(), client::DeviceTransport::kCudaIpc);
+  ExpectSameTraining(conn, "-ipc-x2");
 }
 
 TEST_F(CudaIpcTest, AutoDecidesCudaIpcAtTheFirstDeviceCallAndSaysSo) {
