@@ -297,14 +297,13 @@ void DriveALayerFromAnotherProcess(int engine_device) {
                 "device: cuda:" + std::to_string(count) + " out of range");
   EXPECT_EQ(cuda::OpenIpcAllocations(), 1);
 
-  int current = -1;
+  int current = -1, after_open = -2;
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
   auto ready = eng.OpenCudaIpcEvent(e.event_handle, dev);
   auto done = eng.CreateCudaIpcEvent();
   ASSERT_TRUE(ready.ok() && done.ok()) << ready.status() << done.status();
-  int after = -1;
-  ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
-  EXPECT_EQ(after, current) << "opening an event changed the thread's device";
+  ASSERT_EQ(cudaGetDevice(&after_open), cudaSuccess);
+  EXPECT_EQ(after_open, current) << "opening an event changed the thread's device";
   EXPECT_EQ((*ready)->device(), dev);
   EXPECT_EQ(done->first->device(), engine_device);
   EXPECT_EQ(done->second.size(), kCudaIpcHandleBytes);
