@@ -200,9 +200,10 @@ absl::Status Connection::UnregisterRegion(uint64_t region_id) {
 }
 
 absl::StatusOr<v1::RegisterEventsResponse> Connection::RegisterEvents(
-    const std::string& wait_event_handle) {
+    const std::string& wait_event_handle, int device) {
   v1::RegisterEventsRequest req;
   req.set_wait_event_handle(wait_event_handle);
+  req.set_device(device);
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::RegisterEvents, req);
 }
 

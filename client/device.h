@@ -44,8 +44,8 @@ class Event {
  public:
   // A new event on `device`.
   static absl::StatusOr<std::unique_ptr<Event>> Create(int device);
-  // Another process's event.
-  static absl::StatusOr<std::unique_ptr<Event>> Open(absl::string_view handle);
+  // Another process's event, made on `device` (opened with it current).
+  static absl::StatusOr<std::unique_ptr<Event>> Open(absl::string_view handle, int device);
   virtual ~Event() = default;
   virtual const std::string& handle() const = 0;  // cudaIpcEventHandle_t bytes
   // Records the event on `stream`, a stream of `device` (the device is made current meanwhile,

@@ -80,8 +80,8 @@ absl::StatusOr<std::unique_ptr<Event>> Event::Create(int device) {
   return std::unique_ptr<Event>(new CudaEvent(std::move(*e)));
 }
 
-absl::StatusOr<std::unique_ptr<Event>> Event::Open(absl::string_view handle) {
-  absl::StatusOr<cuda::InterprocessEvent> e = cuda::InterprocessEvent::Open(handle);
+absl::StatusOr<std::unique_ptr<Event>> Event::Open(absl::string_view handle, int device) {
+  absl::StatusOr<cuda::InterprocessEvent> e = cuda::InterprocessEvent::Open(handle, device);
   if (!e.ok()) return e.status();
   return std::unique_ptr<Event>(new CudaEvent(std::move(*e)));
 }

@@ -20,7 +20,7 @@ absl::StatusOr<ExportedTensor> ExportTensor(const void*, int64_t, absl::string_v
 
 absl::StatusOr<std::unique_ptr<Event>> Event::Create(int) { return NoCuda(); }
 
-absl::StatusOr<std::unique_ptr<Event>> Event::Open(absl::string_view) { return NoCuda(); }
+absl::StatusOr<std::unique_ptr<Event>> Event::Open(absl::string_view, int) { return NoCuda(); }
 
 absl::Status CopyToHost(void*, const void*, size_t, int, void*, absl::string_view) {
   return NoCuda();

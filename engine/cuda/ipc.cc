@@ -120,6 +120,7 @@ class IpcEvent : public SharedEvent {
  public:
   explicit IpcEvent(InterprocessEvent event) : event_(std::move(event)) {}
   void* native() const override { return event_.native(); }
+  int device() const override { return event_.device(); }
 
  private:
   InterprocessEvent event_;
@@ -175,8 +176,17 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_dev
       new IpcMapping(handle, a.base + offset, size_bytes, a.device));
 }
 
-absl::StatusOr<std::unique_ptr<SharedEvent>> OpenIpcEvent(absl::string_view handle) {
-  MOE_ASSIGN_OR_RETURN(InterprocessEvent e, InterprocessEvent::Open(handle));
+absl::StatusOr<std::unique_ptr<SharedEvent>> OpenIpcEvent(absl::string_view handle, int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    count = 0;
+  }
+  if (device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: cuda:", device, " out of range, ", count, " device(s)"));
+  }
+  MOE_ASSIGN_OR_RETURN(InterprocessEvent e, InterprocessEvent::Open(handle, device));
   return std::unique_ptr<SharedEvent>(new IpcEvent(std::move(e)));
 }
 

@@ -35,7 +35,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_dev
                                                                   int64_t size_bytes);
 
 // Engine::OpenCudaIpcEvent.
-absl::StatusOr<std::unique_ptr<SharedEvent>> OpenIpcEvent(absl::string_view handle);
+absl::StatusOr<std::unique_ptr<SharedEvent>> OpenIpcEvent(absl::string_view handle, int device);
 
 // Engine::CreateCudaIpcEvent for an engine on `device`.
 absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateIpcEvent(int device);

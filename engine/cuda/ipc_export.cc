@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -144,6 +145,7 @@ absl::StatusOr<InterprocessEvent> InterprocessEvent::Create(int device) {
     return absl::InternalError(absl::StrCat("cudaEventCreateWithFlags: ", ErrorText(err)));
   }
   e.event_ = ev;  // owned from here on
+  e.device_ = device;
   cudaIpcEventHandle_t h;
   if (const cudaError_t err = cudaIpcGetEventHandle(&h, ev); err != cudaSuccess) {
     cudaGetLastError();
@@ -153,11 +155,22 @@ absl::StatusOr<InterprocessEvent> InterprocessEvent::Create(int device) {
   return e;
 }
 
-absl::StatusOr<InterprocessEvent> InterprocessEvent::Open(absl::string_view handle) {
+absl::StatusOr<InterprocessEvent> InterprocessEvent::Open(absl::string_view handle, int device) {
   if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
     return absl::InvalidArgumentError(absl::StrCat("handle: ", handle.size(),
                                                    " bytes, a cudaIpcEventHandle_t has ",
                                                    sizeof(cudaIpcEventHandle_t)));
+  }
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    device = -1;
+  }
+  std::optional<DeviceScope> scope;
+  if (device >= 0) {
+    scope.emplace(device);
+    if (!scope->ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("device: cannot use ", scope->error()));
+    }
   }
   cudaIpcEventHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
@@ -171,21 +184,35 @@ absl::StatusOr<InterprocessEvent> InterprocessEvent::Open(absl::string_view hand
   InterprocessEvent e;
   e.event_ = ev;
   e.handle_ = std::string(handle);
+  e.device_ = device;
   return e;
 }
 
-InterprocessEvent::~InterprocessEvent() {
-  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+namespace {
+
+// Destroys `event` with its device current (an opened event belongs to that device's context).
+void DestroyEvent(void* event, int device) {
+  if (event == nullptr) return;
+  std::optional<DeviceScope> scope;
+  if (device >= 0) scope.emplace(device);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
+}  // namespace
+
+InterprocessEvent::~InterprocessEvent() { DestroyEvent(event_, device_); }
+
 InterprocessEvent::InterprocessEvent(InterprocessEvent&& o) noexcept
-    : event_(std::exchange(o.event_, nullptr)), handle_(std::move(o.handle_)) {}
+    : event_(std::exchange(o.event_, nullptr)),
+      handle_(std::move(o.handle_)),
+      device_(o.device_) {}
 
 InterprocessEvent& InterprocessEvent::operator=(InterprocessEvent&& o) noexcept {
   if (this != &o) {
-    if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    DestroyEvent(event_, device_);
     event_ = std::exchange(o.event_, nullptr);
     handle_ = std::move(o.handle_);
+    device_ = o.device_;
   }
   return *this;
 }

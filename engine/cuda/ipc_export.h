@@ -73,9 +73,12 @@ class InterprocessEvent {
  public:
   // A new event on `device`; the current device is left as it was.
   static absl::StatusOr<InterprocessEvent> Create(int device);
-  // Another process's event (cudaIpcEventHandle_t bytes). InvalidArgument for a handle of the
-  // wrong length or one CUDA cannot open.
-  static absl::StatusOr<InterprocessEvent> Open(absl::string_view handle);
+  // Another process's event (cudaIpcEventHandle_t bytes), made on `device` (this process's
+  // ordinal; -1: the current device). It is opened, and destroyed, with that device current: an
+  // event opened under another device's context faults when a stream waits on it.
+  // InvalidArgument for a handle of the wrong length, a device that cannot be used, or a handle
+  // CUDA cannot open.
+  static absl::StatusOr<InterprocessEvent> Open(absl::string_view handle, int device);
 
   InterprocessEvent() = default;
   ~InterprocessEvent();
@@ -86,6 +89,7 @@ class InterprocessEvent {
 
   void* native() const { return event_; }                // the cudaEvent_t
   const std::string& handle() const { return handle_; }  // cudaIpcEventHandle_t bytes
+  int device() const { return device_; }  // the device it belongs to; -1: unknown
   // Records the event on `stream` (a cudaStream_t; null: the legacy default stream).
   absl::Status Record(void* stream) const;
   // Makes `stream` wait for the event's last record.
@@ -96,6 +100,7 @@ class InterprocessEvent {
  private:
   void* event_ = nullptr;
   std::string handle_;
+  int device_ = -1;
 };
 
 }  // namespace moe::cuda

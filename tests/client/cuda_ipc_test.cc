@@ -2,9 +2,11 @@
 // (CUDA IPC cannot open a handle in the process that made it): by CUDA IPC (kSharedMemory, and
 // kAuto deciding so at the first device call) and staged through host memory (kTcp), training
 // with two Forwards in flight (their Backwards one at a time, as gradients sum in the order they
-// run) into device destinations on a non-default stream gives the bits of host tensors over TCP; the inputs are written on that stream just before each call and
-// the results read on it just after, so a missing order shows; a misaligned tensor is refused
-// naming its field. Needs a GPU (label gpu): skipped without one.
+// run) into device destinations on a non-default stream gives the bits of host tensors over
+// TCP; the inputs are written on that stream just before each call and the results read on it
+// just after, so a missing order shows; a misaligned tensor is refused naming its field. With
+// two GPUs the same holds for a server on the other GPU (peer copies, events across devices).
+// Needs a GPU (label gpu): skipped without one.
 //
 // The server is the moe-server binary: $MOE_SERVER, else the one next to this test (a prebuilt
 // directory), else the build tree's.
@@ -33,6 +35,7 @@ namespace moe {
 namespace {
 
 using cuda_test::Config;
+using cuda_test::GpuCount;
 using cuda_test::HaveGpu;
 using cuda_test::MakeMicroBatch;
 using cuda_test::MicroBatch;
@@ -42,7 +45,9 @@ class CudaIpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-    target_ = server_.Start();
+    if (server_device_ != "cuda:0" && GpuCount() < 2) GTEST_SKIP() << "needs two GPUs";
+    ASSERT_CUDA(cudaSetDevice(0));
+    target_ = server_.Start(server_device_);
     ASSERT_FALSE(target_.empty());
     ASSERT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
@@ -68,9 +73,16 @@ class CudaIpcTest : public ::testing::Test {
                                   /*in_flight=*/2, tag);
   }
 
+  std::string server_device_ = "cuda:0";
   ServerProcess server_;
   std::string target_;
   cudaStream_t stream_ = nullptr;
+};
+
+// The trainer's tensors on cuda:0, the server on cuda:1 (gpu-check runs it where there are two).
+class CudaIpcOnAnotherGpuTest : public CudaIpcTest {
+ protected:
+  CudaIpcOnAnotherGpuTest() { server_device_ = "cuda:1"; }
 };
 
 TEST_F(CudaIpcTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
@@ -78,6 +90,13 @@ TEST_F(CudaIpcTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
   ASSERT_TRUE(conn);
   EXPECT_EQ(conn->device_transport(), client::DeviceTransport::kCudaIpc);
   ExpectSameTraining(conn, "-ipc");
+}
+
+TEST_F(CudaIpcOnAnotherGpuTest, DeviceTensorsByCudaIpcGiveTheBitsOfHostTensors) {
+  auto conn = Connect(client::Transport::kSharedMemory);
+  ASSERT_TRUE(conn);
+  EXPECT_EQ(conn->device_transport(), client::DeviceTransport::kCudaIpc);
+  ExpectSameTraining(conn, "-ipc-x2");
 }
 
 TEST_F(CudaIpcTest, AutoDecidesCudaIpcAtTheFirstDeviceCallAndSaysSo) {

@@ -28,10 +28,11 @@ namespace moe::cuda_test {
 
 #define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
 
-inline bool HaveGpu() {
+inline int GpuCount() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+inline bool HaveGpu() { return GpuCount() > 0; }
 
 inline std::string ServerBinary() {
   if (const char* env = std::getenv("MOE_SERVER")) return env;

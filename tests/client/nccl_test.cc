@@ -39,11 +39,6 @@ namespace {
 using cuda_test::Config;
 using cuda_test::ServerProcess;
 
-bool HaveTwoGpus() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n >= 2;
-}
-
 absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
     const std::string& target, client::DeviceTransportRequest device,
     std::vector<std::string>* log = nullptr) {
@@ -60,7 +55,7 @@ absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
 class NcclTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!HaveTwoGpus()) GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one device)";
+    if (cuda_test::GpuCount() < 2) GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one device)";
     target_ = server_.Start("cuda:1");
     ASSERT_FALSE(target_.empty());
     ASSERT_CUDA(cudaSetDevice(0));

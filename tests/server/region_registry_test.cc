@@ -75,6 +75,7 @@ class FakeEvent : public SharedEvent {
   explicit FakeEvent(int* live) : live_(live) { ++*live_; }
   ~FakeEvent() override { --*live_; }
   void* native() const override { return const_cast<FakeEvent*>(this); }
+  int device() const override { return 0; }
 
  private:
   int* live_;
@@ -88,7 +89,9 @@ class FakeMapper : public RegionMapper {
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeCudaMemory>(size_bytes, device);
   }
-  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view) override {
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view,
+                                                                int device) override {
+    opened_on.push_back(device);
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeEvent>(&live_events);
   }
@@ -98,6 +101,7 @@ class FakeMapper : public RegionMapper {
                           std::string(64, 'h'));
   }
   absl::Status refuse;
+  std::vector<int> opened_on;  // the device each OpenCudaIpcEvent was told
   std::function<void()> on_map;
   int live_events = 0;
 };
@@ -551,10 +555,21 @@ TEST_F(RegionRegistryTest, EventPairsServeOneCallAtATime) {
   bad.set_wait_event_handle("short");
   EXPECT_CODE(registry.RegisterEvents(kAliceA, bad).status(), kInvalidArgument,
               "wait_event_handle");
-  auto pair = registry.RegisterEvents(kAliceA, EventsRequest());
+  v1::RegisterEventsRequest negative = EventsRequest();
+  negative.set_device(-2);
+  EXPECT_CODE(registry.RegisterEvents(kAliceA, negative).status(), kInvalidArgument, "device: -2");
+  EXPECT_TRUE(mapper->opened_on.empty()) << "refused before anything was opened";
+  // The client's event opens on the device it names (an older client names none: -1); the
+  // response names the server's event's device.
+  v1::RegisterEventsRequest on_one = EventsRequest();
+  on_one.set_device(1);
+  auto pair = registry.RegisterEvents(kAliceA, on_one);
   ASSERT_TRUE(pair.ok()) << pair.status();
   EXPECT_NE(pair->event_id(), 0u);
   EXPECT_EQ(pair->done_event_handle().size(), kCudaIpcHandleBytes);
+  EXPECT_EQ(pair->done_event_device(), 0);
+  ASSERT_EQ(mapper->opened_on.size(), 1u);
+  EXPECT_EQ(mapper->opened_on[0], 1);
   ASSERT_EQ(changes.size(), 1u);
   EXPECT_EQ(changes.back().event_pairs, 1);
 
@@ -580,6 +595,7 @@ TEST_F(RegionRegistryTest, EventPairsServeOneCallAtATime) {
 
   auto again = registry.RegisterEvents(kAliceA, EventsRequest());
   ASSERT_TRUE(again.ok());
+  EXPECT_EQ(mapper->opened_on.back(), -1);
   { auto lease = registry.AcquireEvents(kAliceA, again->event_id()); }
   EXPECT_TRUE(registry.AcquireEvents(kAliceA, again->event_id()).ok());  // released
   for (const RegionOwner& other : {kAliceB, kBobC}) {
