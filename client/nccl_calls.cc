@@ -30,7 +30,9 @@ std::future<absl::StatusOr<Out>> Ready(absl::StatusOr<Out> value) {
   return p.get_future();
 }
 
-NcclBuffer In(const TensorView& v) { return {const_cast<void*>(v.data), static_cast<int64_t>(v.size_bytes)}; }
+NcclBuffer In(const TensorView& v) {
+  return {const_cast<void*>(v.data), static_cast<int64_t>(v.size_bytes)};
+}
 NcclBuffer Out(const MutableTensorView& v) { return {v.data, static_cast<int64_t>(v.size_bytes)}; }
 
 // A result the response carries as bytes; empty when it carries none.
@@ -45,9 +47,9 @@ absl::StatusOr<Tensor> Carried(const v1::Tensor& t, bool has, const char* field)
 absl::Status SameShape(const v1::Tensor& t, const MutableTensorView& d, const char* field) {
   const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   if (t.dtype() == wire::DTypeToProto(d.dtype) && shape == d.shape) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(field, ": the server wrote [",
-                                          absl::StrJoin(shape, ", "), "], the destination is [",
-                                          absl::StrJoin(d.shape, ", "), "]"));
+  return absl::InternalError(absl::StrCat(field, ": the server wrote [", absl::StrJoin(shape, ", "),
+                                          "], the destination is [", absl::StrJoin(d.shape, ", "),
+                                          "]"));
 }
 
 // Posts the transfers, sends the request with `start` and finishes with `finish(response)`.
@@ -78,8 +80,10 @@ std::future<absl::StatusOr<Out>> Run(Connection& conn, const std::shared_ptr<Ncc
   std::future<absl::StatusOr<Out>> future = call->promise.get_future();
   start(&call->ctx, &call->req, &call->resp,
         [call, &conn, route, channel, stream, finish](grpc::Status g) {
-          absl::StatusOr<Out> result = FromGrpcStatus(g);
-          if (g.ok()) {
+          absl::StatusOr<Out> result = absl::UnknownError("no result");
+          if (!g.ok()) {
+            result = FromGrpcStatus(g);
+          } else {
             // First, so the caller's stream is ordered after the transfers whatever follows.
             absl::Status st = call->posted->StreamWait(stream);
             result = st.ok() ? finish(call->resp) : absl::StatusOr<Out>(st);
@@ -93,9 +97,9 @@ std::future<absl::StatusOr<Out>> Run(Connection& conn, const std::shared_ptr<Ncc
 }  // namespace
 
 std::optional<std::future<absl::StatusOr<ForwardOutput>>> NcclForwardInto(
-    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer, uint64_t context_id,
-    bool training, const TensorView& x, const TensorView& ids, const TensorView& weights,
-    const MutableTensorView& out, void* stream) {
+    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer,
+    uint64_t context_id, bool training, const TensorView& x, const TensorView& ids,
+    const TensorView& weights, const MutableTensorView& out, void* stream) {
   if (!route->active()) return std::nullopt;
   const TensorView* inputs[] = {&x, &ids, &weights};
   const MutableTensorView* required[] = {&out};
@@ -141,9 +145,9 @@ std::optional<std::future<absl::StatusOr<ForwardOutput>>> NcclForwardInto(
 }
 
 std::optional<std::future<absl::StatusOr<BackwardOutput>>> NcclBackwardInto(
-    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer, uint64_t context_id,
-    const TensorView& dout, const MutableTensorView& dx, const MutableTensorView& dweights,
-    void* stream, const BackwardOptions& options) {
+    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer,
+    uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
+    const MutableTensorView& dweights, void* stream, const BackwardOptions& options) {
   if (!route->active()) return std::nullopt;
   const TensorView* inputs[] = {&dout};
   const MutableTensorView* required[] = {&dx};

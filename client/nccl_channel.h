@@ -103,13 +103,13 @@ class NcclRoute {
 // does not go that way (not eligible, NCCL not wanted or given up), so the caller takes the
 // other path; else the call's future.
 std::optional<std::future<absl::StatusOr<ForwardOutput>>> NcclForwardInto(
-    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer, uint64_t context_id,
-    bool training, const TensorView& x, const TensorView& ids, const TensorView& weights,
-    const MutableTensorView& out, void* stream);
+    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer,
+    uint64_t context_id, bool training, const TensorView& x, const TensorView& ids,
+    const TensorView& weights, const MutableTensorView& out, void* stream);
 std::optional<std::future<absl::StatusOr<BackwardOutput>>> NcclBackwardInto(
-    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer, uint64_t context_id,
-    const TensorView& dout, const MutableTensorView& dx, const MutableTensorView& dweights,
-    void* stream, const BackwardOptions& options);
+    Connection& conn, const std::shared_ptr<NcclRoute>& route, const std::string& layer,
+    uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
+    const MutableTensorView& dweights, void* stream, const BackwardOptions& options);
 
 }  // namespace moe::client
 

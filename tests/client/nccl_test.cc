@@ -55,7 +55,8 @@ absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
 class NcclTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (cuda_test::GpuCount() < 2) GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one device)";
+    if (cuda_test::GpuCount() < 2)
+      GTEST_SKIP() << "needs two GPUs (NCCL refuses two ranks on one device)";
     target_ = server_.Start("cuda:1");
     ASSERT_FALSE(target_.empty());
     ASSERT_CUDA(cudaSetDevice(0));
@@ -143,10 +144,10 @@ TEST(NcclFallbackTest, AServerWithoutNcclGetsStagedTensorsAndTheLogSaysWhy) {
   for (int k = 0; k < 3; ++k) {
     ASSERT_CUDA(cudaMemcpy(mb->d(k), mb->h(k), mb->bytes[k], cudaMemcpyHostToDevice));
   }
-  auto r = (*layer)
-               ->ForwardInto(mb->DeviceIn(0), mb->DeviceIn(1), mb->DeviceIn(2), mb->DeviceOut(4),
-                             stream)
-               .get();
+  auto r =
+      (*layer)
+          ->ForwardInto(mb->DeviceIn(0), mb->DeviceIn(1), mb->DeviceIn(2), mb->DeviceOut(4), stream)
+          .get();
   EXPECT_TRUE(r.ok()) << r.status();
   EXPECT_EQ((*conn)->device_transport(), client::DeviceTransport::kStaged);
   bool said = false;

@@ -228,9 +228,10 @@ struct Outcomes {
 class NcclChannelsTest : public ::testing::Test {
  protected:
   void Make(NcclChannelsOptions o = {}) {
-    channels_ = std::make_unique<NcclChannels>(o, [this]() -> absl::StatusOr<std::unique_ptr<NcclLink>> {
-      return std::unique_ptr<NcclLink>(new FakeLink(log_));
-    });
+    channels_ =
+        std::make_unique<NcclChannels>(o, [this]() -> absl::StatusOr<std::unique_ptr<NcclLink>> {
+          return std::unique_ptr<NcclLink>(new FakeLink(log_));
+        });
     channels_->OpenSession("s1", "alice");
     channels_->OpenSession("s2", "alice");
     channels_->OpenSession("s3", "bob");
@@ -254,8 +255,7 @@ class NcclChannelsTest : public ::testing::Test {
 
 TEST_F(NcclChannelsTest, OpenNeedsTheCallersOpenSession) {
   Make();
-  EXPECT_EQ(channels_->Open({"alice", ""}).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(channels_->Open({"alice", ""}).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(channels_->Open({"alice", "nope"}).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(channels_->Open({"alice", "s3"}).status().code(), absl::StatusCode::kPermissionDenied);
@@ -272,8 +272,7 @@ TEST_F(NcclChannelsTest, OpenRefusesPastThePrincipalsChannels) {
   Make(o);
   OpenChannel({"alice", "s1"});
   OpenChannel({"alice", "s2"});
-  EXPECT_EQ(channels_->Open({"alice", "s1"}).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(channels_->Open({"alice", "s1"}).status().code(), absl::StatusCode::kResourceExhausted);
   OpenChannel({"bob", "s3"});
 }
 
@@ -312,8 +311,7 @@ TEST_F(NcclChannelsTest, ReceivesArePostedInSequenceOrder) {
   ASSERT_TRUE(out_.Wait(3));
   EXPECT_EQ(out_.received, (std::vector<int>{1, 2, 3}));
   std::lock_guard<std::mutex> lock(log_->mu);
-  EXPECT_EQ(log_->receives,
-            (std::vector<std::vector<int64_t>>{{100}, {200}, {300}}));
+  EXPECT_EQ(log_->receives, (std::vector<std::vector<int64_t>>{{100}, {200}, {300}}));
 }
 
 TEST_F(NcclChannelsTest, AReusedSequenceNumberEndsTheChannel) {
