@@ -490,8 +490,12 @@ absl::Status ResponseTensors::FinishInto(size_t i, bool required, Tensor* out) {
   return client::FinishInto(whole[i], required, out);
 }
 
-StreamLink::StreamLink(std::shared_ptr<grpc::Channel> channel)
-    : stub_(std::move(channel)), streams_(std::make_unique<Streams>()) {}
+std::shared_ptr<StreamLink::Streams> StreamLink::NewStreams() {
+  return std::make_shared<Streams>();
+}
+
+StreamLink::StreamLink(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<Streams> streams)
+    : stub_(std::move(channel)), streams_(std::move(streams)) {}
 
 StreamLink::~StreamLink() = default;
 
