@@ -111,6 +111,7 @@ class StreamLink : public std::enable_shared_from_this<StreamLink> {
   void ShutDown(std::chrono::milliseconds wait);
 
   Streams& streams() { return *streams_; }
+  const std::shared_ptr<Streams>& shared_streams() const { return streams_; }
 
  private:
   grpc::GenericStub stub_;
