@@ -281,10 +281,8 @@ class Connection {
   // manages regions itself.
   absl::StatusOr<v1::RegisterRegionResponse> RegisterRegion(const v1::RegisterRegionRequest& req);
   absl::Status UnregisterRegion(uint64_t region_id);
-  // `wait_event_handle`: the cudaIpcEventHandle_t of the caller's interprocess event, made on
-  // CUDA device `device`.
-  absl::StatusOr<v1::RegisterEventsResponse> RegisterEvents(const std::string& wait_event_handle,
-                                                            int device);
+  // `wait_event_handle`: the cudaIpcEventHandle_t of the caller's interprocess event.
+  absl::StatusOr<v1::RegisterEventsResponse> RegisterEvents(const std::string& wait_event_handle);
   absl::Status UnregisterEvents(uint64_t event_id);
 
   // A context id unique to this connection (random prefix, counter).

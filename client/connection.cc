@@ -145,7 +145,8 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
             : " (plaintext: does the server require TLS?)"));
   }
   c->stub_ = v1::ExpertService::NewStub(c->channel_);
-  c->links_.push_back(std::make_shared<StreamLink>(c->channel_));
+  std::shared_ptr<StreamLink::Streams> streams = StreamLink::NewStreams();
+  c->links_.push_back(std::make_shared<StreamLink>(c->channel_, streams));
   // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
   // further channel gets a pool of its own, hence its own connection.
   grpc::ChannelArguments own_pool = args;
@@ -157,7 +158,7 @@ absl::StatusOr<std::shared_ptr<Connection>> Connection::Connect(const std::strin
                                                  options.connections, " to ", target, " within ",
                                                  options.timeout.count(), " ms"));
     }
-    c->links_.push_back(std::make_shared<StreamLink>(channel));
+    c->links_.push_back(std::make_shared<StreamLink>(channel, streams));
     c->extra_channels_.push_back(std::move(channel));
   }
   std::random_device rd;
@@ -200,10 +201,9 @@ absl::Status Connection::UnregisterRegion(uint64_t region_id) {
 }
 
 absl::StatusOr<v1::RegisterEventsResponse> Connection::RegisterEvents(
-    const std::string& wait_event_handle, int device) {
+    const std::string& wait_event_handle) {
   v1::RegisterEventsRequest req;
   req.set_wait_event_handle(wait_event_handle);
-  req.set_device(device);
   return CallUnary(*this, stub_.get(), &v1::ExpertService::Stub::RegisterEvents, req);
 }
 

@@ -317,11 +317,11 @@ absl::StatusOr<std::unique_ptr<DataPlane::EventPair>> DataPlane::AcquireEvents(C
   pair->device = device;
   MOE_ASSIGN_OR_RETURN(pair->wait, device::Event::Create(device));
   MOE_ASSIGN_OR_RETURN(const v1::RegisterEventsResponse resp,
-                       conn.RegisterEvents(pair->wait->handle(), device));
+                       conn.RegisterEvents(pair->wait->handle()));
   pair->event_id = resp.event_id();
-  // The server's event opens on its device (the engine's), which may be another GPU.
+  // Opened for this device's streams, which wait on it, whichever GPU the server is on.
   absl::StatusOr<std::unique_ptr<device::Event>> done =
-      device::Event::Open(resp.done_event_handle(), resp.done_event_device());
+      device::Event::Open(resp.done_event_handle(), device);
   if (!done.ok()) {
     conn.UnregisterEvents(pair->event_id).IgnoreError();
     return absl::Status(done.status().code(),

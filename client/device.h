@@ -44,7 +44,7 @@ class Event {
  public:
   // A new event on `device`.
   static absl::StatusOr<std::unique_ptr<Event>> Create(int device);
-  // Another process's event, made on `device` (opened with it current).
+  // Another process's event, opened for the streams of `device`, which alone may wait on it.
   static absl::StatusOr<std::unique_ptr<Event>> Open(absl::string_view handle, int device);
   virtual ~Event() = default;
   virtual const std::string& handle() const = 0;  // cudaIpcEventHandle_t bytes

@@ -69,22 +69,71 @@ class ResponseReader {
   bool last_seen_ = false;
 };
 
+using SteadyClock = std::chrono::steady_clock;
+
+// A long-lived stream as its link sees it (kinds: Forward, Backward).
+enum StreamKind { kForwardStreams = 0, kBackwardStreams = 1 };
+class LongLivedStream {
+ public:
+  virtual ~LongLivedStream() = default;
+  // Under the link's lock, on a stream just taken out of the idle list: it will be ended.
+  virtual void TakeForEndingLocked() = 0;
+  // Ends the stream so taken (outside the link's lock).
+  virtual void End() = 0;
+};
+
+}  // namespace
+
+struct StreamLink::Streams {
+  std::mutex mu;
+  std::condition_variable gone;  // a stream ended
+  bool shut_down = false;
+  int live = 0;  // streams of either kind whose call still holds a channel
+  std::vector<LongLivedStream*> idle[2];  // by StreamKind
+};
+
+namespace {
+
+// Counts a stream in while its call holds one of the connection's channels.
+void StreamBorn(StreamLink::Streams& streams) {
+  std::lock_guard<std::mutex> lock(streams.mu);
+  ++streams.live;
+}
+
+// Counts a stream out once its ClientContext, which holds a channel, is gone. A Connection waits
+// for the count (StreamLink::ShutDown) before it lets go of its channels, so the last reference
+// to a channel is not dropped on gRPC's callback thread: destroying a channel there makes gRPC
+// shut down the queue that thread serves, and abort.
+void StreamGone(const std::shared_ptr<StreamLink::Streams>& streams) {
+  {
+    std::lock_guard<std::mutex> lock(streams->mu);
+    --streams->live;
+  }
+  streams->gone.notify_all();
+}
+
 // One stream of a striped micro-batch on its own bidi stream, on raw buffers
 // (wire/raw_message.h); `done` is called once the last response has arrived, and the call deletes
 // itself when gRPC ends it.
 template <typename Req, typename Resp, typename Out>
 class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  StreamCall(MicroBatch<Req, Resp, Out> batch, std::vector<int> response_tensor_fields)
-      : batch_(std::move(batch)), reader_(std::move(response_tensor_fields)) {}
+  StreamCall(std::shared_ptr<StreamLink::Streams> streams, MicroBatch<Req, Resp, Out> batch,
+             std::vector<int> response_tensor_fields)
+      : streams_(std::move(streams)),
+        context_(std::make_unique<grpc::ClientContext>()),
+        batch_(std::move(batch)),
+        reader_(std::move(response_tensor_fields)) {
+    StreamBorn(*streams_);
+  }
 
   // Sets `conn`'s deadline and metadata, shows the context to `track`, and starts the call on
   // `method` of `stub`.
   void Start(const Connection& conn, grpc::GenericStub& stub, const char* method,
              const TrackContext& track) {
-    conn.Prepare(&ctx_);
-    if (track) track(&ctx_);
-    stub.PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
+    conn.Prepare(context_.get());
+    if (track) track(context_.get());
+    stub.PrepareBidiStreamingCall(context_.get(), method, grpc::StubOptions(), this);
     message_ = batch_.requests.Build(0);
     StartWrite(&message_);
     StartRead(&read_);
@@ -105,7 +154,7 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
     if (absl::Status st = reader_.Take(&read_, batch_); !st.ok()) {
       // A response this client cannot use: end the call (OnDone reports `st`).
       error_ = st;
-      ctx_.TryCancel();
+      context_->TryCancel();
       return;
     }
     if (reader_.complete() && !reported_) {
@@ -125,11 +174,15 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
         batch_.done(absl::DataLossError("the server ended the stream without a complete response"));
       }
     }
+    batch_ = MicroBatch<Req, Resp, Out>();
+    context_.reset();
+    StreamGone(streams_);
     delete this;
   }
 
  private:
-  grpc::ClientContext ctx_;
+  const std::shared_ptr<StreamLink::Streams> streams_;
+  std::unique_ptr<grpc::ClientContext> context_;
   MicroBatch<Req, Resp, Out> batch_;
   ResponseReader<Req, Resp, Out> reader_;
   grpc::ByteBuffer message_;  // the request being written: batch_.requests's message next_
@@ -138,31 +191,6 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   bool reported_ = false;
   absl::Status error_;
 };
-
-using SteadyClock = std::chrono::steady_clock;
-
-// A long-lived stream as its link sees it (kinds: Forward, Backward).
-enum StreamKind { kForwardStreams = 0, kBackwardStreams = 1 };
-class LongLivedStream {
- public:
-  virtual ~LongLivedStream() = default;
-  // Under the link's lock, on a stream just taken out of the idle list: it will be ended.
-  virtual void TakeForEndingLocked() = 0;
-  // Ends the stream so taken (outside the link's lock).
-  virtual void End() = 0;
-};
-
-}  // namespace
-
-struct StreamLink::Streams {
-  std::mutex mu;
-  std::condition_variable gone;  // a stream ended
-  bool shut_down = false;
-  int live = 0;
-  std::vector<LongLivedStream*> idle[2];  // by StreamKind
-};
-
-namespace {
 
 // One long-lived Forward or Backward stream (see StreamLink): micro-batches one at a time, each
 // its request messages then its responses; the next response read is always outstanding, so a
@@ -251,7 +279,7 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
     if (!st.ok()) {
       // A response this client cannot use: end the stream; OnDone reports `st`.
       error_ = st;
-      context_.TryCancel();
+      context_->TryCancel();
       ReadFailed();
       return;
     }
@@ -275,9 +303,7 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
       std::lock_guard<std::mutex> lock(streams().mu);
       if (state_ == State::kBusy) done = std::move(batch_.done);
       state_ = State::kGone;
-      --streams().live;
     }
-    streams().gone.notify_all();
     if (done) {
       if (!error_.ok()) {
         done(error_);
@@ -287,6 +313,11 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
         done(absl::DataLossError("the server ended the stream before answering the micro-batch"));
       }
     }
+    // The channel references go before the count does (StreamGone).
+    batch_ = Batch();
+    context_.reset();
+    link_.reset();
+    StreamGone(streams_);
     delete this;
   }
 
@@ -295,7 +326,11 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
 
   PooledStream(std::shared_ptr<StreamLink> link, StreamKind kind,
                std::vector<int> response_tensor_fields, std::chrono::milliseconds timeout)
-      : link_(std::move(link)), kind_(kind), reader_(std::move(response_tensor_fields)) {
+      : link_(std::move(link)),
+        streams_(link_->shared_streams()),
+        kind_(kind),
+        context_(std::make_unique<grpc::ClientContext>()),
+        reader_(std::move(response_tensor_fields)) {
     retire_at_ = SteadyClock::now() + timeout;
     // Twice the timeout, saturating: a micro-batch taken just before retirement gets a whole one.
     const auto now = std::chrono::system_clock::now();
@@ -305,13 +340,13 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
                     : now + 2 * timeout;
   }
 
-  StreamLink::Streams& streams() { return link_->streams(); }
+  StreamLink::Streams& streams() { return *streams_; }
 
   // Opens the stream with `batch` as its first micro-batch.
   void Open(const Connection& conn, const char* method, Batch batch) {
-    conn.Prepare(&context_);
-    context_.set_deadline(deadline_);
-    link_->stub().PrepareBidiStreamingCall(&context_, method, grpc::StubOptions(), this);
+    conn.Prepare(context_.get());
+    context_->set_deadline(deadline_);
+    link_->stub().PrepareBidiStreamingCall(context_.get(), method, grpc::StubOptions(), this);
     AddHold();
     {
       std::lock_guard<std::mutex> lock(streams().mu);
@@ -389,11 +424,12 @@ class PooledStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
     RemoveHold();
   }
 
-  const std::shared_ptr<StreamLink> link_;
+  std::shared_ptr<StreamLink> link_;  // its stub holds a channel: released before StreamGone
+  const std::shared_ptr<StreamLink::Streams> streams_;
   const StreamKind kind_;
   SteadyClock::time_point retire_at_;
   std::chrono::system_clock::time_point deadline_;
-  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientContext> context_;
   Batch batch_;
   ResponseReader<Req, Resp, Out> reader_;
   grpc::ByteBuffer message_;  // the request being written: batch_.requests's message next_
@@ -490,8 +526,12 @@ absl::Status ResponseTensors::FinishInto(size_t i, bool required, Tensor* out) {
   return client::FinishInto(whole[i], required, out);
 }
 
-StreamLink::StreamLink(std::shared_ptr<grpc::Channel> channel)
-    : stub_(std::move(channel)), streams_(std::make_unique<Streams>()) {}
+std::shared_ptr<StreamLink::Streams> StreamLink::NewStreams() {
+  return std::make_shared<Streams>();
+}
+
+StreamLink::StreamLink(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<Streams> streams)
+    : stub_(std::move(channel)), streams_(std::move(streams)) {}
 
 StreamLink::~StreamLink() = default;
 
@@ -526,7 +566,8 @@ void RunMicroBatch(const Connection& conn, StreamLink& link, StreamKind kind, co
                                       std::move(batch));
     return;
   }
-  auto* stream = new StreamCall<Req, Resp, Out>(std::move(batch), response_tensor_fields);
+  auto* stream = new StreamCall<Req, Resp, Out>(link.shared_streams(), std::move(batch),
+                                                response_tensor_fields);
   stream->Start(conn, link.stub(), method, track);
 }
 

@@ -90,13 +90,17 @@ inline constexpr const char* kBackwardResponseTensors[] = {"dx", "dweights"};
 // One of a connection's TCP connections (ClientOptions::connections): the raw-buffer stub of its
 // Forward and Backward streams, and the long-lived streams open on it. A stream carries one
 // micro-batch at a time (the server answers a stream's micro-batches in order, so a failure
-// would also fail those queued behind it); a micro-batch takes an idle stream or opens one, so
-// a link has as many as it had micro-batches in flight at once. Deadline: a stream is opened
-// with twice ClientOptions::timeout and takes no micro-batch after the first timeout, so each
-// micro-batch gets at least the timeout. Thread-safe; the streams hold the link.
+// would also fail those queued behind it). A micro-batch takes an idle stream of any of the
+// connection's links (they share one Streams), or opens one on the link it was given: calls one
+// after another reuse one stream, and calls in flight together spread over the connections as
+// the links are taken in turn. Deadline: a stream is opened with twice ClientOptions::timeout and
+// takes no micro-batch after the first timeout, so each micro-batch gets at least the timeout.
+// Thread-safe; the streams hold their link.
 class StreamLink : public std::enable_shared_from_this<StreamLink> {
  public:
-  explicit StreamLink(std::shared_ptr<grpc::Channel> channel);
+  struct Streams;  // the idle streams of a connection's links (stream_call.cc)
+  static std::shared_ptr<Streams> NewStreams();
+  StreamLink(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<Streams> streams);
   ~StreamLink();
   StreamLink(const StreamLink&) = delete;
   StreamLink& operator=(const StreamLink&) = delete;
@@ -106,12 +110,12 @@ class StreamLink : public std::enable_shared_from_this<StreamLink> {
   // micro-batch is answered, waiting up to `wait` for them to go.
   void ShutDown(std::chrono::milliseconds wait);
 
-  struct Streams;  // the streams' bookkeeping (stream_call.cc)
   Streams& streams() { return *streams_; }
+  const std::shared_ptr<Streams>& shared_streams() const { return streams_; }
 
  private:
   grpc::GenericStub stub_;
-  std::unique_ptr<Streams> streams_;
+  std::shared_ptr<Streams> streams_;
 };
 
 // Sees a stream's context before the stream starts (a striped call cancels the other streams

@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> Engine::MapCudaIpcMemory(
 }
 
 absl::StatusOr<std::unique_ptr<SharedEvent>> Engine::OpenCudaIpcEvent(
-    absl::string_view /*handle*/, int /*device*/) {
+    absl::string_view /*handle*/) {
   return NeedsCuda(*this, "opening a CUDA IPC event");
 }
 

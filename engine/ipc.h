@@ -41,7 +41,7 @@ class SharedEvent {
  public:
   virtual ~SharedEvent() = default;
   virtual void* native() const = 0;
-  virtual int device() const = 0;  // the CUDA device it belongs to (this process's ordinal)
+  virtual int device() const = 0;  // the device whose streams may use it (this process's ordinal)
 };
 
 }  // namespace moe

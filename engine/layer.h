@@ -238,11 +238,10 @@ class Engine {
   // range past the allocation's end; an error, never a crash, for a handle CUDA cannot open.
   virtual absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes);
-  // Opens another process's interprocess event (cudaIpcEventHandle_t bytes), made on CUDA
-  // device `device` (this process's ordinal; -1: unknown, the calling thread's current device),
-  // with that device current: opened under another device it faults when waited on.
-  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle,
-                                                                       int device);
+  // Opens another process's interprocess event (cudaIpcEventHandle_t bytes) with the engine's
+  // device current, whatever device made it: an IPC event is waited on and recorded only by
+  // streams of the device it was opened under (another device's stream faults on it).
+  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle);
   // A new interprocess event on the engine's device and its handle bytes, for a peer to open.
   virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent();
 

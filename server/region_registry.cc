@@ -123,9 +123,8 @@ class EngineMapper final : public RegionMapper {
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) override {
     return engine_->MapCudaIpcMemory(mem_handle, device, offset, size_bytes);
   }
-  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle,
-                                                                int device) override {
-    return engine_->OpenCudaIpcEvent(handle, device);
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle) override {
+    return engine_->OpenCudaIpcEvent(handle);
   }
   absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent()
       override {
@@ -364,10 +363,6 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
         absl::StrCat("wait_event_handle: ", request.wait_event_handle().size(), " bytes, not ",
                      kCudaIpcHandleBytes, " (a cudaIpcEventHandle_t)"));
   }
-  if (request.has_device() && request.device() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device: ", request.device(), " is not a CUDA device ordinal"));
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_RETURN_IF_ERROR(CheckSessionLocked(owner, "RegisterEvents"));
@@ -386,8 +381,7 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
   auto pair = std::make_shared<EventPair>();
   absl::Status st;
   absl::StatusOr<std::unique_ptr<SharedEvent>> wait =
-      mapper_->OpenCudaIpcEvent(request.wait_event_handle(),
-                                request.has_device() ? request.device() : -1);
+      mapper_->OpenCudaIpcEvent(request.wait_event_handle());
   absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> done =
       absl::UnknownError("not created");
   if (!wait.ok()) {
@@ -411,7 +405,6 @@ absl::StatusOr<v1::RegisterEventsResponse> RegionRegistry::RegisterEvents(
     pair->id = NewIdLocked();
     response.set_event_id(pair->id);
     response.set_done_event_handle(std::move(done->second));
-    response.set_done_event_device(pair->done->device());
     event_pairs_.emplace(pair->id, std::move(pair));
   }
   Changed();

@@ -62,9 +62,9 @@ class RegionMapper {
   // `size_bytes` bytes at `offset` of the allocation a peer exported as `mem_handle`.
   virtual absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapCudaIpcMemory(
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) = 0;
-  // A client's interprocess event, made on `device` (-1: not said), opened here.
-  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle,
-                                                                       int device) = 0;
+  // A client's interprocess event, opened here.
+  virtual absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(
+      absl::string_view handle) = 0;
   // A new interprocess event of the server's, and its handle for the client.
   virtual absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>>
   CreateCudaIpcEvent() = 0;

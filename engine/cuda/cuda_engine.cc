@@ -81,9 +81,8 @@ class CudaEngine : public Engine {
       absl::string_view mem_handle, int device, int64_t offset, int64_t size_bytes) override {
     return cuda::MapIpcMemory(device_, mem_handle, device, offset, size_bytes);
   }
-  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle,
-                                                                int device) override {
-    return cuda::OpenIpcEvent(handle, device);
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view handle) override {
+    return cuda::OpenIpcEvent(handle, device_);
   }
   absl::StatusOr<std::pair<std::unique_ptr<SharedEvent>, std::string>> CreateCudaIpcEvent()
       override {

@@ -34,7 +34,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> MapIpcMemory(int engine_dev
                                                                   int device, int64_t offset,
                                                                   int64_t size_bytes);
 
-// Engine::OpenCudaIpcEvent.
+// Engine::OpenCudaIpcEvent for an engine on `device`: opened for that device's streams.
 absl::StatusOr<std::unique_ptr<SharedEvent>> OpenIpcEvent(absl::string_view handle, int device);
 
 // Engine::CreateCudaIpcEvent for an engine on `device`.

@@ -73,9 +73,10 @@ class InterprocessEvent {
  public:
   // A new event on `device`; the current device is left as it was.
   static absl::StatusOr<InterprocessEvent> Create(int device);
-  // Another process's event (cudaIpcEventHandle_t bytes), made on `device` (this process's
-  // ordinal; -1: the current device). It is opened, and destroyed, with that device current: an
-  // event opened under another device's context faults when a stream waits on it.
+  // Another process's event (cudaIpcEventHandle_t bytes), opened for the streams of `device`
+  // (this process's ordinal; -1: the current device), and destroyed, with that device current,
+  // whichever device made it: only streams of the device it was opened under may wait on it or
+  // record it (another device's stream faults in the driver).
   // InvalidArgument for a handle of the wrong length, a device that cannot be used, or a handle
   // CUDA cannot open.
   static absl::StatusOr<InterprocessEvent> Open(absl::string_view handle, int device);

@@ -58,7 +58,7 @@ def run(layer, batches, device):
         x = x.detach().requires_grad_()
         g = b["g"].to(device)
         if layer.routing == "client":
-            w = b["w"].to(device).requires_grad_()
+            w = b["w"].to(device).detach().requires_grad_()
             out = layer(x, b["ids"].to(device), w)
             loss = (out.float() * g).sum()
         else:

@@ -1,5 +1,6 @@
 // Long-lived Forward and Backward streams (client/stream_call.h, StreamLink): whole micro-batches
-// of a connection share its streams, one micro-batch per stream at a time; a failure ends only
+// of a connection share its streams, whichever TCP connection each was given, one micro-batch
+// per stream at a time; a failure ends only
 // the stream it happened on; a stream past its timeout is replaced; the connection's end closes
 // them; and a whole micro-batch still has a deadline.
 #include <gtest/gtest.h>
@@ -59,7 +60,8 @@ TEST(StreamLinkTest, WholeMicroBatchesShareLongLivedStreams) {
   auto s = StartServer();
   ASSERT_TRUE(s);
   {
-    auto c = client::Connection::Connect(Target(*s), OneConnection());
+    // The default eight connections: calls one after another still share one stream.
+    auto c = client::Connection::Connect(Target(*s));
     ASSERT_TRUE(c.ok()) << c.status();
     auto layer = client::RemoteLayer::Create(*c, "l", Config());
     ASSERT_TRUE(layer.ok()) << layer.status();

@@ -186,7 +186,7 @@ TEST(RegionCudaTest, CudaRegionsAndEventPairsMatchBytes) {
     st = c.stub()->RegisterEvents(&ctx, events_req, &events);
   }
   ASSERT_TRUE(st.ok()) << st.error_message();
-  auto done = cuda::InterprocessEvent::Open(events.done_event_handle(), events.done_event_device());
+  auto done = cuda::InterprocessEvent::Open(events.done_event_handle(), 0);
   ASSERT_TRUE(done.ok()) << done.status();
 
   // Copies `t` into the block at `offset` on the trainer's stream.

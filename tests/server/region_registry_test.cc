@@ -89,9 +89,7 @@ class FakeMapper : public RegionMapper {
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeCudaMemory>(size_bytes, device);
   }
-  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view,
-                                                                int device) override {
-    opened_on.push_back(device);
+  absl::StatusOr<std::unique_ptr<SharedEvent>> OpenCudaIpcEvent(absl::string_view) override {
     if (!refuse.ok()) return refuse;
     return std::make_unique<FakeEvent>(&live_events);
   }
@@ -101,7 +99,6 @@ class FakeMapper : public RegionMapper {
                           std::string(64, 'h'));
   }
   absl::Status refuse;
-  std::vector<int> opened_on;  // the device each OpenCudaIpcEvent was told
   std::function<void()> on_map;
   int live_events = 0;
 };
@@ -555,21 +552,10 @@ TEST_F(RegionRegistryTest, EventPairsServeOneCallAtATime) {
   bad.set_wait_event_handle("short");
   EXPECT_CODE(registry.RegisterEvents(kAliceA, bad).status(), kInvalidArgument,
               "wait_event_handle");
-  v1::RegisterEventsRequest negative = EventsRequest();
-  negative.set_device(-2);
-  EXPECT_CODE(registry.RegisterEvents(kAliceA, negative).status(), kInvalidArgument, "device: -2");
-  EXPECT_TRUE(mapper->opened_on.empty()) << "refused before anything was opened";
-  // The client's event opens on the device it names (an older client names none: -1); the
-  // response names the server's event's device.
-  v1::RegisterEventsRequest on_one = EventsRequest();
-  on_one.set_device(1);
-  auto pair = registry.RegisterEvents(kAliceA, on_one);
+  auto pair = registry.RegisterEvents(kAliceA, EventsRequest());
   ASSERT_TRUE(pair.ok()) << pair.status();
   EXPECT_NE(pair->event_id(), 0u);
   EXPECT_EQ(pair->done_event_handle().size(), kCudaIpcHandleBytes);
-  EXPECT_EQ(pair->done_event_device(), 0);
-  ASSERT_EQ(mapper->opened_on.size(), 1u);
-  EXPECT_EQ(mapper->opened_on[0], 1);
   ASSERT_EQ(changes.size(), 1u);
   EXPECT_EQ(changes.back().event_pairs, 1);
 
@@ -595,7 +581,6 @@ TEST_F(RegionRegistryTest, EventPairsServeOneCallAtATime) {
 
   auto again = registry.RegisterEvents(kAliceA, EventsRequest());
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ(mapper->opened_on.back(), -1);
   { auto lease = registry.AcquireEvents(kAliceA, again->event_id()); }
   EXPECT_TRUE(registry.AcquireEvents(kAliceA, again->event_id()).ok());  // released
   for (const RegionOwner& other : {kAliceB, kBobC}) {

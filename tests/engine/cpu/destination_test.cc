@@ -314,7 +314,7 @@ TEST(DestinationRefusalTest, TheCpuEngineRefusesCudaIpc) {
   const auto kFailed = absl::StatusCode::kFailedPrecondition;
   ExpectRefused(engine->MapCudaIpcMemory(handle, 0, 0, 64).status(), kFailed,
                 "needs a CUDA engine; this server runs on cpu");
-  ExpectRefused(engine->OpenCudaIpcEvent(handle, 0).status(), kFailed,
+  ExpectRefused(engine->OpenCudaIpcEvent(handle).status(), kFailed,
                 "needs a CUDA engine; this server runs on cpu");
   ExpectRefused(engine->CreateCudaIpcEvent().status(), kFailed,
                 "needs a CUDA engine; this server runs on cpu");

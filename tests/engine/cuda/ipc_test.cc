@@ -137,11 +137,10 @@ int RunExportChild(int in, int out) {
       !Send(out, Bytes<int64_t>(e->allocation_bytes))) {
     return 8;
   }
-  std::optional<std::string> done_handle = Receive(in), done_device = Receive(in);
-  if (!done_handle || !done_device) return 9;
-  // The engine's event opens on its device, which may be the other GPU.
-  absl::StatusOr<cuda::InterprocessEvent> done = cuda::InterprocessEvent::Open(
-      *done_handle, static_cast<int>(FromBytes<int64_t>(*done_device)));
+  std::optional<std::string> done_handle = Receive(in);
+  if (!done_handle) return 9;
+  // Opened for this process's stream on cuda:0, whichever GPU the engine made it on.
+  absl::StatusOr<cuda::InterprocessEvent> done = cuda::InterprocessEvent::Open(*done_handle, 0);
   if (!done.ok()) return 10;
   char* out_host = pinned + l.x_bytes + l.dout_bytes;
   char* dx_host = out_host + l.out_bytes;
@@ -290,21 +289,23 @@ void DriveALayerFromAnotherProcess(int engine_device) {
     ExpectRefused(eng.MapCudaIpcMemory(e.mem_handle, 1, 0, 64).status(),
                   "device: the handle's memory is on cuda:0, not cuda:1");
   }
-  ExpectRefused(eng.OpenCudaIpcEvent("abc", dev).status(),
+  ExpectRefused(eng.OpenCudaIpcEvent("abc").status(),
                 "handle: 3 bytes, a cudaIpcEventHandle_t has 64");
-  ExpectRefused(eng.OpenCudaIpcEvent(garbage, dev).status(), "handle: CUDA cannot open it");
-  ExpectRefused(eng.OpenCudaIpcEvent(e.event_handle, count).status(),
+  ExpectRefused(eng.OpenCudaIpcEvent(garbage).status(), "handle: CUDA cannot open it");
+  ExpectRefused(cuda::OpenIpcEvent(e.event_handle, count).status(),
                 "device: cuda:" + std::to_string(count) + " out of range");
   EXPECT_EQ(cuda::OpenIpcAllocations(), 1);
 
+  // The trainer's event opens for the engine's streams, whichever device made it, and the
+  // calling thread keeps its device.
   int current = -1, after_open = -2;
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
-  auto ready = eng.OpenCudaIpcEvent(e.event_handle, dev);
+  auto ready = eng.OpenCudaIpcEvent(e.event_handle);
   auto done = eng.CreateCudaIpcEvent();
   ASSERT_TRUE(ready.ok() && done.ok()) << ready.status() << done.status();
   ASSERT_EQ(cudaGetDevice(&after_open), cudaSuccess);
   EXPECT_EQ(after_open, current) << "opening an event changed the thread's device";
-  EXPECT_EQ((*ready)->device(), dev);
+  EXPECT_EQ((*ready)->device(), engine_device);
   EXPECT_EQ(done->first->device(), engine_device);
   EXPECT_EQ(done->second.size(), kCudaIpcHandleBytes);
   const StreamOrder order{(*ready)->native(), done->first->native()};
@@ -343,8 +344,7 @@ void DriveALayerFromAnotherProcess(int engine_device) {
   ASSERT_TRUE(bb.ok()) << bb.status();
   EXPECT_TRUE(SameBytes(dp, ba->dweights)) << "dweights";  // host destination: done on return
 
-  ASSERT_TRUE(Send(child.to(), done->second) &&
-              Send(child.to(), Bytes<int64_t>(done->first->device())));
+  ASSERT_TRUE(Send(child.to(), done->second));
   std::optional<std::string> out = Receive(child.from()), dx = Receive(child.from());
   ASSERT_TRUE(out && dx) << "child exited " << child.Wait();
   EXPECT_TRUE(*out == bytes_of(fa->out)) << "out";
