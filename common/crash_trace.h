@@ -1,7 +1,8 @@
 // A symbolized backtrace on stderr when a process dies of a fatal signal (SIGSEGV, SIGBUS,
 // SIGFPE, SIGILL, SIGABRT), for the executables (moe-server, moe-service-bench) whose crashes
 // otherwise say nothing but "Segmentation fault", typically on a machine where no debugger can
-// be attached in time.
+// be attached in time. SIGQUIT prints every thread's stack and the process goes on: what a
+// stuck process is waiting for, where no debugger may attach (a container without ptrace).
 //
 // Why not absl's InstallFailureSignalHandler: its x86-64 unwinder follows frame pointers, which
 // Release builds omit and the CUDA driver's library does not keep, so a crash inside a CUDA call
@@ -15,7 +16,8 @@
 
 namespace moe {
 
-// Installs the handlers for the rest of the process; call it at the top of main() with argv[0]
+// Installs the handlers for the rest of the process (SIGQUIT's, and SIGRTMIN + 2's, which it
+// uses to reach each thread, included); call it at the top of main() with argv[0]
 // (the symbolizer needs the binary's path). A fork()ed child keeps them. After printing, each
 // handler restores the default action and raises the signal again, so the exit status and any
 // core dump are what they would have been.

@@ -277,26 +277,34 @@ int64_t NcclChannels::channels() const {
 
 void NcclChannels::EndChannel(std::shared_ptr<Channel> c, const absl::Status& why) {
   if (c == nullptr) return;
-  c->link->Abort();
   std::vector<Batch> failed = c->gate.TakeHeld();
   for (Batch& b : c->to_post) failed.push_back(std::move(b));
   c->to_post.clear();
   for (Posted& p : c->posted) failed.push_back(std::move(p.batch));
   c->posted.clear();
   c->sending.clear();
+  // The calls are answered first: their reactors finish whatever NCCL does next. Their buffers
+  // belong to the link, which outlives any transfer still writing them.
   for (Batch& b : failed) {
     if (b.failed) b.failed(why);
   }
-  // Freeing the link's buffers synchronises the device, which waits for every other channel's
-  // receives: never on the pump (which is what aborts a channel whose peer died) nor on a
-  // reaction. The last holder frees it (an executor task that still has it, or this thread).
   bool stopping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping = stopping_;
   }
-  if (stopping) return;
-  std::thread([link = std::move(c->link)]() mutable { link.reset(); }).detach();
+  if (stopping) {
+    c->link->Abort();
+    return;
+  }
+  // ncclCommAbort waits for NCCL's threads and kernels to stop, and freeing the link's buffers
+  // synchronises the device (which waits for every other channel's receives): neither may hold
+  // a gRPC thread, the pump or the executor, so both run on a thread of their own. The last
+  // holder frees the link (an executor task that still has it, or that thread).
+  std::thread([link = std::move(c->link)]() mutable {
+    link->Abort();
+    link.reset();
+  }).detach();
 }
 
 absl::Status NcclChannels::PumpChannel(Channel& c,

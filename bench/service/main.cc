@@ -12,6 +12,7 @@
 // running the server (server_process.h) before anything touches a GPU; --server_process does
 // the same for any transport, so that all compare with the server in a process of its own.
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -40,7 +41,10 @@ ABSL_FLAG(std::string, metrics, "",
           "with --server, found automatically without");
 ABSL_FLAG(std::string, device, "cpu", "Engine for the in-process server and baseline");
 ABSL_FLAG(std::string, server_device, "",
-          "Engine of the bench's own server and of the in-process baseline (default: --device)");
+          "Engine of the bench's own server (default: --device)");
+ABSL_FLAG(std::string, inprocess_device, "",
+          "Engine of the in-process baseline; empty: the trainer's GPU when --client_device is "
+          "one, else --device");
 ABSL_FLAG(std::string, client_device, "cpu",
           "Where the trainer's tensors live: cpu, or cuda:N (results into device destinations "
           "on one stream; the baseline is the engine on the same device tensors)");
@@ -91,6 +95,9 @@ int Fail(const std::string& message) {
 int main(int argc, char** argv) {
   // A crash prints where (common/crash_trace.h); the forked server child inherits it.
   moe::InstallCrashBacktrace(argv[0]);
+  // As moe-server does, for the server this bench forks and for its own NCCL receives: kernels
+  // load when CUDA starts, not at a first launch that could wait on a dead peer's receive.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   // --help lists this file's flags: absl's default lists only those of a file named after the
   // binary (it compares with its name normalized, which drops the leading '/').
   absl::FlagsUsageConfig usage_config;
@@ -111,6 +118,7 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   if (const std::string d = absl::GetFlag(FLAGS_server_device); !d.empty()) options.device = d;
   options.client_device = absl::GetFlag(FLAGS_client_device);
+  options.inprocess_device = absl::GetFlag(FLAGS_inprocess_device);
   const std::string transport = absl::GetFlag(FLAGS_transport);
   if (transport == "tcp") {
     options.transport = moe::bench::BenchTransport::kTcp;

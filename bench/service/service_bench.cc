@@ -300,6 +300,11 @@ absl::StatusOr<std::vector<BenchCase>> ParseCases(const std::string& text) {
   return cases;
 }
 
+std::string InprocessDevice(const BenchOptions& options) {
+  if (!options.inprocess_device.empty()) return options.inprocess_device;
+  return options.client_device != "cpu" ? options.client_device : options.device;
+}
+
 server::ServerOptions OwnServerOptions(const BenchOptions& options) {
   server::ServerOptions so;
   so.host = "127.0.0.1";
@@ -338,10 +343,10 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       return absl::InvalidArgumentError(
           "client_device: this moe-service-bench was built without CUDA");
     }
-    if (!absl::StartsWith(options.device, "cuda")) {
+    if (!absl::StartsWith(InprocessDevice(options), "cuda")) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "client_device: device tensors need a GPU engine for the in-process baseline (device is ",
-          options.device, ")"));
+          "client_device: device tensors need a GPU engine for the in-process baseline (it is ",
+          InprocessDevice(options), ")"));
     }
   }
   if (options.transport == BenchTransport::kCudaIpc) {
@@ -392,7 +397,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   }
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
-  auto engine = CreateEngine(options.device);
+  auto engine = CreateEngine(InprocessDevice(options));
   if (!engine.ok()) return engine.status();
 
   std::vector<CaseResult> results;
@@ -543,6 +548,7 @@ absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptio
       j["routing"] = options.layer.routing == RoutingMode::kClient ? "client" : "server";
       j["server_device"] = server_device;
       j["client_device"] = options.client_device;
+      j["in_process_device"] = InprocessDevice(options);
       j["service_tok_s"] = svc->tokens_per_second;
       j["in_process_tok_s"] = loc->tokens_per_second;
       j["ratio"] = svc->tokens_per_second / loc->tokens_per_second;

@@ -73,7 +73,13 @@ struct BenchOptions {
   // Where the trainer's tensors live: "cpu", or "cuda:N" (a GPU, with `device` a GPU engine: the
   // in-process baseline is that engine on the same device tensors).
   std::string client_device = "cpu";
+  // Engine of the in-process baseline; empty: the trainer's GPU when client_device is one (what
+  // the trainer would get without offloading), else `device`.
+  std::string inprocess_device;
 };
+
+// The in-process baseline's engine device (BenchOptions::inprocess_device).
+std::string InprocessDevice(const BenchOptions& options);
 
 // Per-call latencies in seconds, and what went over the wire.
 struct ModeResult {

@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <future>
 #include <memory>
 #include <random>
@@ -38,6 +37,9 @@ namespace {
 
 using cuda_test::Config;
 using cuda_test::ServerProcess;
+
+// The killed trainer says it is ready on this descriptor.
+constexpr int kReadyFd = 3;
 
 absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
     const std::string& target, client::DeviceTransportRequest device,
@@ -97,7 +99,8 @@ TEST_F(NcclTest, AKilledTrainerLeavesTheServerServing) {
   ASSERT_EQ(pipe(ready), 0);
   const pid_t victim = fork();
   if (victim == 0) {
-    dup2(ready[1], 1);
+    // Readiness comes on its own descriptor: NCCL_DEBUG prints on stdout.
+    dup2(ready[1], kReadyFd);
     close(ready[0]);
     execl(self, self, flag.c_str(), static_cast<char*>(nullptr));
     _exit(127);
@@ -157,7 +160,7 @@ TEST(NcclFallbackTest, AServerWithoutNcclGetsStagedTensorsAndTheLogSaysWhy) {
 }
 
 // The killed trainer: opens a channel and sends an NCCL Forward whose bytes it never posts, so
-// the server waits on a receive; says "ready" and waits to be killed.
+// the server waits on a receive; says "ready" (on kReadyFd) and waits to be killed.
 int RunVictim(const std::string& target) {
   if (cudaSetDevice(0) != cudaSuccess) return 2;
   auto conn = Connect(target, client::DeviceTransportRequest::kNccl);
@@ -180,8 +183,7 @@ int RunVictim(const std::string& target) {
   v1::ForwardResponse resp;
   (*conn)->stub()->async()->NcclForward(&ctx, &req, &resp, [](grpc::Status) {});
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  std::printf("ready\n");
-  std::fflush(stdout);
+  if (write(kReadyFd, "ready\n", 6) != 6) return 6;
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
