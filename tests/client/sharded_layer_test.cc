@@ -1,7 +1,9 @@
 // An expert-sharded layer over two servers equals one unsharded layer: same weights (imported
 // from the unsharded layer), same forward output, dx, dweights, token counts and, after a step,
 // the same weights. Sums over shards reorder float additions, so outputs are compared by the
-// normalised error with bound 1e-6; token counts exactly.
+// normalised error with bound 1e-6; token counts exactly. ForwardInto and BackwardInto with host
+// tensors give the bits of Forward and Backward in the caller's destinations; device tensors in a
+// client built without CUDA, or tensors in two places, are refused naming the field.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -127,6 +129,96 @@ TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
   EXPECT_NE(st.message().find("expert_ids"), std::string::npos) << st;
   Tensor dout = RandomFloat(rng, {3, 8});
   EXPECT_EQ((*layer)->Backward(12345, dout.view()).get().status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
+  auto s0 = StartServer();
+  auto s1 = StartServer();
+  ASSERT_TRUE(s0 && s1);
+  auto c0 = client::Connection::Connect(Target(*s0));
+  auto c1 = client::Connection::Connect(Target(*s1));
+  ASSERT_TRUE(c0.ok() && c1.ok());
+  LayerConfig config;
+  config.num_experts = 6;
+  config.top_k = 2;
+  config.d_model = 8;
+  config.d_hidden = 12;
+  config.seed = 5;
+  auto a = client::ShardedLayer::Create({*c0, *c1}, "plain", config);
+  auto b = client::ShardedLayer::Create({*c0, *c1}, "into", config);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  std::mt19937 rng(4);
+  const int64_t tokens = 13;
+  Tensor x = RandomFloat(rng, {tokens, 8}), ids, w;
+  RandomRouting(rng, tokens, 2, 0, 6, &ids, &w);
+  Tensor out = Tensor::Zeros(DType::kFloat32, {tokens, 8});
+  std::memset(out.bytes.data(), 0xff, out.bytes.size());  // poisoned: every byte must be written
+  auto fa = (*a)->Forward(x.view(), ids.view(), w.view()).get();
+  auto fb = (*b)->ForwardInto(x.view(), ids.view(), w.view(), out.mutable_view()).get();
+  ASSERT_TRUE(fa.ok() && fb.ok()) << fa.status() << fb.status();
+  EXPECT_TRUE(fb->out.empty());
+  EXPECT_EQ(out.bytes, fa->out.bytes);
+  Tensor dout = RandomFloat(rng, {tokens, 8});
+  Tensor dx = Tensor::Zeros(DType::kFloat32, {tokens, 8});
+  std::memset(dx.bytes.data(), 0xff, dx.bytes.size());
+  auto ba = (*a)->Backward(fa->context_id, dout.view()).get();
+  // dweights without a destination comes back, as RemoteLayer's.
+  auto bb = (*b)->BackwardInto(fb->context_id, dout.view(), dx.mutable_view(), {}).get();
+  ASSERT_TRUE(ba.ok() && bb.ok()) << ba.status() << bb.status();
+  EXPECT_TRUE(bb->dx.empty());
+  EXPECT_EQ(dx.bytes, ba->dx.bytes);
+  EXPECT_EQ(bb->dweights.bytes, ba->dweights.bytes);
+}
+
+TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTheField) {
+  auto s0 = StartServer();
+  ASSERT_TRUE(s0);
+  auto c0 = client::Connection::Connect(Target(*s0));
+  ASSERT_TRUE(c0.ok());
+  LayerConfig config;
+  config.num_experts = 4;
+  config.top_k = 1;
+  config.d_model = 8;
+  config.d_hidden = 8;
+  auto layer = client::ShardedLayer::Create({*c0}, "placed", config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::mt19937 rng(2);
+  Tensor x = RandomFloat(rng, {3, 8}), ids, w;
+  RandomRouting(rng, 3, 1, 0, 4, &ids, &w);
+  Tensor out = Tensor::Zeros(DType::kFloat32, {3, 8});
+  // A host pointer said to be on cuda:0: refused before anything reads it.
+  TensorView on_gpu = x.view();
+  on_gpu.location = MemoryLocation::Cuda(0);
+  MutableTensorView out_on_gpu = out.mutable_view();
+  out_on_gpu.location = MemoryLocation::Cuda(0);
+  auto expect_refused = [](absl::Status st, const std::string& field, const std::string& why) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_EQ(st.message().rfind(field + ": ", 0), 0u) << st;
+    EXPECT_NE(st.message().find(why), std::string::npos) << st;
+  };
+  // Without CUDA the reason is that; with it, the pointer is found not to be device memory.
+  const bool cuda = (*c0)->device_transport() != client::DeviceTransport::kUnavailable;
+  const std::string no_cuda = cuda ? "" : "built without CUDA";
+  expect_refused((*layer)->ForwardInto(on_gpu, ids.view(), w.view(), out_on_gpu).get().status(),
+                 "x", no_cuda);
+  // Tensors in two places: the first that differs from x is named (without CUDA, as on a device).
+  expect_refused((*layer)->ForwardInto(x.view(), ids.view(), w.view(), out_on_gpu).get().status(),
+                 "out", cuda ? "one place" : no_cuda);
+  auto f = (*layer)->ForwardInto(x.view(), ids.view(), w.view(), out.mutable_view()).get();
+  ASSERT_TRUE(f.ok()) << f.status();
+  Tensor dout = RandomFloat(rng, {3, 8});
+  TensorView dout_on_gpu = dout.view();
+  dout_on_gpu.location = MemoryLocation::Cuda(0);
+  expect_refused(
+      (*layer)->BackwardInto(f->context_id, dout_on_gpu, {}, {}).get().status(), "dout", no_cuda);
+  // A destination of the wrong shape is refused before the context is taken: it still works.
+  Tensor small = Tensor::Zeros(DType::kFloat32, {2, 8});
+  expect_refused(
+      (*layer)->BackwardInto(f->context_id, dout.view(), small.mutable_view(), {}).get().status(),
+      "dx", "");
+  EXPECT_TRUE((*layer)->BackwardInto(f->context_id, dout.view(), {}, {}).get().ok());
+  EXPECT_EQ((*layer)->BackwardInto(f->context_id, dout.view(), {}, {}).get().status().code(),
             absl::StatusCode::kNotFound);
 }
 
