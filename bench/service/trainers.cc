@@ -204,6 +204,13 @@ InprocTrainer DeviceInproc(const DeviceTensors& dev) {
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
                               const std::vector<MicroBatch>& mbs, bool optimizer_step,
                               ModeResult* r) {
+  ServiceTrainer stepping = t;
+  stepping.step = [&layer] { return layer.Step().status(); };
+  return ServiceTrainStep(stepping, mbs, optimizer_step, r);
+}
+
+absl::Status ServiceTrainStep(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
+                              bool optimizer_step, ModeResult* r) {
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
   for (size_t i = 0; i < mbs.size(); ++i) fwd.push_back(t.forward(i, true));
@@ -229,7 +236,7 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& 
     // dx is dout's size, dweights the routing weights' (float32 [T, K]).
     if (r) r->payload_bytes += 2 * Bytes(mbs[i].dout) + Bytes(mbs[i].weights);
   }
-  if (optimizer_step) MOE_RETURN_IF_ERROR(layer.Step().status());
+  if (optimizer_step) MOE_RETURN_IF_ERROR(t.step());
   return t.finish();
 }
 

@@ -80,6 +80,8 @@ struct ServiceTrainer {
   std::function<std::future<absl::StatusOr<client::BackwardOutput>>(size_t i, uint64_t ctx)>
       backward;
   std::function<absl::Status()> finish = [] { return absl::OkStatus(); };
+  // The optimizer step, for ServiceTrainStep without a layer (a sharded layer's).
+  std::function<absl::Status()> step;
 };
 // The in-process side: micro-batch i's requests.
 struct InprocTrainer {
@@ -103,6 +105,9 @@ InprocTrainer DeviceInproc(const DeviceTensors& dev);
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
                               const std::vector<MicroBatch>& mbs, bool optimizer_step,
                               ModeResult* r);
+// The same, stepping with t.step.
+absl::Status ServiceTrainStep(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
+                              bool optimizer_step, ModeResult* r);
 absl::Status ServiceInferRound(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
                                ModeResult* r);
 absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, bool optimizer_step,
