@@ -83,6 +83,7 @@ __global__ void scatter_add_kernel(const V* __restrict__ src, const int32_t* __r
 
 cudaError_t SelectTempBytes(int64_t tokens, size_t* bytes) {
   *bytes = 0;
+  // The same instantiation as SelectShardRows's calls, so the size is theirs.
   return cub::DeviceSelect::Flagged(nullptr, *bytes, thrust::counting_iterator<int32_t>(0),
                                     static_cast<const uint8_t*>(nullptr),
                                     static_cast<int32_t*>(nullptr),
@@ -107,8 +108,9 @@ cudaError_t SelectShardRows(const int32_t* ids, int64_t tokens, int32_t top_k,
   for (int32_t s = 0; s < num_shards; ++s) {
     size_t bytes = temp_bytes;
     if (cudaError_t e = cub::DeviceSelect::Flagged(
-            temp, bytes, thrust::counting_iterator<int32_t>(0), flags + s * tokens,
-            rows + s * tokens, summary + s, tokens, stream);
+            temp, bytes, thrust::counting_iterator<int32_t>(0),
+            static_cast<const uint8_t*>(flags + s * tokens), rows + s * tokens, summary + s,
+            tokens, stream);
         e != cudaSuccess) {
       return e;
     }
