@@ -188,8 +188,10 @@ TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTh
   RandomRouting(rng, 3, 1, 0, 4, &ids, &w);
   Tensor out = Tensor::Zeros(DType::kFloat32, {3, 8});
   // A host pointer said to be on cuda:0: refused before anything reads it.
-  TensorView on_gpu = x.view();
-  on_gpu.location = MemoryLocation::Cuda(0);
+  auto on_gpu = [](TensorView v) {
+    v.location = MemoryLocation::Cuda(0);
+    return v;
+  };
   MutableTensorView out_on_gpu = out.mutable_view();
   out_on_gpu.location = MemoryLocation::Cuda(0);
   auto expect_refused = [](absl::Status st, const std::string& field, const std::string& why) {
@@ -200,7 +202,11 @@ TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTh
   // Without CUDA the reason is that; with it, the pointer is found not to be device memory.
   const bool cuda = (*c0)->device_transport() != client::DeviceTransport::kUnavailable;
   const std::string no_cuda = cuda ? "" : "built without CUDA";
-  expect_refused((*layer)->ForwardInto(on_gpu, ids.view(), w.view(), out_on_gpu).get().status(),
+  expect_refused((*layer)
+                     ->ForwardInto(on_gpu(x.view()), on_gpu(ids.view()), on_gpu(w.view()),
+                                   out_on_gpu)
+                     .get()
+                     .status(),
                  "x", no_cuda);
   // Tensors in two places: the first that differs from x is named (without CUDA, as on a device).
   expect_refused((*layer)->ForwardInto(x.view(), ids.view(), w.view(), out_on_gpu).get().status(),
@@ -208,10 +214,9 @@ TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTh
   auto f = (*layer)->ForwardInto(x.view(), ids.view(), w.view(), out.mutable_view()).get();
   ASSERT_TRUE(f.ok()) << f.status();
   Tensor dout = RandomFloat(rng, {3, 8});
-  TensorView dout_on_gpu = dout.view();
-  dout_on_gpu.location = MemoryLocation::Cuda(0);
   expect_refused(
-      (*layer)->BackwardInto(f->context_id, dout_on_gpu, {}, {}).get().status(), "dout", no_cuda);
+      (*layer)->BackwardInto(f->context_id, on_gpu(dout.view()), {}, {}).get().status(), "dout",
+      no_cuda);
   // A destination of the wrong shape is refused before the context is taken: it still works.
   Tensor small = Tensor::Zeros(DType::kFloat32, {2, 8});
   expect_refused(
