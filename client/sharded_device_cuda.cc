@@ -329,6 +329,11 @@ class CudaShardedDevice final : public ShardedDevice {
   // The caller's stream waits on the lane's work; blocks and lane go back (the index block too
   // unless `keep_index`).
   absl::Status End(Call& call, bool keep_index);
+  // Shard s's work block for the call.
+  static absl::Status AcquireWork(Call& call, size_t s, int64_t bytes) {
+    MOE_ASSIGN_OR_RETURN(call.work[s], call.state->work.Acquire(bytes, call.lane->stream));
+    return absl::OkStatus();
+  }
   absl::StatusOr<ForwardOutput> RunForward(Call call, TensorView x, TensorView ids,
                                            TensorView weights, MutableTensorView out,
                                            uint64_t context_id);
@@ -496,12 +501,8 @@ absl::StatusOr<ForwardOutput> CudaShardedDevice::RunForward(Call call, TensorVie
   for (size_t s = 0; st.ok() && s < n_shards; ++s) {
     counts[s] = summary[s];
     if (counts[s] == 0) continue;
-    absl::StatusOr<std::unique_ptr<Block>> b = call.state->work.Acquire(work.bytes, lane);
-    if (!b.ok()) {
-      st = b.status();
-      break;
-    }
-    call.work[s] = *std::move(b);
+    st = AcquireWork(call, s, work.bytes);
+    if (!st.ok()) break;
     const Block& w = *call.work[s];
     const int32_t* rows = index.rows(*call.index, s);
     const int64_t n = counts[s];
@@ -618,12 +619,8 @@ absl::StatusOr<BackwardOutput> CudaShardedDevice::RunBackward(Call call, Context
   for (size_t s = 0; st.ok() && s < n_shards; ++s) {
     const int64_t n = ctx.counts[s];
     if (n == 0) continue;
-    absl::StatusOr<std::unique_ptr<Block>> b = call.state->work.Acquire(work.bytes, lane);
-    if (!b.ok()) {
-      st = b.status();
-      break;
-    }
-    call.work[s] = *std::move(b);
+    st = AcquireWork(call, s, work.bytes);
+    if (!st.ok()) break;
     const Block& w = *call.work[s];
     st = CudaError(kernels::LaunchGatherRows(dout.data, static_cast<size_t>(d * 4),
                                              ctx.layout.rows(*call.index, s), 1, n, w.data, lane),

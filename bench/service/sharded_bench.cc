@@ -105,20 +105,6 @@ ServiceTrainer ShardedHostService(client::ShardedLayer& layer, const std::vector
   return t;
 }
 
-ServiceTrainer ShardedDeviceService(client::ShardedLayer& layer, const DeviceTensors& dev) {
-  ServiceTrainer t;
-  t.forward = [&layer, &dev](size_t i, bool training) {
-    return layer.ForwardInto(dev.x(i), dev.ids(i), dev.weights(i), dev.out(i), dev.stream(),
-                             training);
-  };
-  t.backward = [&layer, &dev](size_t i, uint64_t ctx) {
-    return layer.BackwardInto(ctx, dev.dout(i), dev.dx(i), dev.dweights(i), dev.stream());
-  };
-  t.finish = [&dev] { return dev.Synchronize(); };
-  t.step = [&layer] { return layer.Step().status(); };
-  return t;
-}
-
 absl::StatusOr<std::vector<CaseResult>> RunShardedBench(const BenchOptions& options,
                                                         std::string* server_description) {
   absl::StatusOr<int> gpu = CheckOptions(options);
@@ -176,7 +162,7 @@ absl::StatusOr<std::vector<CaseResult>> RunShardedBench(const BenchOptions& opti
       absl::StatusOr<std::unique_ptr<DeviceTensors>> d = DeviceTensors::Upload(client_gpu, mbs);
       if (!d.ok()) return d.status();
       dev = *std::move(d);
-      service = ShardedDeviceService(**layer, *dev);
+      service = DeviceService(**layer, *dev);
     } else {
       service = ShardedHostService(**layer, mbs);
     }

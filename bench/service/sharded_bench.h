@@ -35,10 +35,9 @@ absl::StatusOr<std::vector<std::string>> ParseServers(const std::string& text);
 absl::StatusOr<std::vector<CaseResult>> RunShardedBench(const BenchOptions& options,
                                                         std::string* server_description);
 
-// The trainers of a sharded layer: host tensors lent as views, or device tensors into their
-// device destinations; each steps the layer's shards.
+// The trainer of a sharded layer on host tensors, lent as views (device tensors: DeviceService);
+// it steps the layer's shards.
 ServiceTrainer ShardedHostService(client::ShardedLayer& layer, const std::vector<MicroBatch>& mbs);
-ServiceTrainer ShardedDeviceService(client::ShardedLayer& layer, const DeviceTensors& dev);
 
 }  // namespace moe::bench
 

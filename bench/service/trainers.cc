@@ -166,7 +166,8 @@ InprocTrainer HostInproc(const std::vector<MicroBatch>& mbs) {
   return t;
 }
 
-ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& dev) {
+template <typename RemoteLayerT>
+ServiceTrainer DeviceService(RemoteLayerT& layer, const DeviceTensors& dev) {
   ServiceTrainer t;
   t.forward = [&layer, &dev](size_t i, bool training) {
     return layer.ForwardInto(dev.x(i), dev.ids(i), dev.weights(i), dev.out(i), dev.stream(),
@@ -176,8 +177,11 @@ ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& de
     return layer.BackwardInto(ctx, dev.dout(i), dev.dx(i), dev.dweights(i), dev.stream());
   };
   t.finish = [&dev] { return dev.Synchronize(); };
+  t.step = [&layer] { return layer.Step().status(); };
   return t;
 }
+template ServiceTrainer DeviceService(client::RemoteLayer&, const DeviceTensors&);
+template ServiceTrainer DeviceService(client::ShardedLayer&, const DeviceTensors&);
 
 InprocTrainer DeviceInproc(const DeviceTensors& dev) {
   InprocTrainer t;

@@ -94,8 +94,10 @@ struct InprocTrainer {
 ServiceTrainer HostService(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
                            std::vector<MicroBatch>* owned);
 InprocTrainer HostInproc(const std::vector<MicroBatch>& mbs);
-// Device tensors, results into their device destinations.
-ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& dev);
+// Device tensors, results into their device destinations, stepping `layer`: a
+// client::RemoteLayer or a client::ShardedLayer.
+template <typename RemoteLayerT>
+ServiceTrainer DeviceService(RemoteLayerT& layer, const DeviceTensors& dev);
 InprocTrainer DeviceInproc(const DeviceTensors& dev);
 
 // One training step / inference round of `mbs.size()` micro-batches. `r` (may be null: a warmup)

@@ -19,6 +19,16 @@ using testing_util::RelError;
 using testing_util::StartServer;
 using testing_util::Target;
 
+// A client-routed float32 layer of this size.
+LayerConfig SmallConfig(int64_t experts, int64_t top_k, int64_t d_model, int64_t d_hidden) {
+  LayerConfig config;
+  config.num_experts = experts;
+  config.top_k = top_k;
+  config.d_model = d_model;
+  config.d_hidden = d_hidden;
+  return config;
+}
+
 // Rows [first, first + count) of a [E, ...] tensor.
 Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
   Tensor out = t;
@@ -106,11 +116,7 @@ TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
   ASSERT_TRUE(s0);
   auto c0 = client::Connection::Connect(Target(*s0));
   ASSERT_TRUE(c0.ok());
-  LayerConfig config;
-  config.num_experts = 4;
-  config.top_k = 1;
-  config.d_model = 8;
-  config.d_hidden = 8;
+  LayerConfig config = SmallConfig(4, 1, 8, 8);
   config.routing = RoutingMode::kServer;
   EXPECT_EQ(client::ShardedLayer::Create({*c0}, "x", config).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -139,11 +145,7 @@ TEST(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
   auto c0 = client::Connection::Connect(Target(*s0));
   auto c1 = client::Connection::Connect(Target(*s1));
   ASSERT_TRUE(c0.ok() && c1.ok());
-  LayerConfig config;
-  config.num_experts = 6;
-  config.top_k = 2;
-  config.d_model = 8;
-  config.d_hidden = 12;
+  LayerConfig config = SmallConfig(6, 2, 8, 12);
   config.seed = 5;
   auto a = client::ShardedLayer::Create({*c0, *c1}, "plain", config);
   auto b = client::ShardedLayer::Create({*c0, *c1}, "into", config);
@@ -176,12 +178,7 @@ TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTh
   ASSERT_TRUE(s0);
   auto c0 = client::Connection::Connect(Target(*s0));
   ASSERT_TRUE(c0.ok());
-  LayerConfig config;
-  config.num_experts = 4;
-  config.top_k = 1;
-  config.d_model = 8;
-  config.d_hidden = 8;
-  auto layer = client::ShardedLayer::Create({*c0}, "placed", config);
+  auto layer = client::ShardedLayer::Create({*c0}, "placed", SmallConfig(4, 1, 8, 8));
   ASSERT_TRUE(layer.ok()) << layer.status();
   std::mt19937 rng(2);
   Tensor x = RandomFloat(rng, {3, 8}), ids, w;
