@@ -29,6 +29,24 @@ LayerConfig SmallConfig(int64_t experts, int64_t top_k, int64_t d_model, int64_t
   return config;
 }
 
+// Two servers on loopback, a connection to each.
+class ShardedLayerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (auto* s : {&s0_, &s1_}) {
+      *s = StartServer();
+      ASSERT_TRUE(*s);
+    }
+    auto c0 = client::Connection::Connect(Target(*s0_));
+    auto c1 = client::Connection::Connect(Target(*s1_));
+    ASSERT_TRUE(c0.ok() && c1.ok()) << c0.status() << c1.status();
+    c0_ = *c0;
+    c1_ = *c1;
+  }
+  std::unique_ptr<server::Server> s0_, s1_;
+  std::shared_ptr<client::Connection> c0_, c1_;
+};
+
 // Rows [first, first + count) of a [E, ...] tensor.
 Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
   Tensor out = t;
@@ -38,13 +56,7 @@ Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
   return out;
 }
 
-TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
-  auto s0 = StartServer();
-  auto s1 = StartServer();
-  ASSERT_TRUE(s0 && s1);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  auto c1 = client::Connection::Connect(Target(*s1));
-  ASSERT_TRUE(c0.ok() && c1.ok());
+TEST_F(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
 
   LayerConfig config;
   config.num_experts = 7;  // uneven split: [0, 4) and [4, 7)
@@ -53,9 +65,9 @@ TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
   config.d_hidden = 24;
   config.seed = 3;
   config.optimizer.learning_rate = 1e-2;
-  auto full = client::RemoteLayer::Create(*c0, "full", config);
+  auto full = client::RemoteLayer::Create(c0_, "full", config);
   ASSERT_TRUE(full.ok()) << full.status();
-  auto sharded = client::ShardedLayer::Create({*c0, *c1}, "sharded", config);
+  auto sharded = client::ShardedLayer::Create({c0_, c1_}, "sharded", config);
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   ASSERT_EQ((*sharded)->num_shards(), 2u);
   EXPECT_EQ((*sharded)->shard(0).config().expert_first, 0);
@@ -111,17 +123,13 @@ TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
   }
 }
 
-TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
-  auto s0 = StartServer();
-  ASSERT_TRUE(s0);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  ASSERT_TRUE(c0.ok());
+TEST_F(ShardedLayerTest, RejectsWhatItCannotShard) {
   LayerConfig config = SmallConfig(4, 1, 8, 8);
   config.routing = RoutingMode::kServer;
-  EXPECT_EQ(client::ShardedLayer::Create({*c0}, "x", config).status().code(),
+  EXPECT_EQ(client::ShardedLayer::Create({c0_}, "x", config).status().code(),
             absl::StatusCode::kInvalidArgument);
   config.routing = RoutingMode::kClient;
-  auto layer = client::ShardedLayer::Create({*c0}, "x", config);
+  auto layer = client::ShardedLayer::Create({c0_}, "x", config);
   ASSERT_TRUE(layer.ok());
   std::mt19937 rng(1);
   Tensor x = RandomFloat(rng, {3, 8}), ids, w;
@@ -138,17 +146,11 @@ TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
             absl::StatusCode::kNotFound);
 }
 
-TEST(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
-  auto s0 = StartServer();
-  auto s1 = StartServer();
-  ASSERT_TRUE(s0 && s1);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  auto c1 = client::Connection::Connect(Target(*s1));
-  ASSERT_TRUE(c0.ok() && c1.ok());
+TEST_F(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
   LayerConfig config = SmallConfig(6, 2, 8, 12);
   config.seed = 5;
-  auto a = client::ShardedLayer::Create({*c0, *c1}, "plain", config);
-  auto b = client::ShardedLayer::Create({*c0, *c1}, "into", config);
+  auto a = client::ShardedLayer::Create({c0_, c1_}, "plain", config);
+  auto b = client::ShardedLayer::Create({c0_, c1_}, "into", config);
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
   std::mt19937 rng(4);
   const int64_t tokens = 13;
@@ -173,12 +175,8 @@ TEST(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
   EXPECT_EQ(bb->dweights.bytes, ba->dweights.bytes);
 }
 
-TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTheField) {
-  auto s0 = StartServer();
-  ASSERT_TRUE(s0);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  ASSERT_TRUE(c0.ok());
-  auto layer = client::ShardedLayer::Create({*c0}, "placed", SmallConfig(4, 1, 8, 8));
+TEST_F(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTheField) {
+  auto layer = client::ShardedLayer::Create({c0_}, "placed", SmallConfig(4, 1, 8, 8));
   ASSERT_TRUE(layer.ok()) << layer.status();
   std::mt19937 rng(2);
   Tensor x = RandomFloat(rng, {3, 8}), ids, w;
@@ -197,7 +195,7 @@ TEST(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTh
     EXPECT_NE(st.message().find(why), std::string::npos) << st;
   };
   // Without CUDA the reason is that; with it, the pointer is found not to be device memory.
-  const bool cuda = (*c0)->device_transport() != client::DeviceTransport::kUnavailable;
+  const bool cuda = c0_->device_transport() != client::DeviceTransport::kUnavailable;
   const std::string no_cuda = cuda ? "" : "built without CUDA";
   expect_refused((*layer)
                      ->ForwardInto(on_gpu(x.view()), on_gpu(ids.view()), on_gpu(w.view()),
