@@ -3,6 +3,8 @@
 // host sees one small copy per micro-batch, the shards' row counts (it needs them to size each
 // shard's call).
 //
+// Why it is built this way: docs/decisions/0019-sharded-device-calls.md.
+//
 // Two implementations behind one header, as device.h: sharded_device_cuda.cc in a client built
 // with CUDA, sharded_device_none.cc without, where MakeShardedDevice returns null (ShardedLayer
 // refuses device tensors before it would be needed).
