@@ -220,7 +220,9 @@ TEST_F(ShardedDeviceTest, AnIdOutsideTheLayerIsRefusedNamingItAndTheLayerGoesOn)
   std::mt19937 rng(5);
   auto mb = MakeBatch(64, false, rng);
   ASSERT_TRUE(mb);
-  static_cast<int32_t*>(mb->h(1))[3 * 2 + 1] = 7;  // token 3, pick 1: E is 7
+  int32_t& pick = static_cast<int32_t*>(mb->h(1))[3 * 2 + 1];
+  const int32_t good = pick;
+  pick = 7;  // token 3, pick 1: E is 7
   Upload(*mb);
   absl::Status st = device()
                         .ForwardInto(mb->DeviceIn(0), mb->DeviceIn(1), mb->DeviceIn(2),
@@ -229,7 +231,7 @@ TEST_F(ShardedDeviceTest, AnIdOutsideTheLayerIsRefusedNamingItAndTheLayerGoesOn)
                         .status();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("expert_ids: id 7 at [3,1]"), std::string::npos) << st;
-  static_cast<int32_t*>(mb->h(1))[3 * 2 + 1] = 0;
+  pick = good;
   Upload(*mb);
   auto ok = device()
                 .ForwardInto(mb->DeviceIn(0), mb->DeviceIn(1), mb->DeviceIn(2), mb->DeviceOut(4),
