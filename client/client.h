@@ -422,7 +422,8 @@ class ShardedLayer {
   RemoteLayer& shard(size_t i) { return *shards_[i]; }
 
   // Blocks the calling thread only inside the returned future (std::async). Host tensors only
-  // (the client gathers each shard's rows): a device tensor is InvalidArgument naming it.
+  // (the results come back in host memory): a device tensor is InvalidArgument naming it;
+  // ForwardInto and BackwardInto take device tensors.
   std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x, const TensorView& ids,
                                                      const TensorView& weights,
                                                      bool training = true);

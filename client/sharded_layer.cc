@@ -66,7 +66,8 @@ absl::Status HostOnly(std::initializer_list<std::pair<const TensorView*, const c
     if (!v->empty() && !v->location.is_host()) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": on ", v->location.DebugString(),
-          "; a sharded layer gathers each shard's rows in host memory, so it takes host tensors"));
+          "; Forward and Backward take host tensors (ForwardInto and BackwardInto take device "
+          "tensors)"));
     }
   }
   return absl::OkStatus();
