@@ -36,7 +36,9 @@
 // nccl_link_cuda.cc / nccl_link_none.cc (its communicators, with and without NCCL),
 // stream_call.cc (one Forward or Backward stream), requests.cc (the one place that
 // fills Forward and Backward requests), remote_layer.cc (RemoteLayer and the session that holds
-// its contexts), sharded_layer.cc (ShardedLayer); the headers beside those are internal.
+// its contexts), sharded_layer.cc (ShardedLayer), sharded_device_cuda.cc / sharded_device_none.cc
+// and shard_rows_cuda.cu (its device tensors, with and without CUDA); the headers beside those
+// are internal.
 #ifndef MOE_CLIENT_CLIENT_H_
 #define MOE_CLIENT_CLIENT_H_
 
@@ -64,6 +66,7 @@
 namespace moe::client {
 
 class DataPlane;     // data_plane.h
+class ShardedDevice;  // sharded_device.h
 class StreamLink;    // stream_call.h
 struct ForwardCall;  // requests.h
 struct BackwardCall;
@@ -396,6 +399,12 @@ class RemoteLayer {
 // picks in its range and sums the partial outputs; Backward does the same for dout and sums dx
 // and dweights. Shards with no routed tokens get no call. float32 layers only: summing rounded
 // bf16 partials would not be the layer's arithmetic.
+//
+// Tensors on a GPU (ForwardInto, BackwardInto; a client built with CUDA) are split and summed on
+// that GPU (sharded_device.h): each shard's rows (ascending token order) are gathered there into
+// buffers of the layer's own and sent by the shard's connection as any device call (CUDA IPC or
+// NCCL, else staged), all shards at once; the partials are summed in shard order in float32, so
+// results are bitwise those of host tensors.
 class ShardedLayer {
  public:
   // Splits [0, E) into `conns.size()` contiguous ranges (sizes differ by at most one) and creates
@@ -403,18 +412,50 @@ class ShardedLayer {
   static absl::StatusOr<std::unique_ptr<ShardedLayer>> Create(
       std::vector<std::shared_ptr<Connection>> conns, const std::string& name,
       const LayerConfig& config);
+  // Unregisters the layer's device buffers from the shards' connections (which unregisters
+  // every other idle device region of theirs too: Connection::ReleaseIdleDeviceRegions) before
+  // freeing them. No call may be in flight.
+  ~ShardedLayer();
 
   const LayerConfig& config() const { return config_; }
   size_t num_shards() const { return shards_.size(); }
   RemoteLayer& shard(size_t i) { return *shards_[i]; }
 
   // Blocks the calling thread only inside the returned future (std::async). Host tensors only
-  // (the client gathers each shard's rows): a device tensor is InvalidArgument naming it.
+  // (the results come back in host memory): a device tensor is InvalidArgument naming it;
+  // ForwardInto and BackwardInto take device tensors.
   std::future<absl::StatusOr<ForwardOutput>> Forward(const TensorView& x, const TensorView& ids,
                                                      const TensorView& weights,
                                                      bool training = true);
   std::future<absl::StatusOr<BackwardOutput>> Backward(uint64_t context_id, const TensorView& dout);
-  // Steps every shard; tokens_per_expert covers all E experts, grad_norm is the global norm.
+  // Results into the caller's memory, in RemoteLayer::ForwardInto's shape. Host tensors: as
+  // Forward and Backward, the results copied into the destinations (an empty one: returned).
+  // Device tensors (a client built with CUDA; else InvalidArgument naming the field): x, ids,
+  // weights and out, then dout, dx and dweights, all on one cuda:N device, all destinations
+  // given, of any allocator (the layer's own buffers are what the shards' connections send).
+  // Work is ordered on the caller's `stream` (null: the device's legacy default stream) as
+  // RemoteLayer's: the call reads the inputs after the work `stream` had enqueued when it was
+  // made, and work enqueued on `stream` once the future is ready runs after the results are
+  // written; until then the tensors must stay allocated and unchanged. The host waits on the GPU
+  // once per Forward, on a stream of the call's own, for the shards' row counts (a small copy).
+  // An id outside [0, E) is InvalidArgument naming it. A shard's error fails the call with that
+  // shard's status; the other shards' server contexts then die with their TTL or the session,
+  // and the sharded context is not kept (its Backward is NotFound). A context's Backward takes
+  // the kind of tensors its Forward took.
+  std::future<absl::StatusOr<ForwardOutput>> ForwardInto(const TensorView& x,
+                                                         const TensorView& ids,
+                                                         const TensorView& weights,
+                                                         const MutableTensorView& out,
+                                                         void* stream = nullptr,
+                                                         bool training = true);
+  std::future<absl::StatusOr<BackwardOutput>> BackwardInto(uint64_t context_id,
+                                                           const TensorView& dout,
+                                                           const MutableTensorView& dx,
+                                                           const MutableTensorView& dweights,
+                                                           void* stream = nullptr,
+                                                           const BackwardOptions& options = {});
+  // Steps every shard, all at once; tokens_per_expert covers all E experts, grad_norm is the
+  // global norm. The first failing shard's error (the others have stepped).
   absl::StatusOr<StepOutput> Step();
 
  private:
@@ -433,6 +474,9 @@ class ShardedLayer {
   std::mutex mu_;
   std::map<uint64_t, Pending> pending_;
   std::atomic<uint64_t> next_id_{1};
+  // Device tensors' calls and contexts (null without CUDA); declared after shards_, so it goes
+  // first.
+  std::unique_ptr<ShardedDevice> device_;
 };
 
 // Copies a host view into an owning tensor.

@@ -1,7 +1,8 @@
 // ShardedLayer: one client-routed layer whose experts are spread over several servers (see
 // client.h). Each shard gets only the tokens with a top-K pick in its range, gathered into a
 // dense micro-batch; their partial outputs and gradients are scattered back and summed in
-// float32 here, so a shard with no routed tokens gets no call.
+// float32 here, so a shard with no routed tokens gets no call. Device tensors are checked here
+// and handed to the device path (sharded_device.h).
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -10,6 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/device.h"
+#include "client/sharded_device.h"
+#include "common/host_memory.h"
 #include "common/status_macros.h"
 
 namespace moe::client {
@@ -62,7 +66,8 @@ absl::Status HostOnly(std::initializer_list<std::pair<const TensorView*, const c
     if (!v->empty() && !v->location.is_host()) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": on ", v->location.DebugString(),
-          "; a sharded layer gathers each shard's rows in host memory, so it takes host tensors"));
+          "; Forward and Backward take host tensors (ForwardInto and BackwardInto take device "
+          "tensors)"));
     }
   }
   return absl::OkStatus();
@@ -73,6 +78,43 @@ std::future<absl::StatusOr<Out>> Ready(absl::Status st) {
   std::promise<absl::StatusOr<Out>> p;
   p.set_value(std::move(st));
   return p.get_future();
+}
+
+// One tensor of an Into call: whether it was given, where it is, its field.
+struct Placed {
+  bool given;
+  MemoryLocation where;
+  const char* field;
+};
+
+// Where an Into call's given tensors are: the first's place (the call's first input, always
+// given), which every other must share. A device place in a client built without CUDA is
+// InvalidArgument naming the tensor, as Connection's calls say it.
+absl::StatusOr<MemoryLocation> CallPlace(std::initializer_list<Placed> parts) {
+  const Placed& first = *parts.begin();
+  for (const Placed& p : parts) {
+    if (!p.given) continue;
+    if (p.where.is_cuda() && !device::Built()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p.field, ": a tensor on ", p.where.DebugString(),
+                       ", but this client was built without CUDA; pass host tensors"));
+    }
+    if (p.where != first.where) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p.field, ": on ", p.where.DebugString(), ", but ", first.field, " is on ",
+          first.where.DebugString(), " (a sharded layer's call has its tensors in one place)"));
+    }
+  }
+  return first.where;
+}
+
+// Copies a host result into the caller's destination (empty: the result stays returned).
+absl::Status Into(Tensor& result, const MutableTensorView& dest, const char* field) {
+  if (dest.empty()) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(CheckTensor(dest, field, result.dtype, result.shape));
+  ParallelMemcpy(dest.data, result.bytes.data(), result.bytes.size());
+  result = Tensor();
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -100,6 +142,8 @@ absl::StatusOr<std::unique_ptr<ShardedLayer>> ShardedLayer::Create(
   s->config_.expert_first = 0;
   s->config_.expert_count = -1;
   int64_t first = 0;
+  std::vector<RemoteLayer*> shards;
+  std::vector<ExpertRange> ranges;
   for (int64_t i = 0; i < n; ++i) {
     LayerConfig c = s->config_;
     c.expert_first = first;
@@ -107,10 +151,15 @@ absl::StatusOr<std::unique_ptr<ShardedLayer>> ShardedLayer::Create(
     first += c.expert_count;
     MOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteLayer> layer,
                          RemoteLayer::Create(conns[i], name, c));
+    shards.push_back(layer.get());
+    ranges.push_back({layer->config().expert_first, layer->config().local_experts()});
     s->shards_.push_back(std::move(layer));
   }
+  s->device_ = MakeShardedDevice(s->config_, std::move(shards), std::move(ranges));
   return s;
 }
+
+ShardedLayer::~ShardedLayer() = default;
 
 std::future<absl::StatusOr<ForwardOutput>> ShardedLayer::Forward(const TensorView& x,
                                                                  const TensorView& ids,
@@ -129,6 +178,85 @@ std::future<absl::StatusOr<BackwardOutput>> ShardedLayer::Backward(uint64_t cont
   if (absl::Status st = HostOnly({{&dout, "dout"}}); !st.ok()) return Ready<BackwardOutput>(st);
   return std::async(std::launch::async, &ShardedLayer::RunBackward, this, context_id,
                     ToTensor(dout));
+}
+
+std::future<absl::StatusOr<ForwardOutput>> ShardedLayer::ForwardInto(
+    const TensorView& x, const TensorView& ids, const TensorView& weights,
+    const MutableTensorView& out, void* stream, bool training) {
+  const int64_t d = config_.d_model, k = config_.top_k;
+  const int64_t tokens = x.shape.empty() ? -1 : x.shape[0];
+  absl::StatusOr<MemoryLocation> place = CallPlace({{true, x.location, "x"},
+                                                     {!ids.empty(), ids.location, "expert_ids"},
+                                                     {!weights.empty(), weights.location, "weights"},
+                                                     {!out.empty(), out.location, "out"}});
+  if (!place.ok()) return Ready<ForwardOutput>(place.status());
+  absl::Status st = CheckTensor(x, "x", DType::kFloat32, {-1, d});
+  if (st.ok()) st = CheckTensor(ids, "expert_ids", DType::kInt32, {tokens, k});
+  if (st.ok()) st = CheckTensor(weights, "weights", DType::kFloat32, {tokens, k});
+  if (st.ok() && out.empty() && place->is_cuda()) {
+    st = absl::InvalidArgumentError(
+        "out: device tensors need a device destination (the sum is made on the GPU)");
+  }
+  if (st.ok() && !out.empty()) st = CheckTensor(out, "out", DType::kFloat32, {tokens, d});
+  if (st.ok() && place->is_cuda() && tokens * k > INT32_MAX) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat("x: ", tokens, " tokens of ", k, " picks are more than a device call takes"));
+  }
+  if (!st.ok()) return Ready<ForwardOutput>(st);
+  if (place->is_host()) {
+    return std::async(std::launch::async,
+                      [this, out, x = ToTensor(x), ids = ToTensor(ids), w = ToTensor(weights),
+                       training]() mutable -> absl::StatusOr<ForwardOutput> {
+                        MOE_ASSIGN_OR_RETURN(
+                            ForwardOutput r,
+                            RunForward(std::move(x), std::move(ids), std::move(w), training));
+                        MOE_RETURN_IF_ERROR(Into(r.out, out, "out"));
+                        return r;
+                      });
+  }
+  return device_->Forward(x, ids, weights, out, stream, training ? next_id_++ : 0);
+}
+
+std::future<absl::StatusOr<BackwardOutput>> ShardedLayer::BackwardInto(
+    uint64_t context_id, const TensorView& dout, const MutableTensorView& dx,
+    const MutableTensorView& dweights, void* stream, const BackwardOptions& options) {
+  absl::StatusOr<MemoryLocation> place =
+      CallPlace({{true, dout.location, "dout"},
+                 {!dx.empty(), dx.location, "dx"},
+                 {!dweights.empty(), dweights.location, "dweights"}});
+  if (!place.ok()) return Ready<BackwardOutput>(place.status());
+  absl::Status st = CheckTensor(dout, "dout", DType::kFloat32, {-1, config_.d_model});
+  if (st.ok() && !dx.empty()) st = CheckTensor(dx, "dx", DType::kFloat32, dout.shape);
+  if (st.ok() && !dweights.empty()) {
+    st = CheckTensor(dweights, "dweights", DType::kFloat32, {dout.shape[0], config_.top_k});
+  }
+  if (!st.ok()) return Ready<BackwardOutput>(st);
+  const bool device_context = device_ != nullptr && device_->Has(context_id);
+  if (device_context != place->is_cuda()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (device_context || pending_.count(context_id)) {
+      return Ready<BackwardOutput>(absl::InvalidArgumentError(absl::StrCat(
+          "dout: on ", place->DebugString(), ", but context ", context_id, "'s Forward took ",
+          device_context ? "device" : "host", " tensors (its Backward takes the same)")));
+    }
+  }
+  if (place->is_cuda()) {
+    if (dx.empty() || dweights.empty()) {
+      return Ready<BackwardOutput>(absl::InvalidArgumentError(absl::StrCat(
+          dx.empty() ? "dx" : "dweights",
+          ": device tensors need a device destination (the sum is made on the GPU)")));
+    }
+    return device_->Backward(context_id, dout, dx, dweights, stream, options);
+  }
+  return std::async(std::launch::async,
+                    [this, context_id, dx, dweights,
+                     dout = ToTensor(dout)]() mutable -> absl::StatusOr<BackwardOutput> {
+                      MOE_ASSIGN_OR_RETURN(BackwardOutput r,
+                                           RunBackward(context_id, std::move(dout)));
+                      MOE_RETURN_IF_ERROR(Into(r.dx, dx, "dx"));
+                      MOE_RETURN_IF_ERROR(Into(r.dweights, dweights, "dweights"));
+                      return r;
+                    });
 }
 
 absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Tensor weights,
@@ -185,6 +313,7 @@ absl::StatusOr<ForwardOutput> ShardedLayer::RunForward(Tensor x, Tensor ids, Ten
 }
 
 absl::StatusOr<BackwardOutput> ShardedLayer::RunBackward(uint64_t context_id, Tensor dout) {
+  const int64_t d = config_.d_model, k = config_.top_k;
   Pending pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -193,11 +322,12 @@ absl::StatusOr<BackwardOutput> ShardedLayer::RunBackward(uint64_t context_id, Te
       return absl::NotFoundError(
           absl::StrCat("context_id: no pending sharded context ", context_id));
     }
+    // A dout of the wrong shape leaves the context for a corrected call.
+    MOE_RETURN_IF_ERROR(
+        CheckTensor(dout.view(), "dout", DType::kFloat32, {it->second.tokens, d}));
     pending = std::move(it->second);
     pending_.erase(it);
   }
-  const int64_t d = config_.d_model, k = config_.top_k;
-  MOE_RETURN_IF_ERROR(CheckTensor(dout.view(), "dout", DType::kFloat32, {pending.tokens, d}));
   std::vector<Tensor> douts(shards_.size());
   std::vector<std::future<absl::StatusOr<BackwardOutput>>> futures(shards_.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
@@ -218,9 +348,17 @@ absl::StatusOr<BackwardOutput> ShardedLayer::RunBackward(uint64_t context_id, Te
 absl::StatusOr<StepOutput> ShardedLayer::Step() {
   StepOutput out;
   out.tokens_per_expert.assign(config_.num_experts, 0);
-  double sq = 0;
+  // All shards step at once (each is an RPC that runs the shard's optimizer); their results are
+  // combined in shard order.
+  std::vector<std::future<absl::StatusOr<StepOutput>>> steps;
   for (auto& shard : shards_) {
-    MOE_ASSIGN_OR_RETURN(const StepOutput r, shard->Step());
+    steps.push_back(std::async(std::launch::async, [&shard] { return shard->Step(); }));
+  }
+  std::vector<absl::StatusOr<StepOutput>> results;
+  for (auto& f : steps) results.push_back(f.get());
+  double sq = 0;
+  for (absl::StatusOr<StepOutput>& result : results) {
+    MOE_ASSIGN_OR_RETURN(const StepOutput r, std::move(result));
     out.step = r.step;
     sq += r.grad_norm * r.grad_norm;
     for (size_t i = 0; i < r.tokens_per_expert.size(); ++i) {

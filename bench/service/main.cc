@@ -11,6 +11,9 @@
 // cannot open a handle in the process that made it: without --server the bench forks a child
 // running the server (server_process.h) before anything touches a GPU; --server_process does
 // the same for any transport, so that all compare with the server in a process of its own.
+//
+// --servers=HOST:PORT,... runs one sharded layer over servers already running, one per GPU
+// (sharded_bench.h): the scaling runs. One server in the list is a --server run.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -24,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/service/server_process.h"
 #include "bench/service/service_bench.h"
+#include "bench/service/sharded_bench.h"
 #include "common/crash_trace.h"
 
 // The default sweep: d = 256..1024, T = 512..8192 tokens per micro-batch, 1..8 in flight,
@@ -36,6 +40,11 @@ ABSL_FLAG(std::string, cases,
           "Comma-separated TxDxHxN: tokens per micro-batch, d_model, d_hidden, micro-batches in "
           "flight");
 ABSL_FLAG(std::string, server, "", "host:port of a running moe-server; empty starts one here");
+ABSL_FLAG(std::string, servers, "",
+          "HOST:PORT,... of two or more running moe-servers (one per GPU, each started with "
+          "--device=cuda:N): one client-routed float32 layer sharded over them, trained on the "
+          "trainer's tensors (--client_device) by --transport; no in-process column (null in "
+          "--json). One HOST:PORT is the same run as --server");
 ABSL_FLAG(std::string, metrics, "",
           "host:port of that server's /metrics (for stage times and wire bytes); empty: none "
           "with --server, found automatically without");
@@ -114,6 +123,20 @@ int main(int argc, char** argv) {
   if (!cases.ok()) return Fail(cases.status().ToString());
   options.cases = *cases;
   options.server = absl::GetFlag(FLAGS_server);
+  if (const std::string list = absl::GetFlag(FLAGS_servers); !list.empty()) {
+    auto servers = moe::bench::ParseServers(list);
+    if (!servers.ok()) return Fail(std::string(servers.status().message()));
+    if (!options.server.empty()) return Fail("servers: give --servers or --server, not both");
+    if (servers->size() == 1) {
+      options.server = servers->front();  // the single-server run, as --server makes it
+    } else {
+      options.servers = *std::move(servers);
+      if (!absl::GetFlag(FLAGS_metrics).empty()) {
+        return Fail("metrics: one /metrics endpoint does not describe several servers; leave "
+                    "--metrics out with --servers");
+      }
+    }
+  }
   options.metrics = absl::GetFlag(FLAGS_metrics);
   options.device = absl::GetFlag(FLAGS_device);
   if (const std::string d = absl::GetFlag(FLAGS_server_device); !d.empty()) options.device = d;
@@ -184,7 +207,8 @@ int main(int argc, char** argv) {
   // cuda_ipc or --server_process: the server in a child process, forked before this one starts
   // a thread or touches a GPU.
   std::unique_ptr<moe::bench::ServerProcess> child;
-  std::string server_device = options.server.empty() ? options.device : "";
+  std::string server_device =
+      options.server.empty() && options.servers.empty() ? options.device : "";
   if (options.transport == moe::bench::BenchTransport::kCudaIpc &&
       options.client_device == "cpu") {
     return Fail("client_device: transport cuda_ipc moves the trainer's device tensors; name its "
@@ -192,7 +216,7 @@ int main(int argc, char** argv) {
   }
   const bool own_process = absl::GetFlag(FLAGS_server_process) ||
                            options.transport == moe::bench::BenchTransport::kCudaIpc;
-  if (own_process && options.server.empty()) {
+  if (own_process && options.server.empty() && options.servers.empty()) {
     auto forked = moe::bench::ServerProcess::Fork(moe::bench::OwnServerOptions(options));
     if (!forked.ok()) return Fail(forked.status().ToString());
     child = std::move(*forked);
@@ -202,7 +226,8 @@ int main(int argc, char** argv) {
   }
 
   std::string where;
-  auto results = moe::bench::RunServiceBench(options, &where);
+  auto results = options.servers.empty() ? moe::bench::RunServiceBench(options, &where)
+                                         : moe::bench::RunShardedBench(options, &where);
   if (!results.ok()) return Fail(results.status().ToString());
   if (child) {
     where = absl::StrCat("moe-server (", child->device(), ") in child process ", child->pid(),

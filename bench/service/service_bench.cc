@@ -316,8 +316,7 @@ server::ServerOptions OwnServerOptions(const BenchOptions& options) {
   return so;
 }
 
-absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
-                                                        std::string* server_description) {
+absl::StatusOr<int> CheckOptions(const BenchOptions& options) {
   if (options.cases.empty()) return absl::InvalidArgumentError("cases: no case given");
   if (options.steps <= 0) return absl::InvalidArgumentError("steps: must be positive");
   if (options.inference_rounds <= 0) {
@@ -327,7 +326,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("chunk_bytes: must be positive");
   if (options.connections < 1) return absl::InvalidArgumentError("connections: must be >= 1");
   if (options.stripe_bytes < 0) return absl::InvalidArgumentError("stripe_bytes: must be >= 0");
-  if (wire::UsesTls(options.tls) && options.server.empty()) {
+  if (wire::UsesTls(options.tls) && options.server.empty() && options.servers.empty()) {
     return absl::InvalidArgumentError("tls: only for a --server (the bench's own is plaintext)");
   }
   // Where the trainer's tensors live: -1 host memory, else a GPU.
@@ -343,23 +342,51 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
       return absl::InvalidArgumentError(
           "client_device: this moe-service-bench was built without CUDA");
     }
-    if (!absl::StartsWith(InprocessDevice(options), "cuda")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "client_device: device tensors need a GPU engine for the in-process baseline (it is ",
-          InprocessDevice(options), ")"));
-    }
   }
-  if (options.transport == BenchTransport::kCudaIpc) {
-    if (client_gpu < 0) {
-      return absl::InvalidArgumentError(
-          "client_device: transport cuda_ipc moves the trainer's device tensors; name its GPU "
-          "(cuda:N)");
-    }
-    if (options.server.empty()) {
-      return absl::InvalidArgumentError(
-          "server: transport cuda_ipc needs the server in another process (CUDA IPC cannot open "
-          "a handle in the process that made it)");
-    }
+  if (options.transport == BenchTransport::kCudaIpc && client_gpu < 0) {
+    return absl::InvalidArgumentError(
+        "client_device: transport cuda_ipc moves the trainer's device tensors; name its GPU "
+        "(cuda:N)");
+  }
+  if (options.transport == BenchTransport::kNccl && client_gpu < 0) {
+    return absl::InvalidArgumentError(
+        "client_device: transport nccl moves the trainer's device tensors; name its GPU (cuda:N)");
+  }
+  return client_gpu;
+}
+
+client::ClientOptions BenchClientOptions(const BenchOptions& options) {
+  client::ClientOptions co;
+  co.timeout = std::chrono::seconds(options.timeout_seconds);
+  co.chunk_bytes = options.chunk_bytes;
+  co.connections = options.connections;
+  co.stripe_bytes = options.stripe_bytes;
+  co.tls = options.tls;
+  co.token = options.token;
+  co.transport = options.transport == BenchTransport::kTcp ||
+                         options.transport == BenchTransport::kNccl
+                     ? client::Transport::kTcp
+                     : client::Transport::kSharedMemory;
+  co.device_transport = options.transport == BenchTransport::kNccl
+                            ? client::DeviceTransportRequest::kNccl
+                            : client::DeviceTransportRequest::kNever;
+  return co;
+}
+
+absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
+                                                        std::string* server_description) {
+  absl::StatusOr<int> gpu = CheckOptions(options);
+  if (!gpu.ok()) return gpu.status();
+  const int client_gpu = *gpu;
+  if (client_gpu >= 0 && !absl::StartsWith(InprocessDevice(options), "cuda")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "client_device: device tensors need a GPU engine for the in-process baseline (it is ",
+        InprocessDevice(options), ")"));
+  }
+  if (options.transport == BenchTransport::kCudaIpc && options.server.empty()) {
+    return absl::InvalidArgumentError(
+        "server: transport cuda_ipc needs the server in another process (CUDA IPC cannot open "
+        "a handle in the process that made it)");
   }
 
   // The server: a running one, or one started here on loopback with free ports.
@@ -377,24 +404,7 @@ absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& opti
     *server_description = absl::StrCat("moe-server at ", target);
   }
 
-  client::ClientOptions co;
-  co.timeout = std::chrono::seconds(options.timeout_seconds);
-  co.chunk_bytes = options.chunk_bytes;
-  co.connections = options.connections;
-  co.stripe_bytes = options.stripe_bytes;
-  co.tls = options.tls;
-  co.token = options.token;
-  co.transport = options.transport == BenchTransport::kTcp ||
-                         options.transport == BenchTransport::kNccl
-                     ? client::Transport::kTcp
-                     : client::Transport::kSharedMemory;
-  co.device_transport = options.transport == BenchTransport::kNccl
-                            ? client::DeviceTransportRequest::kNccl
-                            : client::DeviceTransportRequest::kNever;
-  if (options.transport == BenchTransport::kNccl && client_gpu < 0) {
-    return absl::InvalidArgumentError(
-        "client_device: transport nccl moves the trainer's device tensors; name its GPU (cuda:N)");
-  }
+  const client::ClientOptions co = BenchClientOptions(options);
   auto conn = client::Connection::Connect(target, co);
   if (!conn.ok()) return conn.status();
   auto engine = CreateEngine(InprocessDevice(options));
@@ -536,6 +546,7 @@ absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptio
                                   std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
       nlohmann::json j;
       j["transport"] = BenchTransportName(options.transport);
+      j["servers"] = std::max<size_t>(1, options.servers.size());
       j["optimizer_step"] = options.optimizer_step;
       j["tokens"] = r.c.tokens;
       j["d_model"] = r.c.d_model;
@@ -549,14 +560,17 @@ absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptio
       j["server_device"] = server_device;
       j["client_device"] = options.client_device;
       j["in_process_device"] = InprocessDevice(options);
+      // A run without an in-process side (sharded) leaves its mode empty: null, not zero.
+      const bool inproc = loc->tokens > 0;
+      auto or_null = [inproc](double v) { return inproc ? nlohmann::json(v) : nlohmann::json(); };
       j["service_tok_s"] = svc->tokens_per_second;
-      j["in_process_tok_s"] = loc->tokens_per_second;
-      j["ratio"] = svc->tokens_per_second / loc->tokens_per_second;
+      j["in_process_tok_s"] = or_null(loc->tokens_per_second);
+      j["ratio"] = or_null(svc->tokens_per_second / loc->tokens_per_second);
       j["service_fwd_p50_ms"] = Percentile(svc->forward_latency, 50) * 1e3;
-      j["in_process_fwd_p50_ms"] = Percentile(loc->forward_latency, 50) * 1e3;
+      j["in_process_fwd_p50_ms"] = or_null(Percentile(loc->forward_latency, 50) * 1e3);
       if (std::string(mode) == "train") {
         j["service_bwd_p50_ms"] = Percentile(svc->backward_latency, 50) * 1e3;
-        j["in_process_bwd_p50_ms"] = Percentile(loc->backward_latency, 50) * 1e3;
+        j["in_process_bwd_p50_ms"] = or_null(Percentile(loc->backward_latency, 50) * 1e3);
       }
       f << j.dump() << "\n";
     }
@@ -577,12 +591,18 @@ std::string FormatResults(const std::vector<CaseResult>& results) {
     for (auto [svc, loc, mode] : {std::tuple{&r.service_train, &r.inproc_train, "train"},
                                   std::tuple{&r.service_infer, &r.inproc_infer, "infer"}}) {
       const bool train = std::string(mode) == "train";
+      // No in-process side (a sharded run): "-".
+      const bool inproc = loc->tokens > 0;
+      auto num = [inproc](const char* format, double v) {
+        return inproc ? absl::StrFormat(format, v) : std::string("-");
+      };
       absl::StrAppendFormat(
           &out,
-          "| %d | %d | %d | %d | %s | %.0f | %.0f | %.2f | %s | %.1f | %s | %s | %s | %s | %s | "
+          "| %d | %d | %d | %d | %s | %.0f | %s | %s | %s | %.1f | %s | %s | %s | %s | %s | "
           "%s |\n",
           r.c.tokens, r.c.d_model, r.c.d_hidden, r.c.in_flight, mode, svc->tokens_per_second,
-          loc->tokens_per_second, svc->tokens_per_second / loc->tokens_per_second,
+          num("%.0f", loc->tokens_per_second),
+          num("%.2f", svc->tokens_per_second / loc->tokens_per_second),
           // No metrics endpoint (--server without --metrics): the wire bytes are unknown.
           svc->wire_bytes > 0 ? absl::StrFormat("%.1f", svc->wire_bytes / svc->seconds / 1e6)
                               : std::string("-"),
@@ -590,8 +610,8 @@ std::string FormatResults(const std::vector<CaseResult>& results) {
           ms(Percentile(svc->forward_latency, 99)),
           train ? ms(Percentile(svc->backward_latency, 50)) : "-",
           train ? ms(Percentile(svc->backward_latency, 99)) : "-",
-          ms(Percentile(loc->forward_latency, 50)),
-          train ? ms(Percentile(loc->backward_latency, 50)) : "-");
+          inproc ? ms(Percentile(loc->forward_latency, 50)) : "-",
+          inproc && train ? ms(Percentile(loc->backward_latency, 50)) : "-");
     }
   }
   out +=

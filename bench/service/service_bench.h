@@ -47,6 +47,9 @@ struct BenchCase {
 
 struct BenchOptions {
   std::string server;          // host:port of a running moe-server; empty: start one in process
+  // host:port of two or more running moe-servers: one sharded layer over them, no in-process
+  // baseline (sharded_bench.h). Empty: `server` says.
+  std::vector<std::string> servers;
   std::string metrics;         // host:port of its /metrics (in-process server: found itself)
   std::string device = "cpu";  // engine of the in-process server and of the in-process baseline
   LayerConfig layer;           // E, K, dtype, routing, activation, seed; d and h come per case
@@ -104,6 +107,12 @@ struct CaseResult {
 // free ports, `device`, a saved-context budget the bench's own bounds keep within.
 server::ServerOptions OwnServerOptions(const BenchOptions& options);
 
+// What every run checks first (the sweep, counts and sizes, the trainer's place and transport);
+// the trainer's GPU, or -1 for host memory.
+absl::StatusOr<int> CheckOptions(const BenchOptions& options);
+// The client options of a run's connections (transport, chunks, TLS, token, deadline).
+client::ClientOptions BenchClientOptions(const BenchOptions& options);
+
 // Runs every case; fails on the first error (an RPC error, an engine error, a service output
 // that differs from the in-process one, or zero throughput).
 absl::StatusOr<std::vector<CaseResult>> RunServiceBench(const BenchOptions& options,
@@ -130,9 +139,10 @@ double Percentile(std::vector<double> v, double pct);
 // The results as a Markdown table (one row per case and mode) and a stage table.
 std::string FormatResults(const std::vector<CaseResult>& results);
 
-// Appends one JSON object per case and mode to `path` (JSON Lines): transport, tokens, d_model,
-// d_hidden, experts, top_k, in_flight, mode, dtype, routing, server_device, client_device,
-// service_tok_s, in_process_tok_s, ratio and the p50 latencies.
+// Appends one JSON object per case and mode to `path` (JSON Lines): transport, servers (1, or
+// the number of --servers), tokens, d_model, d_hidden, experts, top_k, in_flight, mode, dtype,
+// routing, server_device, client_device, service_tok_s, in_process_tok_s, ratio and the p50
+// latencies; the in-process ones null where a run has none (a sharded run).
 absl::Status AppendJson(const std::vector<CaseResult>& results, const BenchOptions& options,
                         const std::string& server_device, const std::string& path);
 

@@ -166,7 +166,8 @@ InprocTrainer HostInproc(const std::vector<MicroBatch>& mbs) {
   return t;
 }
 
-ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& dev) {
+template <typename RemoteLayerT>
+ServiceTrainer DeviceService(RemoteLayerT& layer, const DeviceTensors& dev) {
   ServiceTrainer t;
   t.forward = [&layer, &dev](size_t i, bool training) {
     return layer.ForwardInto(dev.x(i), dev.ids(i), dev.weights(i), dev.out(i), dev.stream(),
@@ -176,8 +177,11 @@ ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& de
     return layer.BackwardInto(ctx, dev.dout(i), dev.dx(i), dev.dweights(i), dev.stream());
   };
   t.finish = [&dev] { return dev.Synchronize(); };
+  t.step = [&layer] { return layer.Step().status(); };
   return t;
 }
+template ServiceTrainer DeviceService(client::RemoteLayer&, const DeviceTensors&);
+template ServiceTrainer DeviceService(client::ShardedLayer&, const DeviceTensors&);
 
 InprocTrainer DeviceInproc(const DeviceTensors& dev) {
   InprocTrainer t;
@@ -204,6 +208,13 @@ InprocTrainer DeviceInproc(const DeviceTensors& dev) {
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
                               const std::vector<MicroBatch>& mbs, bool optimizer_step,
                               ModeResult* r) {
+  ServiceTrainer stepping = t;
+  stepping.step = [&layer] { return layer.Step().status(); };
+  return ServiceTrainStep(stepping, mbs, optimizer_step, r);
+}
+
+absl::Status ServiceTrainStep(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
+                              bool optimizer_step, ModeResult* r) {
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<absl::StatusOr<client::ForwardOutput>>> fwd;
   for (size_t i = 0; i < mbs.size(); ++i) fwd.push_back(t.forward(i, true));
@@ -229,7 +240,7 @@ absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& 
     // dx is dout's size, dweights the routing weights' (float32 [T, K]).
     if (r) r->payload_bytes += 2 * Bytes(mbs[i].dout) + Bytes(mbs[i].weights);
   }
-  if (optimizer_step) MOE_RETURN_IF_ERROR(layer.Step().status());
+  if (optimizer_step) MOE_RETURN_IF_ERROR(t.step());
   return t.finish();
 }
 

@@ -80,6 +80,8 @@ struct ServiceTrainer {
   std::function<std::future<absl::StatusOr<client::BackwardOutput>>(size_t i, uint64_t ctx)>
       backward;
   std::function<absl::Status()> finish = [] { return absl::OkStatus(); };
+  // The optimizer step, for ServiceTrainStep without a layer (a sharded layer's).
+  std::function<absl::Status()> step;
 };
 // The in-process side: micro-batch i's requests.
 struct InprocTrainer {
@@ -92,8 +94,10 @@ struct InprocTrainer {
 ServiceTrainer HostService(client::RemoteLayer& layer, const std::vector<MicroBatch>& mbs,
                            std::vector<MicroBatch>* owned);
 InprocTrainer HostInproc(const std::vector<MicroBatch>& mbs);
-// Device tensors, results into their device destinations.
-ServiceTrainer DeviceService(client::RemoteLayer& layer, const DeviceTensors& dev);
+// Device tensors, results into their device destinations, stepping `layer`: a
+// client::RemoteLayer or a client::ShardedLayer.
+template <typename RemoteLayerT>
+ServiceTrainer DeviceService(RemoteLayerT& layer, const DeviceTensors& dev);
 InprocTrainer DeviceInproc(const DeviceTensors& dev);
 
 // One training step / inference round of `mbs.size()` micro-batches. `r` (may be null: a warmup)
@@ -103,6 +107,9 @@ InprocTrainer DeviceInproc(const DeviceTensors& dev);
 absl::Status ServiceTrainStep(client::RemoteLayer& layer, const ServiceTrainer& t,
                               const std::vector<MicroBatch>& mbs, bool optimizer_step,
                               ModeResult* r);
+// The same, stepping with t.step.
+absl::Status ServiceTrainStep(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
+                              bool optimizer_step, ModeResult* r);
 absl::Status ServiceInferRound(const ServiceTrainer& t, const std::vector<MicroBatch>& mbs,
                                ModeResult* r);
 absl::Status InprocTrainStep(Layer& layer, const InprocTrainer& t, size_t n, bool optimizer_step,

@@ -66,8 +66,9 @@ class RemoteMoE(torch.nn.Module):
     ``create=True`` creates the layer, or attaches to one of that name with an identical
     config; ``create=False`` attaches to an existing one and takes its config from the server
     (the size arguments are then ignored). ``servers=[...]`` shards the experts over several
-    servers in contiguous ranges (client routing and float32 only; host tensors, CUDA tensors
-    are staged through host memory); ``server`` is then unused. ``transport``: "auto" (shared
+    servers in contiguous ranges (client routing and float32 only; CUDA tensors are split per
+    server and summed on their GPU, each server's share moved as its connection moves device
+    tensors); ``server`` is then unused. ``transport``: "auto" (shared
     memory and CUDA IPC when the server is on this host, else TCP), "tcp", or "shm" (fails to
     connect unless the server registers shared memory).
 
@@ -155,9 +156,9 @@ class RemoteMoE(torch.nn.Module):
         self.aux_loss_coef = c.aux_loss_coef
         self.z_loss_coef = c.z_loss_coef
         self.renormalize = bool(c.renormalize)
-        # CUDA tensors go to the client as they are: one server, a client built with CUDA.
-        self._device_calls = (self._core.num_shards == 1
-                              and self._core.transport(0)["device"] != "unavailable")
+        # CUDA tensors go to the client as they are in a client built with CUDA (a sharded
+        # layer splits and sums them on their GPU).
+        self._device_calls = self._core.transport(0)["device"] != "unavailable"
         self._handle = _autograd.register(self)
 
     @property

@@ -193,16 +193,17 @@ class CoreLayer {
 
   // Forward into `out` (x's dtype and shape, on x's device), tensors host or device, ordered on
   // `stream` (a cudaStream_t; 0: the legacy default stream) -> (context_id, aux_loss, z_loss).
-  // One server only (a sharded layer takes host tensors: forward).
+  // A sharded layer splits and sums device tensors on their GPU (client::ShardedLayer).
   py::tuple ForwardInto(const py::object& x, const py::object& ids, const py::object& weights,
                         const py::object& out, uintptr_t stream, bool training) {
-    client::RemoteLayer& layer = Single("forward_into");
     const TensorView xv = ViewOf(x), iv = ViewOf(ids), wv = ViewOf(weights);
     const MutableTensorView ov = MutableViewOf(out);
+    void* const s = reinterpret_cast<void*>(stream);
     absl::StatusOr<client::ForwardOutput> r;
     {
       py::gil_scoped_release release;
-      r = layer.ForwardInto(xv, iv, wv, ov, reinterpret_cast<void*>(stream), training).get();
+      r = sharded_ ? sharded_->ForwardInto(xv, iv, wv, ov, s, training).get()
+                   : single_->ForwardInto(xv, iv, wv, ov, s, training).get();
     }
     client::ForwardOutput f = ValueOrThrow(std::move(r));
     return py::make_tuple(f.context_id, f.aux_loss, f.z_loss);
@@ -212,16 +213,16 @@ class CoreLayer {
   // None under server routing), ordered on `stream` as ForwardInto.
   void BackwardInto(uint64_t context_id, const py::object& dout, const py::object& dx,
                     const py::object& dweights, uintptr_t stream, double aux_loss_grad) {
-    client::RemoteLayer& layer = Single("backward_into");
     const TensorView dv = ViewOf(dout);
     const MutableTensorView dxv = MutableViewOf(dx), dwv = MutableViewOf(dweights);
     client::BackwardOptions options;
     options.aux_loss_grad = aux_loss_grad;
+    void* const s = reinterpret_cast<void*>(stream);
     absl::StatusOr<client::BackwardOutput> r;
     {
       py::gil_scoped_release release;
-      r = layer.BackwardInto(context_id, dv, dxv, dwv, reinterpret_cast<void*>(stream), options)
-              .get();
+      r = sharded_ ? sharded_->BackwardInto(context_id, dv, dxv, dwv, s, options).get()
+                   : single_->BackwardInto(context_id, dv, dxv, dwv, s, options).get();
     }
     ThrowIfError(r.status());
   }
@@ -327,13 +328,6 @@ class CoreLayer {
       throw std::out_of_range(absl::StrCat("shard ", i, " of ", num_shards()));
     }
     return sharded_ ? sharded_->shard(i) : *single_;
-  }
-  client::RemoteLayer& Single(const char* call) {
-    if (sharded_) {
-      throw std::invalid_argument(
-          absl::StrCat(call, ": a layer sharded over several servers takes host tensors"));
-    }
-    return *single_;
   }
   std::unique_ptr<client::RemoteLayer> single_;
   std::unique_ptr<client::ShardedLayer> sharded_;

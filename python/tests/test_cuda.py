@@ -1,8 +1,9 @@
 """RemoteMoE on CUDA tensors (needs a GPU; skipped without one): against a moe-server on cuda:0,
 the device path (CUDA IPC with "auto", staged by the client with "tcp") gives the same bits as
 the host path on the same layer (out, x.grad, weights.grad) for float32 and bfloat16, client
-and server routing, with two micro-batches outstanding and a non-contiguous input; and Python
-adds no wait for the GPU.
+and server routing, with two micro-batches outstanding and a non-contiguous input, and so does
+a layer sharded over two such servers (split and summed on the GPU); and Python adds no wait for
+the GPU.
 
 The extension must be built with CUDA (MOE_ENABLE_CUDA=ON): one built without it stages CUDA
 tensors in Python, which the transport checks report as a failure.
@@ -100,6 +101,31 @@ def test_cuda_tensors_give_the_host_paths_bits(gpu_server, transport, routing, d
                 f"path by up to {(a.float() - b.float()).abs().max().item():g}")
     expected = "cuda ipc" if transport == "auto" else "staged"
     assert layer.transport["device"] == expected, layer.transport
+
+
+@pytest.fixture(scope="module")
+def gpu_shard_servers(tmp_path_factory):
+    servers = [LocalServer(checkpoint_dir=str(tmp_path_factory.mktemp(f"gpu_shard{i}")),
+                           device=DEVICE) for i in range(2)]
+    yield servers
+    for srv in servers:
+        srv.stop()
+
+
+def test_a_sharded_layer_on_cuda_tensors_gives_the_host_paths_bits(gpu_shard_servers):
+    layer = RemoteMoE(servers=[s.target for s in gpu_shard_servers], name="cuda_sharded",
+                      num_experts=E, top_k=K, d_model=D, d_hidden=H, routing="client",
+                      dtype=torch.float32, seed=5)
+    batches = micro_batches(torch.float32, seed=3)
+    host = run(layer, batches, "cpu")
+    device = run(layer, batches, DEVICE)
+    for i, (h, d) in enumerate(zip(host, device)):
+        for name, a, b in zip(("out", "x.grad", "weights.grad"), d, h):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"micro-batch {i} {name}"
+            assert torch.equal(bits(a), bits(b)), (
+                f"micro-batch {i} {name}: the sharded layer's device path differs from its host "
+                f"path by up to {(a.float() - b.float()).abs().max().item():g}")
+    assert layer.transport["device"] == "cuda ipc", layer.transport
 
 
 @pytest.mark.parametrize("routing", ["client", "server"])

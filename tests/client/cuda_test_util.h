@@ -59,7 +59,8 @@ class ServerProcess {
   }
   // The target once it serves, or "" (the log says why).
   std::string Start(const std::string& device = "cuda:0") {
-    log_ = absl::StrCat(::testing::TempDir(), "/moe_server_", getpid(), ".log");
+    static int started = 0;  // one log per server, several may run at once
+    log_ = absl::StrCat(::testing::TempDir(), "/moe_server_", getpid(), "_", started++, ".log");
     const std::string binary = ServerBinary();
     const std::string device_flag = "--device=" + device;
     pid_ = fork();
@@ -162,6 +163,11 @@ inline std::unique_ptr<MicroBatch> MakeMicroBatch(const LayerConfig& c, int64_t 
   mb->device = static_cast<char*>(device);
   std::normal_distribution<float> n(0.f, 1.f);
   for (int k : {0, 3}) {
+    if (c.dtype == DType::kFloat32) {
+      auto* p = static_cast<float*>(mb->h(k));
+      for (size_t i = 0; i < mb->bytes[k] / 4; ++i) p[i] = n(rng);
+      continue;
+    }
     auto* p = static_cast<uint16_t*>(mb->h(k));
     for (size_t i = 0; i < mb->bytes[k] / 2; ++i) p[i] = FloatToBFloat16(n(rng));
   }

@@ -1,7 +1,9 @@
 // An expert-sharded layer over two servers equals one unsharded layer: same weights (imported
 // from the unsharded layer), same forward output, dx, dweights, token counts and, after a step,
 // the same weights. Sums over shards reorder float additions, so outputs are compared by the
-// normalised error with bound 1e-6; token counts exactly.
+// normalised error with bound 1e-6; token counts exactly. ForwardInto and BackwardInto with host
+// tensors give the bits of Forward and Backward in the caller's destinations; device tensors in a
+// client built without CUDA, or tensors in two places, are refused naming the field.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -17,6 +19,34 @@ using testing_util::RelError;
 using testing_util::StartServer;
 using testing_util::Target;
 
+// A client-routed float32 layer of this size.
+LayerConfig SmallConfig(int64_t experts, int64_t top_k, int64_t d_model, int64_t d_hidden) {
+  LayerConfig config;
+  config.num_experts = experts;
+  config.top_k = top_k;
+  config.d_model = d_model;
+  config.d_hidden = d_hidden;
+  return config;
+}
+
+// Two servers on loopback, a connection to each.
+class ShardedLayerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (auto* s : {&s0_, &s1_}) {
+      *s = StartServer();
+      ASSERT_TRUE(*s);
+    }
+    auto c0 = client::Connection::Connect(Target(*s0_));
+    auto c1 = client::Connection::Connect(Target(*s1_));
+    ASSERT_TRUE(c0.ok() && c1.ok()) << c0.status() << c1.status();
+    c0_ = *c0;
+    c1_ = *c1;
+  }
+  std::unique_ptr<server::Server> s0_, s1_;
+  std::shared_ptr<client::Connection> c0_, c1_;
+};
+
 // Rows [first, first + count) of a [E, ...] tensor.
 Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
   Tensor out = t;
@@ -26,13 +56,7 @@ Tensor SliceExperts(const Tensor& t, int64_t first, int64_t count) {
   return out;
 }
 
-TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
-  auto s0 = StartServer();
-  auto s1 = StartServer();
-  ASSERT_TRUE(s0 && s1);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  auto c1 = client::Connection::Connect(Target(*s1));
-  ASSERT_TRUE(c0.ok() && c1.ok());
+TEST_F(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
 
   LayerConfig config;
   config.num_experts = 7;  // uneven split: [0, 4) and [4, 7)
@@ -41,9 +65,9 @@ TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
   config.d_hidden = 24;
   config.seed = 3;
   config.optimizer.learning_rate = 1e-2;
-  auto full = client::RemoteLayer::Create(*c0, "full", config);
+  auto full = client::RemoteLayer::Create(c0_, "full", config);
   ASSERT_TRUE(full.ok()) << full.status();
-  auto sharded = client::ShardedLayer::Create({*c0, *c1}, "sharded", config);
+  auto sharded = client::ShardedLayer::Create({c0_, c1_}, "sharded", config);
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   ASSERT_EQ((*sharded)->num_shards(), 2u);
   EXPECT_EQ((*sharded)->shard(0).config().expert_first, 0);
@@ -99,21 +123,13 @@ TEST(ShardedLayerTest, TwoServersEqualOneUnshardedLayer) {
   }
 }
 
-TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
-  auto s0 = StartServer();
-  ASSERT_TRUE(s0);
-  auto c0 = client::Connection::Connect(Target(*s0));
-  ASSERT_TRUE(c0.ok());
-  LayerConfig config;
-  config.num_experts = 4;
-  config.top_k = 1;
-  config.d_model = 8;
-  config.d_hidden = 8;
+TEST_F(ShardedLayerTest, RejectsWhatItCannotShard) {
+  LayerConfig config = SmallConfig(4, 1, 8, 8);
   config.routing = RoutingMode::kServer;
-  EXPECT_EQ(client::ShardedLayer::Create({*c0}, "x", config).status().code(),
+  EXPECT_EQ(client::ShardedLayer::Create({c0_}, "x", config).status().code(),
             absl::StatusCode::kInvalidArgument);
   config.routing = RoutingMode::kClient;
-  auto layer = client::ShardedLayer::Create({*c0}, "x", config);
+  auto layer = client::ShardedLayer::Create({c0_}, "x", config);
   ASSERT_TRUE(layer.ok());
   std::mt19937 rng(1);
   Tensor x = RandomFloat(rng, {3, 8}), ids, w;
@@ -127,6 +143,82 @@ TEST(ShardedLayerTest, RejectsWhatItCannotShard) {
   EXPECT_NE(st.message().find("expert_ids"), std::string::npos) << st;
   Tensor dout = RandomFloat(rng, {3, 8});
   EXPECT_EQ((*layer)->Backward(12345, dout.view()).get().status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShardedLayerTest, IntoHostDestinationsGivesTheBitsOfForwardAndBackward) {
+  LayerConfig config = SmallConfig(6, 2, 8, 12);
+  config.seed = 5;
+  auto a = client::ShardedLayer::Create({c0_, c1_}, "plain", config);
+  auto b = client::ShardedLayer::Create({c0_, c1_}, "into", config);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  std::mt19937 rng(4);
+  const int64_t tokens = 13;
+  Tensor x = RandomFloat(rng, {tokens, 8}), ids, w;
+  RandomRouting(rng, tokens, 2, 0, 6, &ids, &w);
+  Tensor out = Tensor::Zeros(DType::kFloat32, {tokens, 8});
+  std::memset(out.bytes.data(), 0xff, out.bytes.size());  // poisoned: every byte must be written
+  auto fa = (*a)->Forward(x.view(), ids.view(), w.view()).get();
+  auto fb = (*b)->ForwardInto(x.view(), ids.view(), w.view(), out.mutable_view()).get();
+  ASSERT_TRUE(fa.ok() && fb.ok()) << fa.status() << fb.status();
+  EXPECT_TRUE(fb->out.empty());
+  EXPECT_EQ(out.bytes, fa->out.bytes);
+  Tensor dout = RandomFloat(rng, {tokens, 8});
+  Tensor dx = Tensor::Zeros(DType::kFloat32, {tokens, 8});
+  std::memset(dx.bytes.data(), 0xff, dx.bytes.size());
+  auto ba = (*a)->Backward(fa->context_id, dout.view()).get();
+  // dweights without a destination comes back, as RemoteLayer's.
+  auto bb = (*b)->BackwardInto(fb->context_id, dout.view(), dx.mutable_view(), {}).get();
+  ASSERT_TRUE(ba.ok() && bb.ok()) << ba.status() << bb.status();
+  EXPECT_TRUE(bb->dx.empty());
+  EXPECT_EQ(dx.bytes, ba->dx.bytes);
+  EXPECT_EQ(bb->dweights.bytes, ba->dweights.bytes);
+}
+
+TEST_F(ShardedLayerTest, IntoRefusesDeviceTensorsWithoutCudaAndMixedPlacesNamingTheField) {
+  auto layer = client::ShardedLayer::Create({c0_}, "placed", SmallConfig(4, 1, 8, 8));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::mt19937 rng(2);
+  Tensor x = RandomFloat(rng, {3, 8}), ids, w;
+  RandomRouting(rng, 3, 1, 0, 4, &ids, &w);
+  Tensor out = Tensor::Zeros(DType::kFloat32, {3, 8});
+  // A host pointer said to be on cuda:0: refused before anything reads it.
+  auto on_gpu = [](TensorView v) {
+    v.location = MemoryLocation::Cuda(0);
+    return v;
+  };
+  MutableTensorView out_on_gpu = out.mutable_view();
+  out_on_gpu.location = MemoryLocation::Cuda(0);
+  auto expect_refused = [](absl::Status st, const std::string& field, const std::string& why) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_EQ(st.message().rfind(field + ": ", 0), 0u) << st;
+    EXPECT_NE(st.message().find(why), std::string::npos) << st;
+  };
+  // Without CUDA the reason is that; with it, the pointer is found not to be device memory.
+  const bool cuda = c0_->device_transport() != client::DeviceTransport::kUnavailable;
+  const std::string no_cuda = cuda ? "" : "built without CUDA";
+  expect_refused((*layer)
+                     ->ForwardInto(on_gpu(x.view()), on_gpu(ids.view()), on_gpu(w.view()),
+                                   out_on_gpu)
+                     .get()
+                     .status(),
+                 "x", no_cuda);
+  // Tensors in two places: the first that differs from x is named (without CUDA, as on a device).
+  expect_refused((*layer)->ForwardInto(x.view(), ids.view(), w.view(), out_on_gpu).get().status(),
+                 "out", cuda ? "one place" : no_cuda);
+  auto f = (*layer)->ForwardInto(x.view(), ids.view(), w.view(), out.mutable_view()).get();
+  ASSERT_TRUE(f.ok()) << f.status();
+  Tensor dout = RandomFloat(rng, {3, 8});
+  expect_refused(
+      (*layer)->BackwardInto(f->context_id, on_gpu(dout.view()), {}, {}).get().status(), "dout",
+      no_cuda);
+  // A destination of the wrong shape is refused before the context is taken: it still works.
+  Tensor small = Tensor::Zeros(DType::kFloat32, {2, 8});
+  expect_refused(
+      (*layer)->BackwardInto(f->context_id, dout.view(), small.mutable_view(), {}).get().status(),
+      "dx", "");
+  EXPECT_TRUE((*layer)->BackwardInto(f->context_id, dout.view(), {}, {}).get().ok());
+  EXPECT_EQ((*layer)->BackwardInto(f->context_id, dout.view(), {}, {}).get().status().code(),
             absl::StatusCode::kNotFound);
 }
 

@@ -69,7 +69,7 @@ done
 
 # 5. Bad input: exit 1 and a message naming the flag.
 for bad in --cases=64x32x16 --dtype=float16 --routing=both --steps=0 --transport=udp \
-    --client_device=gpu0; do
+    --client_device=gpu0 --servers=127.0.0.1 --servers=127.0.0.1:5,127.0.0.1:5; do
   if "$bench" "${tiny[@]}" "$bad" >"$work/bad.txt" 2>&1; then fail "$bad was accepted"; fi
   flag=${bad%%=*}
   grep -q "${flag#--}" "$work/bad.txt" || fail "$bad: message does not name the flag: $(cat "$work/bad.txt")"
