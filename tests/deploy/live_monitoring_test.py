@@ -129,10 +129,11 @@ def server_flags(server):
 def shipped_server_args(repo):
     """Every moe-server command line the deployment files ship, by file."""
     out = {}
-    with open(os.path.join(repo, "deploy/kubernetes/deployment.yaml")) as f:
-        dep = yaml.safe_load(f)
-    (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "moe-server"]
-    out["deploy/kubernetes/deployment.yaml"] = c["args"]
+    for rel in ("deploy/kubernetes/deployment.yaml", "deploy/kubernetes-shards/statefulset.yaml"):
+        with open(os.path.join(repo, rel)) as f:
+            pod = yaml.safe_load(f)["spec"]["template"]["spec"]
+        (c,) = [c for c in pod["containers"] if c["name"] == "moe-server"]
+        out[rel] = c["args"]
     with open(os.path.join(repo, "docker/compose.yaml")) as f:
         out["docker/compose.yaml"] = yaml.safe_load(f)["services"]["moe-server"]["command"]
     with open(os.path.join(repo, "docker/Dockerfile")) as f:

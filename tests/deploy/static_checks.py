@@ -8,6 +8,9 @@ ctest runs each check as its own test (tests/deploy/CMakeLists.txt):
                   ports, probe service names, GPU requests, volume, scrape annotations, SRV name;
                   authentication on (tokens file from a read-only Secret mount, an admin
                   principal), per-principal quotas, and the listening addresses set for a pod
+  kubernetes-shards  deploy/kubernetes-shards: the StatefulSet's pod is the Deployment's but for
+                  what shards need; Service, claims, NetworkPolicy with NCCL's port range,
+                  ServiceMonitor, Prometheus's pod label (kubernetes_shards.py says what)
   compose         compose.yaml's mounts exist and its Prometheus/Grafana wiring lines up;
                   authentication on with a git-ignored tokens file as a compose secret, quotas
   dockerfile      multi-stage CUDA devel -> runtime, non-root, no RUN in the final stage, and
@@ -30,6 +33,7 @@ import tempfile
 
 import yaml
 
+import kubernetes_shards
 import promql
 
 ROOT = None
@@ -99,7 +103,7 @@ def check_auth_args(where, args):
 def check_yamllint():
     files = yaml_files()
     for must in ("docker/compose.yaml", "deploy/prometheus/alerts.yaml",
-                 "deploy/kubernetes/deployment.yaml"):
+                 "deploy/kubernetes/deployment.yaml", "deploy/kubernetes-shards/statefulset.yaml"):
         if must not in files:
             fail(f"{must} was not found among the YAML files; the file list is wrong")
     rc, out = run(["yamllint", "--strict", "-c", path("tests/deploy/yamllint.yaml")] + files,
@@ -541,6 +545,7 @@ CHECKS = {
     "promtool-rules": check_promtool_rules,
     "promtool-test": check_promtool_test,
     "kubernetes": check_kubernetes,
+    "kubernetes-shards": lambda: kubernetes_shards.check(sys.modules[__name__]),
     "compose": check_compose,
     "dockerfile": check_dockerfile,
     "dashboard": check_dashboard,
