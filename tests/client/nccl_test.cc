@@ -1,7 +1,9 @@
 // moe::client with device tensors over an NCCL channel (docs/PROTOCOL.md, "NCCL channels")
 // against a moe-server on the CUDA engine of another GPU in another process: the trainer on
 // cuda:0, the server on cuda:1 (NCCL refuses two ranks on one device). Needs two GPUs (label
-// gpu): skipped with fewer.
+// gpu): skipped with fewer. NCCL runs on its network transport, as between hosts, which is
+// what NCCL channels are for: over its P2P transport a trainer killed mid-transfer can leave the
+// server's CUDA context stuck (docs/decisions/0018-nccl-transport.md, "Known limits").
 //
 // - Training with three Forwards in flight (their sends and receives pipelined on the channel)
 //   and their Backwards one at a time gives bitwise what the same bytes give as host tensors
@@ -19,6 +21,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <memory>
 #include <random>
@@ -54,7 +57,7 @@ absl::StatusOr<std::shared_ptr<client::Connection>> Connect(
   return client::Connection::Connect(target, o);
 }
 
-class NcclTest : public ::testing::Test {
+class NcclAnotherGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (cuda_test::GpuCount() < 2)
@@ -80,7 +83,7 @@ class NcclTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-TEST_F(NcclTest, DeviceTensorsOverNcclGiveTheBitsOfHostTensors) {
+TEST_F(NcclAnotherGpuTest, DeviceTensorsOverNcclGiveTheBitsOfHostTensors) {
   std::vector<std::string> log;
   auto conn = Connect(target_, client::DeviceTransportRequest::kNccl, &log);
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -90,7 +93,7 @@ TEST_F(NcclTest, DeviceTensorsOverNcclGiveTheBitsOfHostTensors) {
   EXPECT_TRUE(absl::StrContains(log.back(), "over NCCL")) << log.back();
 }
 
-TEST_F(NcclTest, AKilledTrainerLeavesTheServerServing) {
+TEST_F(NcclAnotherGpuTest, AKilledTrainerLeavesTheServerServing) {
   // Everything the child needs is made before the fork: it only execs.
   char self[4096] = {};
   ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
@@ -191,6 +194,9 @@ int RunVictim(const std::string& target) {
 }  // namespace moe
 
 int main(int argc, char** argv) {
+  // Before any NCCL call here, and inherited by the server and the killed trainer.
+  setenv("NCCL_P2P_DISABLE", "1", /*overwrite=*/0);
+  setenv("NCCL_SHM_DISABLE", "1", /*overwrite=*/0);
   for (int i = 1; i < argc; ++i) {
     if (absl::StartsWith(argv[i], "--nccl-victim=")) {
       return moe::RunVictim(std::string(argv[i]).substr(14));

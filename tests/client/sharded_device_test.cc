@@ -202,7 +202,7 @@ TEST_F(ShardedDeviceTest, ByCudaIpcWithAShardOnAnotherGpuGivesTheBitsOfHostTenso
   ExpectSameTraining();
 }
 
-TEST_F(ShardedDeviceTest, OverNcclGivesTheBitsOfHostTensors) {
+TEST_F(ShardedDeviceTest, OverNcclFromAnotherGpuGivesTheBitsOfHostTensors) {
 #ifndef MOE_TEST_NCCL
   GTEST_SKIP() << "the client was built without NCCL";
 #endif
