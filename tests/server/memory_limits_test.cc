@@ -4,13 +4,13 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
 namespace moe::server {
@@ -19,16 +19,23 @@ namespace {
 constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-// A fresh directory standing for "/".
+// A fresh, empty directory standing for "/", removed with it: a directory left by an earlier
+// run (its name made of a reused pid) would show another test's files.
 class FakeRoot {
  public:
   FakeRoot() {
-    static int counter = 0;
-    root_ = absl::StrCat(::testing::TempDir(), "/moe_memory_limits_", ::getpid(), "_", counter++);
-    ::mkdir(root_.c_str(), 0755);
+    std::string name = ::testing::TempDir() + "/moe_memory_limits_XXXXXX";
+    if (::mkdtemp(name.data()) != nullptr) root_ = name;
+    EXPECT_FALSE(root_.empty()) << "mkdtemp in " << ::testing::TempDir() << " failed";
   }
+  ~FakeRoot() {
+    if (!root_.empty()) std::filesystem::remove_all(root_);
+  }
+  FakeRoot(const FakeRoot&) = delete;
+  FakeRoot& operator=(const FakeRoot&) = delete;
   // Writes `text` to root/`path`, making its directories.
   void Write(const std::string& path, const std::string& text) {
+    if (root_.empty()) return;  // never the real "/"
     std::string dir = root_;
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
     for (size_t i = 0; i + 1 < parts.size(); ++i) {
