@@ -9,12 +9,14 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 
 namespace moe::server {
@@ -145,6 +147,15 @@ struct FakeLinkLog {
   std::atomic<bool> complete{true};  // transfers complete at once
   std::atomic<int> aborts{0};
   absl::Status poll = absl::OkStatus();
+  // While set, Abort waits for ReleaseAborts (an ncclCommAbort that waits on the driver).
+  bool aborts_block = false;
+  std::condition_variable aborts_released;
+
+  void ReleaseAborts() {
+    std::lock_guard<std::mutex> lock(mu);
+    aborts_block = false;
+    aborts_released.notify_all();
+  }
 };
 
 // Whether the link was aborted within 5 s (an ended channel's link is aborted off the caller's
@@ -183,7 +194,11 @@ class FakeLink : public NcclLink {
     }
     return Record(from, &log_->sends);
   }
-  void Abort() override { ++log_->aborts; }
+  void Abort() override {
+    ++log_->aborts;
+    std::unique_lock<std::mutex> lock(log_->mu);
+    log_->aborts_released.wait(lock, [this] { return !log_->aborts_block; });
+  }
 
  private:
   absl::StatusOr<std::unique_ptr<NcclCompletion>> Record(absl::Span<const NcclBuffer> b,
@@ -381,6 +396,36 @@ TEST_F(NcclChannelsTest, ACommunicatorErrorEndsTheChannel) {
   ASSERT_TRUE(out_.Wait(1));
   ASSERT_EQ(out_.failed.size(), 1u);
   EXPECT_TRUE(absl::StrContains(out_.failed[0].second.message(), "remote process exited"));
+}
+
+// The abort of a dead peer's communicators can wait inside the driver for a long time: the
+// session's end still returns at once, its calls are answered, and other callers go on.
+TEST_F(NcclChannelsTest, AnAbortThatBlocksHoldsNeitherTheCallerNorTheCalls) {
+  Make();
+  log_->complete = false;  // the peer is gone: its bytes never come
+  log_->aborts_block = true;
+  absl::Cleanup release = [this] { log_->ReleaseAborts(); };
+  const uint64_t id = OpenChannel({"alice", "s1"});
+  ASSERT_TRUE(channels_->Submit({"alice", "s1"}, Transfer(id, 1), out_.Batch(1, 64)).ok());
+  for (int i = 0; i < 500; ++i) {  // until the pump has posted the receive
+    std::lock_guard<std::mutex> lock(log_->mu);
+    if (!log_->receives.empty()) break;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  std::future<void> dropped =
+      std::async(std::launch::async, [this] { channels_->DropSession("s1"); });
+  EXPECT_EQ(dropped.wait_for(milliseconds(500)), std::future_status::ready);
+  ASSERT_TRUE(out_.Wait(1, milliseconds(500)));
+  ASSERT_EQ(out_.failed.size(), 1u);
+  EXPECT_EQ(out_.failed[0].second.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(AbortedSoon(*log_));  // entered, and still waiting
+  // Another caller opens a channel and has its micro-batch received meanwhile.
+  log_->complete = true;
+  const uint64_t other = OpenChannel({"bob", "s3"});
+  ASSERT_TRUE(channels_->Submit({"bob", "s3"}, Transfer(other, 1), out_.Batch(2, 64)).ok());
+  ASSERT_TRUE(out_.Wait(2));
+  std::lock_guard<std::mutex> lock(out_.mu);
+  EXPECT_EQ(out_.received, std::vector<int>{2});
 }
 
 TEST_F(NcclChannelsTest, TheSessionsEndEndsItsChannelsOnly) {
