@@ -56,11 +56,9 @@ class CudaLink final : public Link {
   absl::Status WaitReady(std::chrono::milliseconds timeout) override {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      // Ready, then warm (NcclPair::StartWarmUp): the server warms its side up as soon as its
+      // Ready, then warm (NcclPair::PollReady): the server warms its side up as soon as its
       // communicators are ready.
-      absl::Status st = pair_->Poll();
-      if (st.ok()) st = pair_->StartWarmUp();
-      if (st.ok()) st = pair_->PollWarmUp();
+      const absl::Status st = pair_->PollReady();
       if (!absl::IsUnavailable(st)) return st;
       if (std::chrono::steady_clock::now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(

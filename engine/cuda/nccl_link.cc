@@ -37,12 +37,8 @@ class CudaNcclLink final : public NcclLink {
   MemoryLocation location() const override { return MemoryLocation::Cuda(device_); }
   const std::string& to_server_id() const override { return to_server_; }
   const std::string& to_client_id() const override { return to_client_; }
-  // Ready once both communicators are, and warm (NcclPair::StartWarmUp).
-  absl::Status Poll() override {
-    if (absl::Status st = pair_->Poll(); !st.ok()) return st;
-    if (absl::Status st = pair_->StartWarmUp(); !st.ok()) return st;
-    return pair_->PollWarmUp();
-  }
+  // Ready once both communicators are, and warm (NcclPair::PollReady).
+  absl::Status Poll() override { return pair_->PollReady(); }
 
   absl::StatusOr<NcclBuffer> Acquire(int64_t bytes) override {
     {

@@ -115,6 +115,12 @@ NcclPair::~NcclPair() {
   if (warm_buffer_ != nullptr) cudaFree(warm_buffer_);
 }
 
+absl::Status NcclPair::PollReady() {
+  if (absl::Status st = Poll(); !st.ok()) return st;
+  if (absl::Status st = StartWarmUp(); !st.ok()) return st;
+  return PollWarmUp();
+}
+
 absl::Status NcclPair::StartWarmUp() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.ok()) return failed_;

@@ -54,17 +54,15 @@ class NcclPair {
   NcclPair& operator=(const NcclPair&) = delete;
 
   int device() const { return device_; }
-  // OK once both communicators are ready, Unavailable while they bootstrap, their error once one
-  // failed (sticky, as is an abort).
-  absl::Status Poll();
-  // The first transfer on each communicator, one byte each way. NCCL connects two ranks at their
-  // first send and receive, and connecting needs both sides at once; a post waiting for that
-  // could wait on a peer that only posts once the post's call reaches it. So each side warms its
-  // communicators up once, right after they are ready, and Send / Receive refuse before.
-  // StartWarmUp posts without waiting (once; later calls do nothing); PollWarmUp is OK once both
-  // transfers are complete, Unavailable while they are not, the error once one failed.
-  absl::Status StartWarmUp();
-  absl::Status PollWarmUp();
+  // OK once both communicators are ready and warm, Unavailable while they bootstrap or warm up,
+  // their error once one failed (sticky, as is an abort). Never waits.
+  //
+  // Warm: the first transfer on each communicator, one byte each way, is posted as soon as they
+  // are ready. NCCL connects two ranks at their first send and receive, and connecting needs both
+  // sides at once; a post waiting for that could wait on a peer that only posts once the post's
+  // call reaches it. So each side warms its communicators up once, and Send / Receive refuse
+  // before.
+  absl::Status PollReady();
   // Posts sends of `buffers` (receives into them), in order, on this direction's stream, after
   // `wait_event` (a cudaEvent_t; null: none) and, for Send with `zero`, after filling them with
   // zeros. FailedPrecondition before the communicators are warm or after an abort.
@@ -80,6 +78,11 @@ class NcclPair {
   absl::StatusOr<std::unique_ptr<StreamCompletion>> Post(bool send,
                                                          absl::Span<const NcclBuffer> buffers,
                                                          void* wait_event, bool zero);
+  // PollReady's steps: the communicators' state; the warm-up's post (once; later calls do
+  // nothing) and its completion.
+  absl::Status Poll();
+  absl::Status StartWarmUp();
+  absl::Status PollWarmUp();
   // Polls a communicator whose last call answered "in progress" until it is not.
   absl::Status Settle(void* comm);
 
