@@ -61,8 +61,15 @@ class NcclLink {
       absl::Span<const NcclBuffer> into) = 0;
   // Posts sends of `from`, in order, on the server-to-peer communicator's stream; `zero` first
   // fills them with zeros (a refused call's results, so no reused buffer shows old bytes).
+  // `after`: null, or compute_done_event() once the engine recorded it; the sends wait for it on
+  // the device, so the host never waits for the call's device work.
   virtual absl::StatusOr<std::unique_ptr<NcclCompletion>> Send(absl::Span<const NcclBuffer> from,
-                                                               bool zero) = 0;
+                                                               bool zero, void* after) = 0;
+  // An opaque CUDA event of the link's device for an engine call's StreamOrder::done_event, so
+  // the call returns once its work is queued and Send follows it on the device; null where the
+  // link has none (the call then waits for its work). One event, re-recorded call after call:
+  // one thread at a time may use it (the server's device executor).
+  virtual void* compute_done_event() = 0;
   // Aborts both communicators (ncclCommAbort): transfers in flight end, Poll fails from then on.
   // Safe from any thread, at any time, more than once.
   virtual void Abort() = 0;

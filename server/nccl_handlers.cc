@@ -8,6 +8,10 @@
 // device buffers and a device destination, and the executor posts the results' sends (zeros,
 // for a call that failed: the channel stays in step) before answering. A call whose transfer
 // sizes cannot be known aborts its channel, as its order with the client is then lost.
+//
+// The engine call returns once its work is queued (StreamOrder::done_event on the link's event)
+// and the sends wait for that work on the device: the executor starts the next micro-batch
+// while the GPU still runs this one, and the answer overlaps it (decision 0018, "Overlap").
 #include <cmath>
 #include <memory>
 #include <string>
@@ -101,17 +105,21 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::RunNccl(grpc::CallbackServerContext
       for (size_t i = 0; i < plan.outputs.size(); ++i) {
         outputs.push_back(OutputView(plan.outputs[i], r.outputs[i], at));
       }
+      // The sends follow the engine's work on the device through this event (null: the call
+      // waits for its work instead).
+      void* computed = r.link->compute_done_event();
       // A call already cancelled still moves its bytes: the client posted them.
       absl::Status st = CallAlive(ctx);
       if (st.ok()) {
-        st = GuardAllocation(method, [&] { return compute(caller, inputs, outputs); });
+        st = GuardAllocation(method, [&] { return compute(caller, inputs, outputs, computed); });
       }
       metrics_->Stage(method, "compute", SecondsSince(t0));
       std::vector<NcclBuffer> sends;
       for (size_t i = 0; i < plan.outputs.size(); ++i) {
         if (plan.outputs[i].present) sends.push_back({r.outputs[i].data, plan.outputs[i].bytes});
       }
-      absl::StatusOr<std::unique_ptr<NcclCompletion>> sent = r.link->Send(sends, !st.ok());
+      absl::StatusOr<std::unique_ptr<NcclCompletion>> sent =
+          r.link->Send(sends, !st.ok(), computed);
       std::vector<NcclBuffer> held = r.inputs;
       held.insert(held.end(), r.outputs.begin(), r.outputs.end());
       if (sent.ok()) {
@@ -146,7 +154,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::NcclForward(grpc::CallbackServerCon
   return RunNccl(
       ctx, "NcclForward", req, resp, PlanForward(*req),
       [this, req, resp, session](const Caller& caller, const std::vector<TensorView>& in,
-                                 const std::vector<MutableTensorView>& out) -> absl::Status {
+                                 const std::vector<MutableTensorView>& out,
+                                 void* done_event) -> absl::Status {
         MOE_ASSIGN_OR_RETURN(std::shared_ptr<LayerEntry> entry, FindLayer(req->layer()));
         MOE_RETURN_IF_ERROR(AuthorizeLayer(caller, *entry, Access::kTrain, "layer"));
         if (req->training()) {
@@ -158,6 +167,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::NcclForward(grpc::CallbackServerCon
         request.expert_ids = in[1];
         request.weights = in[2];
         request.out = out[0];
+        request.order.done_event = done_event;
         MOE_RETURN_IF_ERROR(
             CheckTensor(request.x, "x", entry->config.dtype, {-1, entry->config.d_model}));
         const int64_t tokens = request.x.shape[0];
@@ -194,7 +204,8 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::NcclBackward(grpc::CallbackServerCo
   return RunNccl(
       ctx, "NcclBackward", req, resp, PlanBackward(*req),
       [this, req, resp](const Caller& caller, const std::vector<TensorView>& in,
-                        const std::vector<MutableTensorView>& out) -> absl::Status {
+                        const std::vector<MutableTensorView>& out,
+                        void* done_event) -> absl::Status {
         const double aux_grad = req->has_aux_loss_grad() ? req->aux_loss_grad() : 1.0;
         if (!std::isfinite(aux_grad)) {
           return absl::InvalidArgumentError(
@@ -211,6 +222,7 @@ grpc::ServerUnaryReactor* ExpertServiceImpl::NcclBackward(grpc::CallbackServerCo
         request.dx = out[0];
         request.dweights = out[1];
         request.aux_grad_scale = aux_grad;
+        request.order.done_event = done_event;
         // Checked before the context is consumed, so a wrong shape does not lose it.
         MOE_RETURN_IF_ERROR(CheckTensor(request.dout, "dout", config.dtype,
                                         {tokens, config.d_model}));

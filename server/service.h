@@ -244,8 +244,10 @@ class ExpertServiceImpl final : public ExpertServiceBase {
   // The layers `caller` may read (all for admins), in name order.
   std::vector<std::shared_ptr<LayerEntry>> VisibleLayers(const Caller& caller) const;
   // An NCCL micro-batch (nccl_handlers.cc): authenticates, queues `plan`'s transfers on the
-  // request's channel, and once the inputs are in runs `compute(caller, inputs, outputs)` on the
-  // executor over the received device buffers, sends the outputs and finishes the call.
+  // request's channel, and once the inputs are in runs `compute(caller, inputs, outputs,
+  // done_event)` on the executor over the received device buffers (the engine call records
+  // `done_event`, when not null, and returns without waiting), sends the outputs after it on
+  // the device and finishes the call.
   template <typename Req, typename Resp, typename Compute>
   grpc::ServerUnaryReactor* RunNccl(grpc::CallbackServerContext* ctx, const char* method,
                                     const Req* req, Resp* resp, absl::StatusOr<NcclPlan> plan,

@@ -15,6 +15,7 @@
 // --servers=HOST:PORT,... runs one sharded layer over servers already running, one per GPU
 // (sharded_bench.h): the scaling runs. One server in the list is a --server run.
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -103,6 +104,9 @@ int Fail(const std::string& message) {
 int main(int argc, char** argv) {
   // A crash prints where (common/crash_trace.h); the forked server child inherits it.
   moe::InstallCrashBacktrace(argv[0]);
+  // As moe-server does, for the server this bench forks and for its own NCCL receives: kernels
+  // load when CUDA starts, not at a first launch that could wait on a dead peer's receive.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   // --help lists this file's flags: absl's default lists only those of a file named after the
   // binary (it compares with its name normalized, which drops the leading '/').
   absl::FlagsUsageConfig usage_config;

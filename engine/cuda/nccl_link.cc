@@ -32,6 +32,7 @@ class CudaNcclLink final : public NcclLink {
     pair_->Abort();  // no transfer may still use a buffer freed below
     DeviceScope scope(device_);
     for (const NcclBuffer& b : all_) cudaFree(b.data);
+    if (done_ != nullptr) cudaEventDestroy(done_);
   }
 
   MemoryLocation location() const override { return MemoryLocation::Cuda(device_); }
@@ -83,10 +84,24 @@ class CudaNcclLink final : public NcclLink {
   }
 
   absl::StatusOr<std::unique_ptr<NcclCompletion>> Send(absl::Span<const NcclBuffer> from,
-                                                       bool zero) override {
-    absl::StatusOr<std::unique_ptr<StreamCompletion>> c = pair_->Send(from, nullptr, zero);
+                                                       bool zero, void* after) override {
+    absl::StatusOr<std::unique_ptr<StreamCompletion>> c = pair_->Send(from, after, zero);
     if (!c.ok()) return c.status();
     return std::unique_ptr<NcclCompletion>(std::move(*c));
+  }
+
+  void* compute_done_event() override {
+    if (done_ == nullptr) {
+      DeviceScope scope(device_);
+      cudaEvent_t e = nullptr;
+      // Without one the engine call waits for its work, which is slower but as correct.
+      if (!scope.ok() || cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+      }
+      done_ = e;
+    }
+    return done_;
   }
 
   void Abort() override { pair_->Abort(); }
@@ -99,6 +114,7 @@ class CudaNcclLink final : public NcclLink {
   std::mutex mu_;
   std::vector<NcclBuffer> all_;   // every buffer allocated, freed with the link
   std::vector<NcclBuffer> free_;  // those not in use
+  cudaEvent_t done_ = nullptr;    // compute_done_event(), made at its first use
 };
 
 }  // namespace

@@ -187,13 +187,14 @@ class FakeLink : public NcclLink {
     return Record(into, &log_->receives);
   }
   absl::StatusOr<std::unique_ptr<NcclCompletion>> Send(absl::Span<const NcclBuffer> from,
-                                                       bool zero) override {
+                                                       bool zero, void*) override {
     {
       std::lock_guard<std::mutex> lock(log_->mu);
       log_->zeroed.push_back(zero);
     }
     return Record(from, &log_->sends);
   }
+  void* compute_done_event() override { return nullptr; }
   void Abort() override {
     ++log_->aborts;
     std::unique_lock<std::mutex> lock(log_->mu);
@@ -448,7 +449,8 @@ TEST_F(NcclChannelsTest, SentBuffersAreTrackedUntilTheSendCompletes) {
   const uint64_t id = OpenChannel({"alice", "s1"});
   NcclChannels::Batch b = out_.Batch(1, 64);
   b.received = [&](NcclChannels::Received r) {
-    absl::StatusOr<std::unique_ptr<NcclCompletion>> sent = r.link->Send(r.outputs, false);
+    absl::StatusOr<std::unique_ptr<NcclCompletion>> sent =
+        r.link->Send(r.outputs, false, nullptr);
     ASSERT_TRUE(sent.ok());
     channels_->TrackSend(r.channel_id, r.link, *std::move(sent), r.outputs);
     std::lock_guard<std::mutex> lock(out_.mu);
