@@ -112,6 +112,12 @@ NcclChannels::~NcclChannels() {
   wake_.notify_all();
   pump_.join();
   for (auto& c : all) EndChannel(c, absl::UnavailableError("nccl: the server is shutting down"));
+  std::vector<std::thread> aborts;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts.swap(final_aborts_);
+  }
+  for (std::thread& t : aborts) t.join();
 }
 
 void NcclChannels::OpenSession(const std::string& session, const std::string& principal) {
@@ -288,23 +294,22 @@ void NcclChannels::EndChannel(std::shared_ptr<Channel> c, const absl::Status& wh
   for (Batch& b : failed) {
     if (b.failed) b.failed(why);
   }
-  bool stopping;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping = stopping_;
-  }
-  if (stopping) {
-    c->link->Abort();
-    return;
-  }
   // ncclCommAbort waits for NCCL's threads and kernels to stop, and freeing the link's buffers
   // synchronises the device (which waits for every other channel's receives): neither may hold
-  // a gRPC thread, the pump or the executor, so both run on a thread of their own. The last
-  // holder frees the link (an executor task that still has it, or that thread).
-  std::thread([link = std::move(c->link)]() mutable {
+  // a gRPC thread, the pump or the executor, so both run on a thread of their own, one per
+  // channel, so that no channel's abort waits behind another's (a dead peer's receive keeps the
+  // device busy until its own channel is aborted). The last holder frees the link (an executor
+  // task that still has it, or that thread).
+  std::thread abort([link = std::move(c->link)]() mutable {
     link->Abort();
     link.reset();
-  }).detach();
+  });
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) {
+    final_aborts_.push_back(std::move(abort));
+  } else {
+    abort.detach();
+  }
 }
 
 absl::Status NcclChannels::PumpChannel(Channel& c,

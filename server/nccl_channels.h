@@ -203,6 +203,8 @@ class NcclChannels {
   mutable std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;
+  // Once stopping: the aborts the destructor joins (each channel's on a thread of its own).
+  std::vector<std::thread> final_aborts_;
   std::map<std::string, std::string> sessions_;  // open session -> principal
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;
   std::mt19937_64 ids_;

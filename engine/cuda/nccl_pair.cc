@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/ipc_export.h"
@@ -298,12 +299,17 @@ absl::StatusOr<std::unique_ptr<StreamCompletion>> NcclPair::Post(
 void NcclPair::Abort() {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_.ok()) failed_ = absl::UnavailableError("nccl: the channel was aborted");
-  DeviceScope scope(device_);
+  // Both at once, each on a thread that makes no CUDA call first: an abort raises its kernels'
+  // stop flag, then frees memory, which waits for the device to go idle. One after the other,
+  // the first would wait for the second's kernel (a receive from a dead peer) forever
+  // (decision 0018, "Failure").
+  std::vector<std::thread> aborts;
   for (void** c : {&send_comm_, &recv_comm_}) {
     if (*c == nullptr) continue;
-    ncclCommAbort(Comm(*c));
+    aborts.emplace_back([comm = Comm(*c)] { ncclCommAbort(comm); });
     *c = nullptr;
   }
+  for (std::thread& t : aborts) t.join();
 }
 
 }  // namespace moe::cuda

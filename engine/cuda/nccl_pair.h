@@ -70,7 +70,7 @@ class NcclPair {
                                                          void* wait_event, bool zero);
   absl::StatusOr<std::unique_ptr<StreamCompletion>> Receive(absl::Span<const NcclBuffer> buffers,
                                                             void* wait_event);
-  // ncclCommAbort on both: transfers in flight end (their buffers then hold anything).
+  // ncclCommAbort on both, at once: transfers in flight end (their buffers then hold anything).
   void Abort();
 
  private:

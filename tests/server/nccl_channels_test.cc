@@ -150,6 +150,11 @@ struct FakeLinkLog {
   // While set, Abort waits for ReleaseAborts (an ncclCommAbort that waits on the driver).
   bool aborts_block = false;
   std::condition_variable aborts_released;
+  // When set, Abort waits (5 s at most) until this many aborts have begun, as an abort that
+  // frees memory waits for other links' kernels, which stop only at their own abort; the
+  // aborts that gave up are counted.
+  int abort_quorum = 0;
+  int quorum_missed = 0;
 
   void ReleaseAborts() {
     std::lock_guard<std::mutex> lock(mu);
@@ -198,7 +203,14 @@ class FakeLink : public NcclLink {
   void Abort() override {
     ++log_->aborts;
     std::unique_lock<std::mutex> lock(log_->mu);
+    log_->aborts_released.notify_all();
     log_->aborts_released.wait(lock, [this] { return !log_->aborts_block; });
+    if (log_->abort_quorum > 0 &&
+        !log_->aborts_released.wait_for(lock, std::chrono::seconds(5), [this] {
+          return log_->aborts >= log_->abort_quorum;
+        })) {
+      ++log_->quorum_missed;
+    }
   }
 
  private:
@@ -427,6 +439,21 @@ TEST_F(NcclChannelsTest, AnAbortThatBlocksHoldsNeitherTheCallerNorTheCalls) {
   ASSERT_TRUE(out_.Wait(2));
   std::lock_guard<std::mutex> lock(out_.mu);
   EXPECT_EQ(out_.received, std::vector<int>{2});
+}
+
+// An abort frees memory, which waits for the device to go idle, and a kernel of another channel
+// whose peer died keeps it busy until that channel's own abort: at shutdown every channel's abort
+// begins at once (one after the other, the first would wait for the second forever).
+TEST_F(NcclChannelsTest, AtShutdownEveryChannelIsAbortedAtOnce) {
+  Make();
+  log_->abort_quorum = 3;
+  OpenChannel({"alice", "s1"});
+  OpenChannel({"alice", "s2"});
+  OpenChannel({"bob", "s3"});
+  channels_.reset();
+  EXPECT_EQ(log_->aborts, 3);
+  std::lock_guard<std::mutex> lock(log_->mu);
+  EXPECT_EQ(log_->quorum_missed, 0);
 }
 
 TEST_F(NcclChannelsTest, TheSessionsEndEndsItsChannelsOnly) {
