@@ -26,6 +26,8 @@ _ROUTINGS = {"client": _core.RoutingMode.CLIENT, "server": _core.RoutingMode.SER
 _OPTIMIZERS = {"adamw": _core.OptimizerKind.ADAMW, "sgd": _core.OptimizerKind.SGD}
 # ClientOptions.transport: how Forward and Backward move their tensors.
 _TRANSPORTS = ("auto", "tcp", "shm")
+# ClientOptions.device_transport: whether CUDA tensors may travel over an NCCL channel.
+_DEVICE_TRANSPORTS = ("auto", "nccl", "never")
 # Tensors split by expert over shards (dimension 0), with their optimizer state.
 _EXPERT_TENSORS = ("w1", "w3", "w2")
 
@@ -70,7 +72,11 @@ class RemoteMoE(torch.nn.Module):
     server and summed on their GPU, each server's share moved as its connection moves device
     tensors); ``server`` is then unused. ``transport``: "auto" (shared
     memory and CUDA IPC when the server is on this host, else TCP), "tcp", or "shm" (fails to
-    connect unless the server registers shared memory).
+    connect unless the server registers shared memory). ``device_transport``: "auto" (CUDA
+    tensors over an NCCL channel, GPU to GPU, when the server is on another host), "nccl" (also
+    for a server on another GPU of this host, where it beats CUDA IPC), or "never"; a server
+    that cannot open a channel falls back as ``transport`` decides, and ``layer.transport``
+    says so.
 
     Call ``step()`` after the backward passes of a batch (it applies the server's optimizer and
     clears the accumulated gradients) and ``zero_grad()`` to drop gradients without stepping;
@@ -93,7 +99,8 @@ class RemoteMoE(torch.nn.Module):
                  tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
                  tls_server_name: Optional[str] = None, connections: Optional[int] = None,
                  chunk_bytes: Optional[int] = None, stripe_bytes: Optional[int] = None,
-                 max_receive_bytes: Optional[int] = None, transport: str = "auto"):
+                 max_receive_bytes: Optional[int] = None, transport: str = "auto",
+                 device_transport: str = "auto"):
         super().__init__()
         if dtype not in _tensors.LAYER_DTYPES:
             raise TypeError(f"dtype: {dtype} is not a layer dtype (torch.float32, torch.bfloat16)")
@@ -125,6 +132,10 @@ class RemoteMoE(torch.nn.Module):
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport: {transport!r} is not one of {list(_TRANSPORTS)}")
         options.transport = transport
+        if device_transport not in _DEVICE_TRANSPORTS:
+            raise ValueError(f"device_transport: {device_transport!r} is not one of "
+                             f"{list(_DEVICE_TRANSPORTS)}")
+        options.device_transport = device_transport
         options.timeout_seconds = timeout
         for field, value in (("connections", connections), ("chunk_bytes", chunk_bytes),
                              ("stripe_bytes", stripe_bytes),

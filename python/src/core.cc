@@ -94,6 +94,20 @@ client::Transport TransportOf(const std::string& name) {
       absl::StrCat("transport: \"", name, "\" is not one of \"auto\", \"tcp\", \"shm\""));
 }
 
+client::DeviceTransportRequest DeviceTransportOf(const std::string& name) {
+  if (name == "auto") return client::DeviceTransportRequest::kAuto;
+  if (name == "nccl") return client::DeviceTransportRequest::kNccl;
+  if (name == "never") return client::DeviceTransportRequest::kNever;
+  throw std::invalid_argument(absl::StrCat("device_transport: \"", name,
+                                           "\" is not one of \"auto\", \"nccl\", \"never\""));
+}
+
+const char* DeviceTransportKey(client::DeviceTransportRequest request) {
+  return request == client::DeviceTransportRequest::kNccl    ? "nccl"
+         : request == client::DeviceTransportRequest::kNever ? "never"
+                                                              : "auto";
+}
+
 const char* TransportKey(client::Transport transport) {
   return transport == client::Transport::kSharedMemory ? "shm"
          : transport == client::Transport::kTcp        ? "tcp"
@@ -428,6 +442,14 @@ PYBIND11_MODULE(_core, m) {
           [](const client::ClientOptions& o) { return moe::python::TransportKey(o.transport); },
           [](client::ClientOptions& o, const std::string& name) {
             o.transport = moe::python::TransportOf(name);
+          })
+      .def_property(
+          "device_transport",
+          [](const client::ClientOptions& o) {
+            return moe::python::DeviceTransportKey(o.device_transport);
+          },
+          [](client::ClientOptions& o, const std::string& name) {
+            o.device_transport = moe::python::DeviceTransportOf(name);
           })
       .def(
           "set_tls",

@@ -127,6 +127,21 @@ def test_a_bad_transport_is_a_value_error_naming_it(server, layer_name):
         make(server.target, layer_name, transport=None)
 
 
+def test_a_bad_device_transport_is_a_value_error_naming_it(server, layer_name):
+    with pytest.raises(ValueError, match="device_transport: 'ipc'"):
+        make(server.target, layer_name, device_transport="ipc")
+
+
+def test_the_device_transport_option_reaches_the_client_options():
+    from moe_offload import _core
+    options = _core.ClientOptions()
+    assert options.device_transport == "auto"
+    options.device_transport = "nccl"
+    assert options.device_transport == "nccl"
+    with pytest.raises(ValueError, match="device_transport"):
+        options.device_transport = "sometimes"
+
+
 def test_the_transport_says_what_the_connection_took(server, layer_name):
     tcp = make(server.target, layer_name + "_tcp", transport="tcp")
     assert tcp.transport["host"] == "tcp" and tcp.transport["reason"] == "requested"
