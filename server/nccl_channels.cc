@@ -112,12 +112,16 @@ NcclChannels::~NcclChannels() {
   wake_.notify_all();
   pump_.join();
   for (auto& c : all) EndChannel(c, absl::UnavailableError("nccl: the server is shutting down"));
-  std::vector<std::thread> aborts;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    aborts.swap(final_aborts_);
+  // Until none is left: a caller ending a channel meanwhile adds its abort.
+  for (;;) {
+    std::vector<std::thread> aborts;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborts.swap(final_aborts_);
+    }
+    if (aborts.empty()) break;
+    for (std::thread& t : aborts) t.join();
   }
-  for (std::thread& t : aborts) t.join();
 }
 
 void NcclChannels::OpenSession(const std::string& session, const std::string& principal) {
