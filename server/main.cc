@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
   moe::InstallCrashBacktrace(argv[0]);  // a crash prints where (common/crash_trace.h)
   // Every kernel loads when CUDA starts, never at its first launch: a lazy load can wait for the
   // device's running kernels, and the receive of a channel whose trainer died runs until the
-  // channel is aborted, which then waits for the load (decision 0018, "Failure"). An operator's
-  // own setting wins.
+  // channel is aborted, and the pump that notices the dead trainer can wait for the load (decision
+  // 0018, "Kernels load eagerly"). An operator's own setting wins.
   setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   // --help lists this file's flags: absl's default lists only those of a file named after the
   // binary (it compares with its name normalized, which drops the leading '/').

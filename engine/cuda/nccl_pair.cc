@@ -302,7 +302,7 @@ void NcclPair::Abort() {
   // Both at once, each on a thread that makes no CUDA call first: an abort raises its kernels'
   // stop flag, then frees memory, which waits for the device to go idle. One after the other,
   // the first would wait for the second's kernel (a receive from a dead peer) forever
-  // (decision 0018, "Failure").
+  // (decision 0018, "Aborts run at once").
   std::vector<std::thread> aborts;
   for (void** c : {&send_comm_, &recv_comm_}) {
     if (*c == nullptr) continue;
