@@ -25,7 +25,8 @@ bool Built();
 class Posted {
  public:
   virtual ~Posted() = default;
-  // Makes `stream` (of the link's device) wait until the sends and receives are complete.
+  // Makes `stream` (of the link's device) wait until the sends and receives are complete; on the
+  // host it first waits, briefly, for them to be posted (they are queued, NcclPair).
   virtual absl::Status StreamWait(void* stream) const = 0;
 };
 

@@ -29,8 +29,11 @@ class CudaPosted final : public Posted {
     cuda::DeviceScope scope(device_);
     if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
     for (const auto* c : {sent_.get(), received_.get()}) {
+      // Posted by now in all but a rare race: the server answers once it has the inputs.
+      absl::StatusOr<void*> event = c->WaitPosted();
+      if (!event.ok()) return event.status();
       if (cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                              static_cast<cudaEvent_t>(c->event()), 0);
+                                              static_cast<cudaEvent_t>(*event), 0);
           e != cudaSuccess) {
         return CudaError(e, "cudaStreamWaitEvent");
       }

@@ -87,6 +87,9 @@ class CudaNcclLink final : public NcclLink {
                                                        bool zero, void* after) override {
     absl::StatusOr<std::unique_ptr<StreamCompletion>> c = pair_->Send(from, after, zero);
     if (!c.ok()) return c.status();
+    // A send that could not be posted is the call's error (the channel is then out of step):
+    // so the caller answers only once the results' transfers are queued on the device.
+    if (absl::StatusOr<void*> posted = (*c)->WaitPosted(); !posted.ok()) return posted.status();
     return std::unique_ptr<NcclCompletion>(std::move(*c));
   }
 

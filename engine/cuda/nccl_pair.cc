@@ -1,11 +1,12 @@
-// NcclPair (see nccl_pair.h): the two communicators, their streams, and the polling that keeps
-// every wait bounded.
+// NcclPair (see nccl_pair.h): the two communicators, their streams and poster threads, and the
+// polling that keeps every wait bounded.
 #include "engine/cuda/nccl_pair.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -20,6 +21,9 @@ namespace {
 // How long a post NCCL answered "in progress" may take to be enqueued: it waits for no peer,
 // only for NCCL's own bookkeeping, so anything longer means the communicator is stuck.
 constexpr std::chrono::seconds kSettleDeadline{10};
+// How long WaitPosted waits: a post queues only behind its direction's earlier posts, each
+// bounded by kSettleDeadline, and after an abort they fail at once.
+constexpr std::chrono::seconds kPostedDeadline{30};
 
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -56,15 +60,41 @@ absl::StatusOr<std::string> NewNcclUniqueId() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-StreamCompletion::~StreamCompletion() {
-  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
-}
+// A post's outcome, shared by its completion and the poster thread that runs it.
+struct StreamCompletion::State {
+  ~State() {
+    if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool posted = false;   // the post ran: `status` and `event` are final
+  absl::Status status;   // its error
+  void* event = nullptr;  // cudaEvent_t recorded after the transfers
+};
+
+StreamCompletion::~StreamCompletion() = default;
 
 absl::Status StreamCompletion::Query() const {
-  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  void* event = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->posted) return absl::UnavailableError("transfer waiting to be posted");
+    if (!state_->status.ok()) return state_->status;
+    event = state_->event;
+  }
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (e == cudaSuccess) return absl::OkStatus();
   if (e == cudaErrorNotReady) return absl::UnavailableError("transfer in progress");
   return CudaError(e, "transfer");
+}
+
+absl::StatusOr<void*> StreamCompletion::WaitPosted() const {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (!state_->cv.wait_for(lock, kPostedDeadline, [&] { return state_->posted; })) {
+    return absl::DeadlineExceededError("nccl: transfers were not posted in 30 s");
+  }
+  if (!state_->status.ok()) return state_->status;
+  return state_->event;
 }
 
 absl::StatusOr<std::unique_ptr<NcclPair>> NcclPair::Start(int device, int rank,
@@ -82,7 +112,7 @@ absl::StatusOr<std::unique_ptr<NcclPair>> NcclPair::Start(int device, int rank,
   std::unique_ptr<NcclPair> p(new NcclPair());
   p->device_ = device;
   p->peer_ = 1 - rank;
-  for (void** s : {&p->send_stream_, &p->recv_stream_}) {
+  for (void** s : {&p->send_.stream, &p->recv_.stream, &p->capture_stream_}) {
     cudaStream_t stream = nullptr;
     if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
         e != cudaSuccess) {
@@ -93,7 +123,7 @@ absl::StatusOr<std::unique_ptr<NcclPair>> NcclPair::Start(int device, int rank,
   // Rank 0's send communicator is rank 1's receive one: the client sends on to_server, the
   // server receives on it. Both start without blocking, so the order the peer starts them in
   // does not matter.
-  for (auto [slot, id] : {std::pair{&p->send_comm_, &*send}, std::pair{&p->recv_comm_, &*recv}}) {
+  for (auto [slot, id] : {std::pair{&p->send_.comm, &*send}, std::pair{&p->recv_.comm, &*recv}}) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
@@ -101,13 +131,24 @@ absl::StatusOr<std::unique_ptr<NcclPair>> NcclPair::Start(int device, int rank,
     if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
     *slot = comm;
   }
+  for (Direction* d : {&p->send_, &p->recv_}) {
+    d->poster = std::thread([pair = p.get(), d] { pair->PosterLoop(*d); });
+  }
   return p;
 }
 
 NcclPair::~NcclPair() {
-  Abort();
+  Abort();  // posts still queued now fail at once
+  for (Direction* d : {&send_, &recv_}) {
+    {
+      std::lock_guard<std::mutex> lock(d->queue_mu);
+      d->stop = true;
+    }
+    d->queue_cv.notify_all();
+    if (d->poster.joinable()) d->poster.join();
+  }
   DeviceScope scope(device_);
-  for (void* s : {send_stream_, recv_stream_}) {
+  for (void* s : {send_.stream, recv_.stream, capture_stream_}) {
     if (s != nullptr) cudaStreamDestroy(Stream(s));
   }
   for (void* e : warm_events_) {
@@ -123,6 +164,8 @@ absl::Status NcclPair::PollReady() {
 }
 
 absl::Status NcclPair::StartWarmUp() {
+  std::lock_guard<std::mutex> send_lock(send_.nccl_mu);
+  std::lock_guard<std::mutex> recv_lock(recv_.nccl_mu);
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.ok()) return failed_;
   if (!ready_) return absl::FailedPreconditionError("nccl: communicators not ready");
@@ -135,9 +178,9 @@ absl::Status NcclPair::StartWarmUp() {
   }
   // One operation per communicator, each its own implicit group; neither waits here.
   char* bytes = static_cast<char*>(warm_buffer_);
-  ncclResult_t r = ncclSend(bytes, 1, ncclUint8, peer_, Comm(send_comm_), Stream(send_stream_));
+  ncclResult_t r = ncclSend(bytes, 1, ncclUint8, peer_, Comm(send_.comm), Stream(send_.stream));
   if (r == ncclSuccess || r == ncclInProgress) {
-    r = ncclRecv(bytes + 1, 1, ncclUint8, peer_, Comm(recv_comm_), Stream(recv_stream_));
+    r = ncclRecv(bytes + 1, 1, ncclUint8, peer_, Comm(recv_.comm), Stream(recv_.stream));
   }
   if (r != ncclSuccess && r != ncclInProgress) {
     failed_ = NcclError(r, "warming up");
@@ -153,8 +196,8 @@ absl::Status NcclPair::PollWarmUp() {
   if (!warm_started_) return absl::FailedPreconditionError("nccl: warm-up not started");
   if (warm_) return absl::OkStatus();
   bool pending = false;
-  void* comms[2] = {send_comm_, recv_comm_};
-  void* streams[2] = {send_stream_, recv_stream_};
+  void* comms[2] = {send_.comm, recv_.comm};
+  void* streams[2] = {send_.stream, recv_.stream};
   for (int i = 0; i < 2; ++i) {
     if (warm_events_[i] == nullptr) {
       // Enqueued on the stream once the communicator is no longer "in progress".
@@ -200,11 +243,14 @@ absl::Status NcclPair::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failed_.ok()) return failed_;
   bool in_progress = false;
-  for (void* c : {send_comm_, recv_comm_}) {
+  // ncclCommGetAsyncError may run beside a post on the same communicator (it is how a post in
+  // progress is polled); mu_ only keeps an abort from freeing the communicators meanwhile.
+  for (void* c : {send_.comm, recv_.comm}) {
     ncclResult_t state = ncclSuccess;
     if (ncclResult_t r = ncclCommGetAsyncError(Comm(c), &state); r != ncclSuccess) state = r;
     if (state == ncclInProgress) {
-      in_progress = true;
+      // Once ready, "in progress" is a poster thread's post being enqueued, not a bootstrap.
+      in_progress = in_progress || !ready_;
     } else if (state != ncclSuccess) {
       failed_ = NcclError(state, "communicator");
       return failed_;
@@ -231,72 +277,138 @@ absl::Status NcclPair::Settle(void* comm) {
 
 absl::StatusOr<std::unique_ptr<StreamCompletion>> NcclPair::Send(
     absl::Span<const NcclBuffer> buffers, void* wait_event, bool zero) {
-  return Post(/*send=*/true, buffers, wait_event, zero);
+  return Post(send_, buffers, wait_event, zero);
 }
 
 absl::StatusOr<std::unique_ptr<StreamCompletion>> NcclPair::Receive(
     absl::Span<const NcclBuffer> buffers, void* wait_event) {
-  return Post(/*send=*/false, buffers, wait_event, /*zero=*/false);
+  return Post(recv_, buffers, wait_event, /*zero=*/false);
 }
 
 absl::StatusOr<std::unique_ptr<StreamCompletion>> NcclPair::Post(
-    bool send, absl::Span<const NcclBuffer> buffers, void* wait_event, bool zero) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!failed_.ok()) return absl::FailedPreconditionError(failed_.message());
-  if (!warm_) return absl::FailedPreconditionError("nccl: communicators not warmed up");
-  DeviceScope scope(device_);
-  if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
-  void* comm = send ? send_comm_ : recv_comm_;
-  cudaStream_t stream = Stream(send ? send_stream_ : recv_stream_);
+    Direction& d, absl::Span<const NcclBuffer> buffers, void* wait_event, bool zero) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_.ok()) return absl::FailedPreconditionError(failed_.message());
+    if (!warm_) return absl::FailedPreconditionError("nccl: communicators not warmed up");
+  }
+  Job job;
+  job.buffers.assign(buffers.begin(), buffers.end());
+  job.zero = zero;
+  job.state = std::make_shared<StreamCompletion::State>();
   if (wait_event != nullptr) {
-    if (cudaError_t e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(wait_event), 0);
+    // The caller's event is captured as it stands now in an event of the job's own: the caller
+    // may record it again (the next call's work) before the poster gets to this job.
+    DeviceScope scope(device_);
+    if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
+    cudaEvent_t after = nullptr;
+    if (cudaError_t e = cudaEventCreateWithFlags(&after, cudaEventDisableTiming);
         e != cudaSuccess) {
-      return CudaError(e, "cudaStreamWaitEvent");
+      return CudaError(e, "cudaEventCreateWithFlags");
+    }
+    job.after = after;
+    std::lock_guard<std::mutex> lock(capture_mu_);
+    cudaError_t e = cudaStreamWaitEvent(Stream(capture_stream_),
+                                        static_cast<cudaEvent_t>(wait_event), 0);
+    if (e == cudaSuccess) e = cudaEventRecord(after, Stream(capture_stream_));
+    if (e != cudaSuccess) {
+      cudaEventDestroy(after);
+      return CudaError(e, "capturing the caller's event");
     }
   }
-  if (zero) {
-    for (const NcclBuffer& b : buffers) {
+  std::unique_ptr<StreamCompletion> done(new StreamCompletion(job.state));
+  {
+    std::lock_guard<std::mutex> lock(d.queue_mu);
+    d.jobs.push_back(std::move(job));
+  }
+  d.queue_cv.notify_one();
+  return done;
+}
+
+void NcclPair::PosterLoop(Direction& d) {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(d.queue_mu);
+      d.queue_cv.wait(lock, [&] { return d.stop || !d.jobs.empty(); });
+      if (d.jobs.empty()) return;  // stopping, and nothing is left to fail
+      job = std::move(d.jobs.front());
+      d.jobs.pop_front();
+    }
+    absl::StatusOr<void*> event = PostNow(d, job);
+    if (job.after != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(job.after));
+    std::lock_guard<std::mutex> lock(job.state->mu);
+    job.state->posted = true;
+    if (event.ok()) {
+      job.state->event = *event;
+    } else {
+      job.state->status = event.status();
+    }
+    job.state->cv.notify_all();
+  }
+}
+
+absl::StatusOr<void*> NcclPair::PostNow(Direction& d, Job& job) {
+  // Held through the post: an abort waits for it rather than free the communicator under it.
+  std::lock_guard<std::mutex> nccl_lock(d.nccl_mu);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_.ok()) return absl::FailedPreconditionError(failed_.message());
+  }
+  auto fail = [&](absl::Status st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.ok()) failed_ = st;  // a half-posted group leaves the pair out of step
+    return st;
+  };
+  DeviceScope scope(device_);
+  if (!scope.ok()) return absl::FailedPreconditionError(scope.error());
+  cudaStream_t stream = Stream(d.stream);
+  if (job.after != nullptr) {
+    if (cudaError_t e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(job.after), 0);
+        e != cudaSuccess) {
+      return fail(CudaError(e, "cudaStreamWaitEvent"));
+    }
+  }
+  if (job.zero) {
+    for (const NcclBuffer& b : job.buffers) {
       if (b.bytes == 0) continue;
       if (cudaError_t e = cudaMemsetAsync(b.data, 0, static_cast<size_t>(b.bytes), stream);
           e != cudaSuccess) {
-        return CudaError(e, "cudaMemsetAsync");
+        return fail(CudaError(e, "cudaMemsetAsync"));
       }
     }
   }
   // One group: the call's transfers go as one launch, in this order on the peer's side too.
   ncclResult_t r = ncclGroupStart();
-  for (const NcclBuffer& b : buffers) {
+  for (const NcclBuffer& b : job.buffers) {
     if (r != ncclSuccess || b.bytes == 0) continue;
-    r = send ? ncclSend(b.data, static_cast<size_t>(b.bytes), ncclUint8, peer_, Comm(comm), stream)
-             : ncclRecv(b.data, static_cast<size_t>(b.bytes), ncclUint8, peer_, Comm(comm), stream);
+    r = d.send ? ncclSend(b.data, static_cast<size_t>(b.bytes), ncclUint8, peer_, Comm(d.comm),
+                          stream)
+               : ncclRecv(b.data, static_cast<size_t>(b.bytes), ncclUint8, peer_, Comm(d.comm),
+                          stream);
   }
   const ncclResult_t end = ncclGroupEnd();
   if (r == ncclSuccess) r = end;
-  absl::Status st;
   if (r == ncclInProgress) {
-    st = Settle(comm);
+    if (absl::Status st = Settle(d.comm); !st.ok()) return fail(st);
   } else if (r != ncclSuccess) {
-    st = NcclError(r, send ? "ncclSend" : "ncclRecv");
+    return fail(NcclError(r, d.send ? "ncclSend" : "ncclRecv"));
   }
-  if (!st.ok()) {
-    failed_ = st;  // a half-posted group leaves the communicator out of step with its peer
-    return st;
-  }
-  std::unique_ptr<StreamCompletion> done(new StreamCompletion());
   cudaEvent_t event = nullptr;
   if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming); e != cudaSuccess) {
-    failed_ = CudaError(e, "cudaEventCreateWithFlags");
-    return failed_;
+    return fail(CudaError(e, "cudaEventCreateWithFlags"));
   }
-  done->event_ = event;
   if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) {
-    failed_ = CudaError(e, "cudaEventRecord");
-    return failed_;
+    cudaEventDestroy(event);
+    return fail(CudaError(e, "cudaEventRecord"));
   }
-  return done;
+  return static_cast<void*>(event);
 }
 
 void NcclPair::Abort() {
+  // A post in progress ends first (bounded by kSettleDeadline); later ones see failed_.
+  std::lock_guard<std::mutex> send_lock(send_.nccl_mu);
+  std::lock_guard<std::mutex> recv_lock(recv_.nccl_mu);
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_.ok()) failed_ = absl::UnavailableError("nccl: the channel was aborted");
   // Both at once, each on a thread that makes no CUDA call first: an abort raises its kernels'
@@ -304,7 +416,7 @@ void NcclPair::Abort() {
   // the first would wait for the second's kernel (a receive from a dead peer) forever
   // (decision 0018, "Aborts run at once").
   std::vector<std::thread> aborts;
-  for (void** c : {&send_comm_, &recv_comm_}) {
+  for (void** c : {&send_.comm, &recv_.comm}) {
     if (*c == nullptr) continue;
     aborts.emplace_back([comm = Comm(*c)] { ncclCommAbort(comm); });
     *c = nullptr;
