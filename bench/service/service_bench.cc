@@ -48,8 +48,6 @@ double Since(Clock::time_point t) {
 }
 
 // --- /metrics scraping -------------------------------------------------------------------
-using Scrape = std::map<std::string, double>;  // "name{labels}" -> value
-
 absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::string& path) {
   const size_t colon = host_port.rfind(':');
   if (colon == std::string::npos) {
@@ -100,8 +98,21 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
 absl::StatusOr<Scrape> ScrapeMetrics(const std::string& host_port) {
   auto text = HttpGet(host_port, "/metrics");
   if (!text.ok()) return text.status();
+  return ParseScrape(*text);
+}
+
+double Delta(const Scrape& before, const Scrape& after, const std::string& key) {
+  auto a = after.find(key);
+  if (a == after.end()) return 0;
+  auto b = before.find(key);
+  return a->second - (b == before.end() ? 0 : b->second);
+}
+
+}  // namespace
+
+Scrape ParseScrape(absl::string_view text) {
   Scrape out;
-  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
     if (line.empty() || line[0] == '#') continue;
     const size_t space = line.rfind(' ');
     if (space == absl::string_view::npos) continue;
@@ -112,31 +123,30 @@ absl::StatusOr<Scrape> ScrapeMetrics(const std::string& host_port) {
   return out;
 }
 
-double Delta(const Scrape& before, const Scrape& after, const std::string& key) {
-  auto a = after.find(key);
-  if (a == after.end()) return 0;
-  auto b = before.find(key);
-  return a->second - (b == before.end() ? 0 : b->second);
-}
-
-// Fills wire bytes and stage means from two scrapes around a timed phase.
 void FromMetrics(const Scrape& before, const Scrape& after, ModeResult* r) {
   for (const char* m : {"Forward", "Backward"}) {
+    // Tensors over NCCL do not travel in messages: only the message-carrying methods count.
     r->wire_bytes +=
         Delta(before, after, absl::StrCat("moe_received_bytes_total{method=\"", m, "\"}"));
     r->wire_bytes += Delta(before, after, absl::StrCat("moe_sent_bytes_total{method=\"", m, "\"}"));
     for (const char* s : {"receive", "queue", "compute", "send"}) {
-      // prometheus-cpp writes labels in the order they were declared; try both orders.
       double sum = 0, count = 0;
-      for (const std::string& labels : {absl::StrCat("{method=\"", m, "\",stage=\"", s, "\"}"),
-                                        absl::StrCat("{stage=\"", s, "\",method=\"", m, "\"}")}) {
-        sum += Delta(before, after, "moe_stage_duration_seconds_sum" + labels);
-        count += Delta(before, after, "moe_stage_duration_seconds_count" + labels);
+      // A call is one of the two (the transport picks), so their means combine by count.
+      for (const std::string& method : {std::string(m), absl::StrCat("Nccl", m)}) {
+        // prometheus-cpp writes labels in the order they were declared; try both orders.
+        for (const std::string& labels :
+             {absl::StrCat("{method=\"", method, "\",stage=\"", s, "\"}"),
+              absl::StrCat("{stage=\"", s, "\",method=\"", method, "\"}")}) {
+          sum += Delta(before, after, "moe_stage_duration_seconds_sum" + labels);
+          count += Delta(before, after, "moe_stage_duration_seconds_count" + labels);
+        }
       }
       if (count > 0) r->stage_mean[absl::StrCat(m, "/", s)] = sum / count;
     }
   }
 }
+
+namespace {
 
 void Finalize(ModeResult* r) {
   r->tokens_per_second = r->seconds > 0 ? static_cast<double>(r->tokens) / r->seconds : 0;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/client.h"
 #include "engine/layer.h"
 #include "server/options.h"
@@ -96,6 +97,15 @@ struct ModeResult {
   // Server stage means per micro-batch, seconds: "<method>/<stage>" -> mean (server metrics).
   std::map<std::string, double> stage_mean;
 };
+
+// The server's /metrics as scraped: "name{labels}" -> value.
+using Scrape = std::map<std::string, double>;
+// The Prometheus text exposition format's samples, comments left out.
+Scrape ParseScrape(absl::string_view text);
+// Adds to `r` what the server's metrics say of a timed phase between two scrapes: the wire
+// bytes of message-carrying Forward/Backward calls, and the mean of each stage per micro-batch,
+// their NCCL calls (NcclForward/NcclBackward) counted under the same method.
+void FromMetrics(const Scrape& before, const Scrape& after, ModeResult* r);
 
 struct CaseResult {
   BenchCase c;

@@ -1,10 +1,12 @@
 // Tests of moe-service-bench's measurement core (bench/service/service_bench.h): a tiny sweep
 // against a real server started on loopback gives positive throughput, latencies, wire bytes and
 // server stage times for both modes, also through a TLS server; a training step without the
-// optimizer step; bad options and cases fail naming the field; percentiles are nearest-rank.
+// optimizer step; the server's stage metrics of NCCL calls count under their method; bad options
+// and cases fail naming the field; percentiles are nearest-rank.
 #include "bench/service/service_bench.h"
 
 #include <gtest/gtest.h>
+#include <prometheus/text_serializer.h>
 
 #include <string>
 
@@ -163,6 +165,30 @@ TEST(ServiceBenchTest, ParseCases) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(r.status().message().find("cases"), std::string::npos) << bad;
   }
+}
+
+TEST(ServiceBenchTest, StageMeansCountNcclCallsUnderTheirMethod) {
+  // The server's own metrics, serialized as /metrics serves them.
+  server::Metrics metrics("cpu");
+  auto scrape = [&] {
+    return ParseScrape(prometheus::TextSerializer().Serialize(metrics.registry()->Collect()));
+  };
+  metrics.Stage("Forward", "compute", 1.0);  // before the phase: not counted
+  const Scrape before = scrape();
+  metrics.Stage("NcclForward", "compute", 0.004);
+  metrics.Stage("NcclForward", "compute", 0.006);
+  metrics.Stage("Forward", "compute", 0.008);
+  metrics.Stage("NcclBackward", "receive", 0.002);
+  metrics.BytesIn("NcclForward", 1000);  // control messages only: not tensor bytes
+  metrics.BytesIn("Forward", 300);
+  ModeResult r;
+  FromMetrics(before, scrape(), &r);
+  ASSERT_TRUE(r.stage_mean.count("Forward/compute"));
+  EXPECT_NEAR(r.stage_mean["Forward/compute"], (0.004 + 0.006 + 0.008) / 3, 1e-12);
+  EXPECT_NEAR(r.stage_mean["Backward/receive"], 0.002, 1e-12);
+  EXPECT_FALSE(r.stage_mean.count("Backward/compute"));
+  EXPECT_FALSE(r.stage_mean.count("Forward/send"));
+  EXPECT_DOUBLE_EQ(r.wire_bytes, 300);
 }
 
 TEST(ServiceBenchTest, PercentileIsNearestRank) {
