@@ -11,9 +11,9 @@
 // synchronisation with a receive waiting for its peer could otherwise stall unrelated work).
 //
 // Posting is asynchronous: Send and Receive queue the transfers for the direction's own poster
-// thread and return. A non-blocking communicator's post takes 150-190 us (median) of
-// NCCL's bookkeeping, which would otherwise sit on the caller's critical path (the client's call
-// before its request, the server's pump and executor); decision 0018, "Posting off the caller".
+// thread and return. A post on a non-blocking communicator spends long in NCCL's bookkeeping,
+// which would otherwise sit on the caller's critical path (the client's call before its request,
+// the server's pump and executor); decision 0018, "Posting off the caller", has the cost.
 // Posts of one direction keep the order they were queued in, which is all the peer's matching
 // needs. Thread-safe; Abort may come from any thread. No CUDA or NCCL type in this header.
 #ifndef MOE_ENGINE_CUDA_NCCL_PAIR_H_
